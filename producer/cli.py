@@ -1,0 +1,89 @@
+"""``walbridge`` command line: the imperative shell's entry point.
+
+Invariants:
+- The config is loaded and validated before any command touches a database or a
+  broker; a bad config exits with status 2 and a message naming each bad key.
+- Secrets are never printed (DSNs go through ``redact_dsn``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+
+from producer.config import ConfigError, load_config
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+               "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        logging.getLogger("walbridge").info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def cmd_producer(args) -> int:
+    from producer.pipeline import run_producer
+
+    config = load_config(args.config)
+    run_producer(config, _stop_on_signals())
+    return 0
+
+
+def cmd_check(args) -> int:
+    config = load_config(args.config)
+    print(f"config ok: {len(config.shapes)} shape(s): " + ", ".join(s.shape_name for s in config.shapes))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="walbridge", description="PostgreSQL → Kafka (Avro, by shape) → Spark CDC")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("producer", help="stream PostgreSQL changes into the shape topics")
+    p.add_argument("-c", "--config", required=True)
+    p.set_defaults(func=cmd_producer)
+    p = sub.add_parser("check-config", help="validate a config file and exit")
+    p.add_argument("-c", "--config", required=True)
+    p.set_defaults(func=cmd_check)
+    args = parser.parse_args(argv)
+    setup_logging(args.log_format, args.log_level.upper())
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"walbridge: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

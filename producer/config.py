@@ -1,0 +1,263 @@
+"""walbridge's one configuration file: a TOML document, validated before anything
+touches a database or a broker.
+
+Invariants:
+- ``load_config`` either returns a fully validated :class:`Config` or raises
+  :class:`ConfigError`; every problem it reports names the offending key as a
+  dotted path (``shapes[1].where``) and says what is wrong with it.
+- Shape filters are parsed (with sqlglot, via :mod:`producer.shape_filter`)
+  during validation, so an unsupported filter stops the process before a slot or
+  publication is created.
+- Secrets never appear in messages: DSNs are shown through :func:`redact_dsn`.
+- Unknown keys are errors (a misspelt key silently ignored is a setting lost).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from producer.shape_filter import FilterError, compile_filter
+
+_IDENT = r'(?:[A-Za-z_][A-Za-z0-9_$]*|"(?:[^"]|"")+")'
+_QUALIFIED_TABLE = re.compile(rf"^{_IDENT}\.{_IDENT}$|^{_IDENT}$")
+_TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; ``str()`` lists every problem, one per line."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        head = f"invalid config {source}" if source else "invalid config"
+        super().__init__(head + ":\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SourceConfig(_Section):
+    dsn: str
+    slot: str = "walbridge"
+    publication: str = "walbridge"
+    snapshot_workers: Annotated[int, Field(ge=1, le=64)] = 2
+    # What to do with a keyless table whose replica identity is DEFAULT: adding it
+    # to a publication that publishes UPDATE/DELETE would make PostgreSQL reject the
+    # application's own UPDATE/DELETE on it, so walbridge never does that silently.
+    keyless_tables: Literal["refuse", "inserts_only"] = "refuse"
+    reconnect_max_backoff: Annotated[float, Field(gt=0)] = 30.0
+
+    @field_validator("slot", "publication")
+    @classmethod
+    def _pg_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z0-9_]{1,63}", v):
+            raise ValueError("must be 1-63 characters of lower-case letters, digits and '_' "
+                             "(PostgreSQL slot naming rules)")
+        return v
+
+    @field_validator("dsn")
+    @classmethod
+    def _dsn(cls, v: str) -> str:
+        _check_dsn(v)
+        return v
+
+
+class KafkaConfig(_Section):
+    bootstrap_servers: str
+    topic_prefix: str = "wb"
+    partitions: Annotated[int, Field(ge=1, le=10000)] = 4
+    replication_factor: Annotated[int, Field(ge=1)] = 1
+    schema_registry_url: str | None = None
+    # Extra librdkafka settings (security.protocol, sasl.*, ...), passed through.
+    client: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+    @field_validator("topic_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not _TOPIC_CHARS.fullmatch(v):
+            raise ValueError("may contain only letters, digits, '.', '_' and '-'")
+        return v
+
+    @field_validator("schema_registry_url")
+    @classmethod
+    def _registry(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^(https?|mock)://", v):
+            raise ValueError("must start with http://, https:// or mock://")
+        return v
+
+
+class ShapeConfig(_Section):
+    table: str
+    name: str | None = None
+    where: str | None = None
+    columns: list[str] | None = None
+
+    @field_validator("table")
+    @classmethod
+    def _table(cls, v: str) -> str:
+        if not _QUALIFIED_TABLE.fullmatch(v):
+            raise ValueError(f"{v!r} is not a table name; write it as schema.table, e.g. public.orders")
+        return v if "." in v else f"public.{v}"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and not _TOPIC_CHARS.fullmatch(v):
+            raise ValueError(f"{v!r} may contain only letters, digits, '.', '_' and '-' (it names a topic)")
+        return v
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            if not v:
+                raise ValueError("must list at least one column (omit the key for all columns)")
+            dupes = sorted({c for c in v if v.count(c) > 1})
+            if dupes:
+                raise ValueError(f"lists {', '.join(dupes)} more than once")
+        return v
+
+    @field_validator("where")
+    @classmethod
+    def _where(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                compile_filter(v)
+            except FilterError as e:
+                raise ValueError(str(e)) from None
+        return v
+
+    @property
+    def schema_name(self) -> str:
+        return _split_table(self.table)[0]
+
+    @property
+    def table_name(self) -> str:
+        return _split_table(self.table)[1]
+
+    @property
+    def shape_name(self) -> str:
+        return self.name or f"{self.schema_name}.{self.table_name}"
+
+
+class ConsumerConfig(_Section):
+    group: str = "walbridge-spark"
+    target_dsn: str | None = None
+    checkpoint_dir: str = ".walbridge/checkpoints"
+    max_offsets_per_trigger: Annotated[int, Field(ge=1)] | None = None
+    trigger_interval: Annotated[float, Field(ge=0)] = 1.0
+
+    @field_validator("target_dsn")
+    @classmethod
+    def _dsn(cls, v: str | None) -> str | None:
+        if v is not None:
+            _check_dsn(v)
+        return v
+
+
+class AckConfig(_Section):
+    consumer_groups: list[str] | None = None
+    interval: Annotated[float, Field(gt=0)] = 1.0
+    stall_timeout: Annotated[float, Field(gt=0)] = 300.0
+    on_stall: Literal["hold", "drop"] = "hold"
+
+
+class MetricsConfig(_Section):
+    port: Annotated[int, Field(ge=0, le=65535)] | None = None
+
+
+class Config(_Section):
+    source: SourceConfig
+    kafka: KafkaConfig
+    shapes: list[ShapeConfig] = Field(min_length=1)
+    consumer: ConsumerConfig = ConsumerConfig()
+    ack: AckConfig = AckConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="after")
+    def _unique_shape_names(self) -> Config:
+        seen: dict[str, int] = {}
+        for i, shape in enumerate(self.shapes):
+            if shape.shape_name in seen:
+                raise ValueError(
+                    f"shapes[{i}].name: shape name {shape.shape_name!r} is already used by "
+                    f"shapes[{seen[shape.shape_name]}]; give one of them a distinct `name`")
+            seen[shape.shape_name] = i
+        return self
+
+    @property
+    def ack_groups(self) -> list[str]:
+        """Consumer groups whose commits release WAL; [] means broker acks suffice."""
+        return list(self.ack.consumer_groups) if self.ack.consumer_groups is not None else [self.consumer.group]
+
+    def topic(self, shape: ShapeConfig) -> str:
+        return f"{self.kafka.topic_prefix}.{shape.shape_name}"
+
+
+def _split_table(qualified: str) -> tuple[str, str]:
+    """``schema.table`` with PostgreSQL identifier rules (quotes keep case)."""
+    parts = re.findall(rf"{_IDENT}", qualified)
+    names = [p[1:-1].replace('""', '"') if p.startswith('"') else p.lower() for p in parts]
+    return (names[0], names[1]) if len(names) == 2 else ("public", names[0])
+
+
+def _check_dsn(dsn: str) -> None:
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        conninfo_to_dict(dsn)
+    except Exception as e:  # psycopg raises ProgrammingError with libpq's text
+        raise ValueError(f"is not a valid PostgreSQL connection string ({str(e).strip()})") from None
+
+
+def redact_dsn(dsn: str) -> str:
+    """The DSN with any password replaced by ``***`` (for logs and errors)."""
+    redacted = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", dsn)
+    return re.sub(r"(password\s*=\s*)(\S+)", r"\1***", redacted, flags=re.I)
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def parse_config(data: dict[str, Any], source: str | None = None) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = _loc(tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))))
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "missing":
+                msg = "is required"
+            elif err["type"] == "extra_forbidden":
+                msg = "is not a known setting"
+            if msg.startswith("shapes["):  # model-level message already names its key
+                problems.append(msg)
+            else:
+                problems.append(f"{loc or '(top level)'}: {msg}")
+        raise ConfigError(problems, source) from None
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError([f"cannot read config file: {e.strerror}"], str(path)) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError([f"not valid TOML: {e}"], str(path)) from None
+    return parse_config(data, str(path))

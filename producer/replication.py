@@ -1,0 +1,101 @@
+"""The replication connection: slot creation with an exported snapshot,
+START_REPLICATION, reading CopyBoth frames and sending standby status updates.
+A thin shell over psycopg 3's libpq connection; protocol parsing lives in
+:mod:`producer.pgoutput`.
+
+Invariants:
+- Sessions use ``DateStyle=ISO``, ``TimeZone=UTC``, ``IntervalStyle=postgres``
+  and ``extra_float_digits=3`` so the text forms pgoutput and COPY produce are the
+  ones the loaders expect, identical between snapshot and stream.
+- The flush LSN sent to PostgreSQL never decreases within a session.
+- An exported snapshot stays valid only while this connection runs nothing else;
+  :meth:`ReplicationConnection.start` is the next command after the snapshot is
+  no longer needed.
+"""
+
+from __future__ import annotations
+
+import select
+import time
+
+import psycopg
+from psycopg import pq
+
+from producer.pgoutput import lsn_to_int, lsn_to_str, standby_status
+
+SESSION_OPTIONS = "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3"
+
+
+def connect(dsn: str, **kwargs) -> psycopg.Connection:
+    return psycopg.connect(dsn, autocommit=True, options=SESSION_OPTIONS, **kwargs)
+
+
+def _now_pg_us() -> int:
+    return int(time.time() * 1_000_000) - 946_684_800_000_000
+
+
+class ReplicationError(RuntimeError):
+    pass
+
+
+class ReplicationConnection:
+    def __init__(self, dsn: str, slot: str):
+        self.dsn = dsn
+        self.slot = slot
+        self.conn = connect(dsn, replication="database")
+        self._pg = self.conn.pgconn
+        self.flushed = 0
+        self.written = 0
+
+    def create_slot(self) -> tuple[int, str]:
+        """Create the slot, exporting its snapshot; returns (consistent LSN, snapshot name)."""
+        row = self.conn.execute(
+            f'CREATE_REPLICATION_SLOT "{self.slot}" LOGICAL pgoutput (SNAPSHOT \'export\')').fetchone()
+        return lsn_to_int(row[1]), row[2]
+
+    def start(self, publications: list[str], start_lsn: int = 0) -> None:
+        names = ",".join(f'"{p}"' for p in publications)
+        cmd = (f'START_REPLICATION SLOT "{self.slot}" LOGICAL {lsn_to_str(start_lsn)} '
+               f"(proto_version '1', publication_names '{names}')")
+        self._pg.send_query(cmd.encode())
+        res = self._pg.get_result()
+        if res.status != pq.ExecStatus.COPY_BOTH:
+            msg = (res.error_message or b"").decode(errors="replace").strip()
+            raise ReplicationError(f"START_REPLICATION failed: {msg or pq.ExecStatus(res.status).name}")
+        self.flushed = max(self.flushed, start_lsn)
+        self.written = max(self.written, start_lsn)
+
+    def read(self, timeout: float) -> bytes | None:
+        """One CopyData frame, or None if none arrived within ``timeout``."""
+        n, data = self._pg.get_copy_data(1)
+        if n == 0:
+            ready, _, _ = select.select([self._pg.socket], [], [], timeout)
+            if not ready:
+                return None
+            self._pg.consume_input()
+            n, data = self._pg.get_copy_data(1)
+            if n == 0:
+                return None
+        if n > 0:
+            return bytes(data)
+        # -1: COPY ended (server closed the stream); -2: error.
+        res = self._pg.get_result()
+        msg = (res.error_message if res is not None else self._pg.error_message) or b""
+        raise ReplicationError(f"replication stream ended: {msg.decode(errors='replace').strip() or 'closed'}")
+
+    def send_status(self, flush_lsn: int | None = None, write_lsn: int | None = None, reply: bool = False) -> None:
+        if flush_lsn is not None and flush_lsn > self.flushed:
+            self.flushed = flush_lsn
+        if write_lsn is not None and write_lsn > self.written:
+            self.written = write_lsn
+        self.written = max(self.written, self.flushed)
+        frame = standby_status(self.written, self.flushed, self.flushed, _now_pg_us(), reply)
+        if self._pg.put_copy_data(frame) != 1:
+            raise ReplicationError("could not send standby status update")
+        self._pg.flush()
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except Exception:
+            pass

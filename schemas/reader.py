@@ -1,0 +1,98 @@
+"""Decoding walbridge messages with stock parts: finds each message's writer
+schema (Schema Registry by id, or the ``<prefix>._schemas`` topic by
+fingerprint) and reads the Avro body with fastavro.
+
+Invariants:
+- A writer schema is looked up once per id/fingerprint and cached; an unknown
+  fingerprint triggers one re-read of the schemas topic before it is an error.
+- Decoding never guesses: data in neither wire format, or with a schema that
+  cannot be found, raises ``ValueError`` naming the problem.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import uuid
+from typing import Any
+
+from fastavro import parse_schema, schemaless_reader
+
+from schemas import wire
+
+
+class SchemaResolver:
+    def __init__(self, kafka_conf: dict[str, Any] | None = None, topic_prefix: str | None = None,
+                 registry_url: str | None = None):
+        self._kafka_conf = kafka_conf
+        self._schemas_topic = topic_prefix + wire.SCHEMAS_TOPIC_SUFFIX if topic_prefix else None
+        self._registry_url = registry_url
+        self._by_id: dict[int, Any] = {}
+        self._by_fp: dict[bytes, Any] = {}
+        self._raw_by_fp: dict[bytes, dict] = {}
+        self._lock = threading.Lock()
+
+    def writer_schema(self, ref: wire.SchemaRef) -> Any:
+        if ref.kind == "confluent":
+            parsed = self._by_id.get(ref.ref)
+            if parsed is None:
+                parsed = self._by_id[ref.ref] = parse_schema(json.loads(self._registry_schema(ref.ref)))
+            return parsed
+        parsed = self._by_fp.get(ref.ref)
+        if parsed is None:
+            with self._lock:
+                if ref.ref not in self._by_fp:
+                    self._load_schemas_topic()
+                parsed = self._by_fp.get(ref.ref)
+            if parsed is None:
+                raise ValueError(f"unknown schema fingerprint {ref.ref.hex()} (not in {self._schemas_topic})")
+        return parsed
+
+    def raw_schema(self, data: bytes) -> dict:
+        """The writer schema (as JSON) of an encoded key or value."""
+        ref = wire.parse_prefix(data)
+        if ref.kind == "confluent":
+            return json.loads(self._registry_schema(ref.ref))
+        self.writer_schema(ref)
+        return self._raw_by_fp[ref.ref]
+
+    def _registry_schema(self, schema_id: int) -> str:
+        if not self._registry_url:
+            raise ValueError(f"message uses registry schema id {schema_id} but no schema registry is configured")
+        from producer.kafka_io import registry_client
+
+        return registry_client(self._registry_url).get_schema(schema_id).schema_str
+
+    def _load_schemas_topic(self) -> None:
+        if not self._schemas_topic or self._kafka_conf is None:
+            raise ValueError("single-object encoded message but no schemas topic is configured")
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
+        consumer = Consumer({**self._kafka_conf, "group.id": f"walbridge-schemas-{uuid.uuid4().hex}",
+                             "enable.auto.commit": False, "enable.partition.eof": True})
+        try:
+            consumer.assign([TopicPartition(self._schemas_topic, 0, OFFSET_BEGINNING)])
+            while True:
+                msg = consumer.poll(10)
+                if msg is None:
+                    raise TimeoutError(f"reading {self._schemas_topic} timed out")
+                if msg.error():
+                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                        break
+                    raise KafkaException(msg.error())
+                fp = bytes.fromhex(msg.key().decode())
+                if fp not in self._by_fp:
+                    raw = json.loads(msg.value())
+                    self._raw_by_fp[fp] = raw
+                    self._by_fp[fp] = parse_schema(raw)
+        finally:
+            consumer.close()
+
+    def decode(self, data: bytes | None) -> Any:
+        """Decode a key or value; None stays None (keyless keys, control events)."""
+        if data is None:
+            return None
+        ref = wire.parse_prefix(data)
+        schema = self.writer_schema(ref)
+        return schemaless_reader(io.BytesIO(data[ref.body_offset:]), schema, None)

@@ -1,0 +1,240 @@
+"""Shared pytest fixtures: real PostgreSQL and a real Kafka-protocol broker.
+
+Fixtures (use these in every test that needs servers):
+
+* ``pg_cluster`` (session) -- a :class:`producer.embedded.PostgresCluster`
+  (``wal_level=logical``); ``.dsn(db)``, ``.create_database``, ...
+* ``pg_base_dir`` (function) -- where a test may start a PostgresCluster of
+  its own (crash/restart tests). Not ``tmp_path``: as root that breaks when
+  another pytest session starts meanwhile (see ``_pg_scratch_dir``).
+* ``kafka_broker`` (session) -- a shared :class:`producer.embedded.TansuBroker`;
+  ``.bootstrap``. Do not ``restart()`` it: use ``private_kafka_broker``.
+* ``private_kafka_broker`` (function) -- a broker of the test's own, for faults
+  (``restart()`` = Kafka lost all data) without disturbing other tests.
+* ``source_db`` / ``target_db`` (function) -- a fresh database each,
+  :class:`TestDatabase` (a ``str`` equal to its DSN, with ``.name`` and
+  ``.dsn``); dropped afterwards together with its
+  replication slots.
+* ``topic_prefix`` (function) -- a unique prefix for topic and group names,
+  since the broker is shared by the whole session.
+
+Tests under ``tests/integration`` are marked ``integration`` automatically.
+
+With ``WALBRIDGE_USE_TESTCONTAINERS=1`` the session fixtures use Docker
+containers (testcontainers) instead; when no Docker engine answers (as on this
+project's machines) those fixtures skip, they never fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from producer.embedded import PostgresCluster, TansuBroker
+
+_INTEGRATION_DIR = Path(__file__).parent / "integration"
+
+
+class TestDatabase(str):
+    """A fresh database: the string itself is its DSN (so
+    ``psycopg.connect(source_db)`` works); ``.name`` and ``.dsn`` too."""
+
+    __test__ = False  # not a test class, despite the name
+    name: str
+
+    def __new__(cls, name: str, dsn: str) -> TestDatabase:
+        self = super().__new__(cls, dsn)
+        self.name = name
+        return self
+
+    @property
+    def dsn(self) -> str:
+        return str.__str__(self)
+
+
+def docker_available(timeout: float = 2.0) -> bool:
+    """True when a Docker engine answers ``GET /_ping`` (unix socket or tcp)."""
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    try:
+        if host.startswith("unix://"):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(timeout)
+            s.connect(host[len("unix://"):])
+        elif host.startswith("tcp://"):
+            addr, _, port = host[len("tcp://"):].rstrip("/").rpartition(":")
+            s = socket.create_connection((addr, int(port)), timeout=timeout)
+        else:
+            return False
+        with s:
+            s.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
+            return b" 200 " in s.recv(1024)
+    except (OSError, ValueError):
+        return False
+
+
+def _use_testcontainers() -> bool:
+    if os.environ.get("WALBRIDGE_USE_TESTCONTAINERS") != "1":
+        return False
+    if not docker_available():
+        pytest.skip("WALBRIDGE_USE_TESTCONTAINERS=1 but no Docker engine answers")
+    pytest.importorskip("testcontainers")
+    return True
+
+
+# -- markers ---------------------------------------------------------------
+def pytest_configure(config: pytest.Config) -> None:
+    if not any(m.startswith("integration:") for m in config.getini("markers")):
+        config.addinivalue_line(
+            "markers", "integration: needs real PostgreSQL and a Kafka broker"
+        )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _INTEGRATION_DIR in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.integration)
+
+
+# -- testcontainers adapters (only used with WALBRIDGE_USE_TESTCONTAINERS=1) --
+class _ContainerPostgres(PostgresCluster):
+    """PostgresCluster's database helpers over a testcontainers PostgreSQL."""
+
+    def __init__(self) -> None:
+        from testcontainers.postgres import PostgresContainer
+
+        self._container = PostgresContainer(
+            "postgres:15", username="postgres", password="postgres", dbname="postgres"
+        ).with_command("postgres -c wal_level=logical -c max_replication_slots=32 "
+                       "-c max_wal_senders=32 -c fsync=off -c max_connections=200")
+
+    def start(self) -> _ContainerPostgres:
+        self._container.start()
+        self._host = self._container.get_container_host_ip()
+        self._port = int(self._container.get_exposed_port(5432))
+        return self
+
+    def stop(self, mode: str = "fast") -> None:
+        self._container.stop()
+
+    def dsn(self, dbname: str = "postgres") -> str:
+        return f"postgresql://postgres:postgres@{self._host}:{self._port}/{dbname}"
+
+
+class _ContainerKafka:
+    def __init__(self) -> None:
+        from testcontainers.kafka import KafkaContainer
+
+        self._container = KafkaContainer()
+
+    def start(self) -> _ContainerKafka:
+        self._container.start()
+        self.bootstrap = self._container.get_bootstrap_server()
+        return self
+
+    def stop(self) -> None:
+        self._container.stop()
+
+    def restart(self) -> None:
+        pytest.skip("the 'Kafka lost its data' fault needs the embedded Tansu broker")
+
+
+# -- fixtures ----------------------------------------------------------------
+@contextlib.contextmanager
+def _pg_scratch_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """A base dir for a PostgresCluster, removed afterwards.
+
+    As root, PostgreSQL runs as ``postgres`` and must reach its data dir by
+    absolute path for its whole life (a checkpoint PANICs otherwise). pytest
+    resets ``/tmp/pytest-of-root`` to 0700 whenever another pytest session
+    starts, so tmp_path is no place for it: use a dir directly under the
+    system temp dir (sticky, world-searchable) instead. Non-root: tmp_path.
+    """
+    if os.geteuid() != 0:
+        yield tmp_path_factory.mktemp(name)
+        return
+    path = Path(tempfile.mkdtemp(prefix=f"walbridge-test-{name}-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresCluster]:
+    if _use_testcontainers():
+        cluster = _ContainerPostgres().start()
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+        return
+    with _pg_scratch_dir(tmp_path_factory, "pg") as base:
+        cluster = PostgresCluster(base)
+        cluster.start()
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+@pytest.fixture
+def pg_base_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A scratch base dir for a test's own PostgresCluster (see _pg_scratch_dir)."""
+    with _pg_scratch_dir(tmp_path_factory, "pgown") as path:
+        yield path
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TansuBroker]:
+    broker = _ContainerKafka() if _use_testcontainers() else TansuBroker(
+        tmp_path_factory.mktemp("kafka")
+    )
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def private_kafka_broker(tmp_path: Path) -> Iterator[TansuBroker]:
+    if os.environ.get("WALBRIDGE_USE_TESTCONTAINERS") == "1":
+        pytest.skip("private brokers are embedded Tansu only")
+    broker = TansuBroker(tmp_path / "kafka")
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def _fresh_db(cluster: PostgresCluster, prefix: str) -> Iterator[TestDatabase]:
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    dsn = cluster.create_database(name)
+    try:
+        yield TestDatabase(name, dsn)
+    finally:
+        cluster.drop_database(name)
+
+
+@pytest.fixture
+def source_db(pg_cluster: PostgresCluster) -> Iterator[TestDatabase]:
+    yield from _fresh_db(pg_cluster, "src")
+
+
+@pytest.fixture
+def target_db(pg_cluster: PostgresCluster) -> Iterator[TestDatabase]:
+    yield from _fresh_db(pg_cluster, "tgt")
+
+
+@pytest.fixture
+def topic_prefix() -> str:
+    return "t" + uuid.uuid4().hex[:10]

@@ -1,0 +1,196 @@
+"""Shared helpers for tests on real parts: run the producer, read topics back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from producer.config import Config, parse_config
+from producer.pipeline import run_producer
+from schemas import wire
+from schemas.reader import SchemaResolver
+
+
+def make_config(source_dsn: str, bootstrap: str, prefix: str, shapes: list[dict], **sections: dict) -> dict:
+    data: dict[str, Any] = {
+        "source": {"dsn": source_dsn, "slot": f"wb_{prefix}".lower()[:63], "publication": f"wb_{prefix}".lower()},
+        "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": prefix, "partitions": 3},
+        "shapes": shapes,
+        "ack": {"consumer_groups": []},
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return data
+
+
+def write_toml(data: dict, path: Path) -> Path:
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return str(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    lines = []
+    for section, body in data.items():
+        if section == "shapes":
+            continue
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {value(v)}" for k, v in body.items()]
+    for shape in data.get("shapes", []):
+        lines.append("[[shapes]]")
+        lines += [f"{k} = {value(v)}" for k, v in shape.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class ProducerThread:
+    """The producer in-process (for tests that need no crash)."""
+
+    def __init__(self, config: Config | dict):
+        self.config = config if isinstance(config, Config) else parse_config(config)
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            run_producer(self.config, self.stop)
+        except BaseException as e:  # surfaced by __exit__
+            self.error = e
+
+    def __enter__(self) -> ProducerThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "producer thread did not stop"
+        if self.error is not None and exc[0] is None:
+            raise self.error
+
+
+class ProducerProcess:
+    """``walbridge producer`` as a real process, for kill -9 tests."""
+
+    def __init__(self, config_path: Path, log_path: Path):
+        self.config_path = config_path
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ProducerProcess:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "producer.cli", "producer", "-c", str(self.config_path)],
+                                     stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
+        return self
+
+    def kill9(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+    def __enter__(self) -> ProducerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    position: tuple[int, int] | None
+    control: str | None
+    key: Any
+    value: Any
+    headers: dict
+
+
+def read_topic(bootstrap: str, topic: str, prefix: str, registry_url: str | None = None,
+               timeout: float = 30.0) -> list[Record]:
+    """Every message of a topic, decoded, in partition/offset order."""
+    conf = {"bootstrap.servers": bootstrap}
+    resolver = SchemaResolver(conf, prefix, registry_url)
+    consumer = Consumer({**conf, "group.id": f"test-read-{time.monotonic_ns()}", "enable.auto.commit": False,
+                         "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+    try:
+        meta = consumer.list_topics(topic, timeout=10).topics[topic]
+        parts = sorted(meta.partitions)
+        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+        done: set[int] = set()
+        out: list[Record] = []
+        deadline = time.monotonic() + timeout
+        while len(done) < len(parts):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {topic} timed out")
+            msg = consumer.poll(1.0)
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    done.add(msg.partition())
+                    continue
+                raise RuntimeError(msg.error())
+            headers = dict(msg.headers() or [])
+            pos = headers.get(wire.POSITION_HEADER)
+            control = headers.get(wire.CONTROL_HEADER)
+            out.append(Record(topic, msg.partition(), msg.offset(), wire.parse_position(pos) if pos else None,
+                              control.decode() if control else None, resolver.decode(msg.key()),
+                              resolver.decode(msg.value()), headers))
+        out.sort(key=lambda r: (r.partition, r.offset))
+        return out
+    finally:
+        consumer.close()
+
+
+def data_records(records: list[Record]) -> list[Record]:
+    return [r for r in records if r.control is None]
+
+
+def latest_rows(records: list[Record], key_fn: Callable[[Record], Any] | None = None) -> dict:
+    """Fold a topic into its current rows by key (highest position wins):
+    what a consumer applying it would hold."""
+    state: dict[Any, tuple] = {}
+    for r in data_records(records):
+        v = r.value
+        if v["op"] == "t":
+            state = {k: s for k, s in state.items() if s[0] > r.position}
+            continue
+        k = key_fn(r) if key_fn else tuple(sorted(r.key.items()))
+        if k in state and state[k][0] > r.position:
+            continue
+        state[k] = (r.position, v["after"] if v["op"] != "d" else None)
+    return {k: row for k, (_, row) in state.items() if row is not None}
