@@ -59,6 +59,20 @@ def cmd_producer(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    from producer.status import collect_status, render_status
+
+    config = load_config(args.config)
+    status = collect_status(config)
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+    else:
+        from rich.console import Console
+
+        Console().print(render_status(status))
+    return 0
+
+
 def cmd_check(args) -> int:
     config = load_config(args.config)
     print(f"config ok: {len(config.shapes)} shape(s): " + ", ".join(s.shape_name for s in config.shapes))
@@ -73,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("producer", help="stream PostgreSQL changes into the shape topics")
     p.add_argument("-c", "--config", required=True)
     p.set_defaults(func=cmd_producer)
+    p = sub.add_parser("status", help="slot, writers, consumer groups and producer state")
+    p.add_argument("-c", "--config", required=True)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
     p = sub.add_parser("check-config", help="validate a config file and exit")
     p.add_argument("-c", "--config", required=True)
     p.set_defaults(func=cmd_check)

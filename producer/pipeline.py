@@ -40,6 +40,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -52,7 +53,7 @@ from psycopg import sql
 from confluent_kafka import KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from producer import catalog, pgoutput
+from producer import catalog, metrics, pgoutput
 from producer.catalog import TableInfo
 from producer.config import Config, redact_dsn
 from producer.flush_tracker import FlushTracker, LogOffset, WriterAlignment
@@ -69,6 +70,7 @@ from schemas import wire
 log = logging.getLogger("walbridge.producer")
 
 STATUS_INTERVAL = 1.0  # seconds between unsolicited standby status updates
+_ANY_OFFSET = 2**63 - 1  # past every Kafka offset
 
 
 @dataclass
@@ -92,7 +94,7 @@ class Pipeline:
         self.admin = AdminClient(kafka_conf)
         self.kafka = Producer(producer_config(kafka_conf))
         self.schemas = SchemaPublisher(self.kafka, config.kafka.topic_prefix, config.kafka.schema_registry_url)
-        self.ack_groups = config.ack_groups
+        self.ack_groups = list(config.ack_groups)
         self.tracker = FlushTracker(self._confirm)
         self.ledger = DeliveryLedger(self._on_boundary)
         self.alignments: dict[Writer, WriterAlignment] = defaultdict(WriterAlignment)
@@ -112,6 +114,14 @@ class Pipeline:
         self._tx_writers: set[Writer] = set()
         self._tx_done_writers: set[Writer] = set()
         self._confirm_lsn = 0
+        self._group_seen: dict[str, dict[Writer, int]] = {}
+        self._group_progress: dict[str, float] = {}
+        self.stalled_writers: list[Writer] = []
+        self.stalled_groups: list[str] = []
+        self.snapshot_progress: dict[str, Any] = {}
+        self.status_topic = f"{config.kafka.topic_prefix}._status"
+        self._metric_events: dict[tuple[str, str], int] = {}
+        self._metric_tx = 0
         self._last_status = 0.0
         self._last_ack_poll = 0.0
         self.db_name = ""
@@ -143,8 +153,8 @@ class Pipeline:
                           row_filter))
         topics = [cfg.topic(s) for s in cfg.shapes]
         self.partitions = ensure_topics(self.admin, topics, cfg.kafka.partitions, cfg.kafka.replication_factor)
-        if self.schemas.schemas_topic:
-            ensure_topics(self.admin, [self.schemas.schemas_topic], 1, cfg.kafka.replication_factor)
+        internal = [self.status_topic] + ([self.schemas.schemas_topic] if self.schemas.schemas_topic else [])
+        ensure_topics(self.admin, internal, 1, cfg.kafka.replication_factor)
 
     def writers(self) -> list[Writer]:
         return [(t, p) for t, n in self.partitions.items() for p in range(n)]
@@ -160,6 +170,7 @@ class Pipeline:
     # ------------------------------------------------------------------- run
     def run(self) -> None:
         cfg = self.config
+        metrics.serve(cfg.metrics.port)
         self.prepare()
         self.repl = ReplicationConnection(cfg.source.dsn, cfg.source.slot)
         slot = catalog.slot_state(self.catalog_conn, cfg.source.slot)
@@ -220,6 +231,7 @@ class Pipeline:
                 self._poll_group_offsets()
             if now - self._last_status >= STATUS_INTERVAL:
                 self._send_status()
+                self._publish_status()
 
     # --------------------------------------------------------------- changes
     def _handle(self, msg: pgoutput.Message) -> None:
@@ -366,36 +378,82 @@ class Pipeline:
         self._confirm_lsn = max(self._confirm_lsn, lsn)
         self.stats.confirmed_lsn = self._confirm_lsn
 
-    def committed_offsets(self, writers: list[Writer]) -> dict[Writer, int]:
-        """Minimum over the ack groups of each writer's committed offset (next
-        offset to read); writers without a commit map to 0."""
+    def group_offsets(self, writers: list[Writer]) -> dict[str, dict[Writer, int]]:
+        """Each ack group's committed offset (next offset to read) per writer;
+        0 where the group has committed nothing."""
         from confluent_kafka import ConsumerGroupTopicPartitions
 
-        result: dict[Writer, int] = {}
+        result: dict[str, dict[Writer, int]] = {}
         for group in self.ack_groups:
             req = [ConsumerGroupTopicPartitions(group, [TopicPartition(t, p) for t, p in writers])]
             fut = self.admin.list_consumer_group_offsets(req, request_timeout=10)[group]
-            for tp in fut.result().topic_partitions:
-                w = (tp.topic, tp.partition)
-                committed = tp.offset if tp.offset >= 0 else 0
-                result[w] = min(result.get(w, committed), committed)
+            result[group] = {(tp.topic, tp.partition): max(tp.offset, 0) for tp in fut.result().topic_partitions}
         return result
+
+    def committed_offsets(self, writers: list[Writer]) -> dict[Writer, int]:
+        """Minimum over the ack groups of each writer's committed offset."""
+        per_group = self.group_offsets(writers)
+        return {w: min(offsets.get(w, 0) for offsets in per_group.values()) for w in writers} if per_group else {}
 
     def _poll_group_offsets(self) -> None:
         pending = list(self.tracker.pending())
         if not pending:
             return
         try:
-            committed = self.committed_offsets(pending)
+            per_group = self.group_offsets(pending)
         except KafkaException as e:
             log.warning("reading committed offsets failed (will retry): %s", e)
             return
+        now = time.monotonic()
+        for group, offsets in per_group.items():
+            if offsets != self._group_seen.get(group):
+                self._group_seen[group] = offsets
+                self._group_progress[group] = now
         for writer in pending:
-            c = committed.get(writer, 0)
+            c = min(offsets.get(writer, 0) for offsets in per_group.values())
             if c > 0:
                 flushed = self.alignments[writer].aligned(c - 1)
                 if flushed is not None:
-                    self.tracker.handle_flush_notification(writer, flushed)
+                    self.tracker.handle_flush_notification(writer, flushed, now)
+        self._check_stalls(now, per_group)
+
+    def _check_stalls(self, now: float, per_group: dict[str, dict[Writer, int]]) -> None:
+        """A group is stalled when writers wait on it and it has committed
+        nothing new for ``[ack] stall_timeout``. Default: keep holding WAL and
+        say so; ``on_stall = "drop"``: stop waiting for that group."""
+        timeout = self.config.ack.stall_timeout
+        stalled_writers = self.tracker.stalled_writers(now, timeout)
+        self.stalled_writers = stalled_writers
+        if not stalled_writers:
+            self.stalled_groups = []
+            return
+        lowest = {w: min(o.get(w, 0) for o in per_group.values()) for w in stalled_writers}
+        stalled = [g for g, offsets in per_group.items()
+                   if now - self._group_progress.get(g, now) >= timeout
+                   and any(offsets.get(w, 0) <= lowest[w] for w in stalled_writers)]
+        for group in stalled:
+            if group not in self.stalled_groups:
+                log.warning("consumer group %s is stalled: no commit progress for %.0fs on %d writer(s) "
+                            "(e.g. %s[%d]); WAL is held for it", group, timeout, len(stalled_writers),
+                            *stalled_writers[0])
+        self.stalled_groups = stalled
+        if self.config.ack.on_stall == "drop" and stalled:
+            for group in stalled:
+                log.error("[ack] on_stall = \"drop\": no longer waiting for consumer group %s; changes it has "
+                          "not committed may be released from WAL", group)
+                self.ack_groups.remove(group)
+                self._group_progress.pop(group, None)
+            self.stalled_groups = []
+            if self.ack_groups:
+                for w in stalled_writers:
+                    self.tracker.touch(w, now)
+            else:
+                # No group left to wait for: what the broker holds is flushed. Every
+                # recorded boundary is in Kafka (delivered, or found there on restart).
+                for writer in list(self.tracker.pending()):
+                    flushed = self.alignments[writer].aligned(_ANY_OFFSET)
+                    if flushed is not None:
+                        self.tracker.handle_flush_notification(writer, flushed, now)
 
     def _rebuild_ack_state(self) -> None:
         """After a restart: index, per writer, the offsets of transactions that
@@ -437,6 +495,10 @@ class Pipeline:
                 pgoutput.Column(c.name, c.type_oid, c.typmod, c.name in table.primary_key) for c in table.columns))
             plans[qualified] = plan = self._plan_relation(rel)
             work.append((table, tuple(plan.names), relpages(self.catalog_conn, table)))
+        total = sum(self.catalog_conn.execute("SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = %s",
+                                              (t.oid,)).fetchone()[0] for t in self.tables.values())
+        self.snapshot_progress = {"id": snapshot_id, "rows": 0, "total_estimate": total, "started": time.time(),
+                                  "done": False}
         snap_header = ("wb.snapshot", snapshot_id.encode())
         pos_header = (wire.POSITION_HEADER, wire.position_header(lsn, 0))
         started = time.monotonic()
@@ -458,7 +520,11 @@ class Pipeline:
                     self._send((route.topic, partition), key, value, [pos_header, snap_header])
                     self.stats.events[(route.name, "r")] += 1
                 self.stats.snapshot_rows += 1
+            self.snapshot_progress["rows"] = self.stats.snapshot_rows
             self.kafka.poll(0)
+            if time.monotonic() - self._last_status >= STATUS_INTERVAL:
+                self._last_status = time.monotonic()
+                self._publish_status()
             if self.ledger.error is not None:
                 raise KafkaException(self.ledger.error)
 
@@ -470,7 +536,55 @@ class Pipeline:
             self._send(writer, None, None, [pos_header, snap_header, (wire.CONTROL_HEADER, b"snapshot_end"),
                                             (wire.CONTROL_INFO_HEADER, info)])
         self._flush_all()
+        self.snapshot_progress.update(rows=rows, done=True, finished=time.time())
         log.info("snapshot %s done: %d rows in %.1fs", snapshot_id, rows, time.monotonic() - started)
+
+    # ---------------------------------------------------------------- status
+    def status_view(self) -> dict:
+        """The producer's own view, for ``walbridge status``, ``up`` and metrics."""
+
+        def name(w: Writer) -> str:
+            return f"{w[0]}[{w[1]}]"
+
+        events: dict[str, dict[str, int]] = defaultdict(dict)
+        for (shape, op), n in self.stats.events.items():
+            events[shape][op] = n
+        return {
+            "ts": time.time(),
+            "slot": self.config.source.slot,
+            "confirmed_lsn": pgoutput.lsn_to_str(self._confirm_lsn) if self._confirm_lsn else None,
+            "last_seen": list(self.tracker.last_seen),
+            "pending": {name(w): {"last_sent": list(s), "last_flushed": list(f)}
+                        for w, (s, f) in self.tracker.pending().items()},
+            "produced": {name(w): o + 1 for w, o in self.ledger.last_offset.items()},
+            "ack_groups": list(self.ack_groups),
+            "stalled_writers": [name(w) for w in self.stalled_writers],
+            "stalled_groups": list(self.stalled_groups),
+            "events": dict(events),
+            "transactions": self.stats.transactions,
+            "skipped_replayed": self.stats.skipped_replayed,
+            "snapshot": dict(self.snapshot_progress),
+        }
+
+    def _publish_status(self) -> None:
+        view = self.status_view()
+        self._sync_metrics(view)
+        try:
+            self.kafka.produce(self.status_topic, json.dumps(view).encode(), b"producer")
+        except BufferError:
+            pass  # status is best effort; data is not
+
+    def _sync_metrics(self, view: dict) -> None:
+        for key, n in self.stats.events.items():
+            delta = n - self._metric_events.get(key, 0)
+            if delta:
+                metrics.EVENTS.labels(*key).inc(delta)
+                self._metric_events[key] = n
+        metrics.TRANSACTIONS.inc(self.stats.transactions - self._metric_tx)
+        self._metric_tx = self.stats.transactions
+        metrics.CONFIRMED_LSN.set(self._confirm_lsn)
+        metrics.STALLED_WRITERS.set(len(self.stalled_writers))
+        metrics.STALLED_GROUPS.set(len(self.stalled_groups))
 
     def _flush_all(self) -> None:
         while self.kafka.flush(1.0):

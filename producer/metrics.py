@@ -1,0 +1,33 @@
+"""Prometheus metrics of the producer (``[metrics] port``).
+
+Invariants:
+- Metrics are process-global (prometheus-client's default registry) and only
+  ever describe this process; several pipelines in one process (tests) share them.
+- Names carry the ``walbridge_`` prefix and units in their names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, start_http_server
+
+EVENTS = Counter("walbridge_events", "Change events produced, by shape and op", ["shape", "op"])
+TRANSACTIONS = Counter("walbridge_transactions", "Source transactions streamed")
+SNAPSHOT_ROWS = Counter("walbridge_snapshot_rows", "Rows read by snapshots")
+CONFIRMED_LSN = Gauge("walbridge_confirmed_lsn", "LSN last confirmed to PostgreSQL (flush)")
+RETAINED_WAL = Gauge("walbridge_slot_retained_wal_bytes", "WAL retained by the slot, bytes")
+WRITER_LAG = Gauge("walbridge_writer_lag_messages", "Produced minus committed messages per writer",
+                   ["topic", "partition"])
+STALLED_WRITERS = Gauge("walbridge_stalled_writers", "Writers with no flush progress for [ack] stall_timeout")
+STALLED_GROUPS = Gauge("walbridge_stalled_groups", "Consumer groups holding WAL with no commit progress")
+PRODUCE_LATENCY = Gauge("walbridge_produce_latency_seconds",
+                        "Source commit time to Kafka acknowledgement, last transaction")
+
+_started_port: int | None = None
+
+
+def serve(port: int | None) -> None:
+    """Expose /metrics on ``port`` (once per process; 0 or None: off)."""
+    global _started_port
+    if port and _started_port is None:
+        start_http_server(port, addr="0.0.0.0")
+        _started_port = port

@@ -1,0 +1,211 @@
+"""The loop: consumer-group commits → FlushTracker → confirmed_flush_lsn.
+
+A plain confluent-kafka consumer committing offsets stands in for the Spark
+consumer here."""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from producer.pgoutput import lsn_to_int
+from schemas import wire
+from tests.helpers import ProducerProcess, ProducerThread, make_config, wait_for, write_toml
+
+
+def slot_lsns(dsn: str, slot: str) -> tuple[int, int]:
+    """(confirmed_flush_lsn, retained WAL bytes) of the slot."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT confirmed_flush_lsn::text, pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)"
+                           " FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+    return lsn_to_int(row[0]), int(row[1])
+
+
+def current_lsn(conn) -> int:
+    return lsn_to_int(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+
+
+class GroupStandIn:
+    """Consumes a topic in a consumer group and commits what it has read."""
+
+    def __init__(self, bootstrap: str, group: str, topic: str, partitions: int = 3):
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
+                                  "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+        self.topic = topic
+        self.partitions = partitions
+        self.consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+        self.next: dict[int, int] = {}
+        self.positions: dict[int, list[tuple[int, tuple[int, int]]]] = {p: [] for p in range(partitions)}
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Read everything currently in the topic (without committing)."""
+        eof: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while len(eof) < self.partitions and time.monotonic() < deadline:
+            msg = self.consumer.poll(0.5)
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    eof.add(msg.partition())
+                continue
+            eof.discard(msg.partition())
+            self.next[msg.partition()] = msg.offset() + 1
+            pos = wire.header(msg.headers(), wire.POSITION_HEADER)
+            self.positions[msg.partition()].append((msg.offset(), wire.parse_position(pos)))
+
+    def commit(self, upto: dict[int, int] | None = None) -> None:
+        offsets = upto if upto is not None else self.next
+        self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in offsets.items()],
+                             asynchronous=False)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def _setup(source_db):
+    with psycopg.connect(source_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE watched (id int PRIMARY KEY, v int)")
+        conn.execute("CREATE TABLE unrelated (id serial PRIMARY KEY, pad text)")
+        conn.execute("INSERT INTO watched SELECT g, 0 FROM generate_series(1, 10) g")
+
+
+def _config(source_db, bootstrap, prefix, groups):
+    return make_config(source_db, bootstrap, prefix, [{"table": "public.watched"}],
+                       ack={"consumer_groups": groups, "interval": 0.2})
+
+
+def test_group_not_committing_holds_the_slot_then_commits_release_it(source_db, kafka_broker, topic_prefix):
+    _setup(source_db)
+    group = f"{topic_prefix}-apply"
+    cfg = _config(source_db, kafka_broker.bootstrap, topic_prefix, [group])
+    slot = cfg["source"]["slot"]
+    topic = f"{topic_prefix}.public.watched"
+    stand_in = GroupStandIn(kafka_broker.bootstrap, group, topic)
+    with ProducerThread(cfg), psycopg.connect(source_db, autocommit=True) as conn:
+        wait_for(lambda: conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active",
+                                      (slot,)).fetchone(), what="slot active")
+        before_change = current_lsn(conn)
+        conn.execute("UPDATE watched SET v = 1 WHERE id = 1")  # the first unapplied change
+        stand_in.drain()
+        first_unapplied = min(pos[0] for ps in stand_in.positions.values() for _, pos in ps if pos[0] > before_change)
+        # (1) however much unrelated traffic flows and however long we wait, the
+        # slot never passes the first unapplied change.
+        for i in range(40):
+            conn.execute("INSERT INTO unrelated (pad) SELECT repeat('u', 100) FROM generate_series(1, 200)")
+            time.sleep(0.05)
+            confirmed, _ = slot_lsns(source_db, slot)
+            assert confirmed < first_unapplied, f"slot confirmed {confirmed} past unapplied {first_unapplied}"
+        time.sleep(2.0)
+        assert slot_lsns(source_db, slot)[0] < first_unapplied
+        # (2) once the group commits, it advances to (at least) the last commit.
+        conn.execute("UPDATE watched SET v = 2 WHERE id = 2")
+        last_commit = current_lsn(conn)
+        wait_for(lambda: (stand_in.drain(5) or True) and any(
+            pos[0] >= last_commit - 200 for ps in stand_in.positions.values() for _, pos in ps), what="v=2 read")
+        stand_in.commit()
+        wait_for(lambda: slot_lsns(source_db, slot)[0] >= last_commit, timeout=30,
+                 what="confirmed_flush_lsn reaching the last commit")
+    stand_in.close()
+
+
+def test_unrelated_traffic_only_keeps_the_slot_advancing(source_db, kafka_broker, topic_prefix):
+    _setup(source_db)
+    group = f"{topic_prefix}-apply"
+    cfg = _config(source_db, kafka_broker.bootstrap, topic_prefix, [group])
+    slot = cfg["source"]["slot"]
+    with ProducerThread(cfg), psycopg.connect(source_db, autocommit=True) as conn:
+        wait_for(lambda: conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active",
+                                      (slot,)).fetchone(), what="slot active")
+        retained = []
+        for round_ in range(6):
+            for _ in range(10):
+                conn.execute("INSERT INTO unrelated (pad) SELECT repeat('u', 500) FROM generate_series(1, 500)")
+            mark = current_lsn(conn)
+            conn.execute("CHECKPOINT")  # lets PostgreSQL recycle WAL the slot no longer needs
+            wait_for(lambda: slot_lsns(source_db, slot)[0] >= mark, timeout=30, what="slot following unrelated WAL")
+            retained.append(slot_lsns(source_db, slot)[1])
+        total_written = current_lsn(conn)
+    # Bounded: retained WAL does not grow with the traffic (~2.5 MB per round).
+    assert max(retained[2:]) < 8 * 1024 * 1024, retained
+
+
+def test_kill9_with_uncommitted_messages_confirms_nothing_uncommitted(source_db, kafka_broker, topic_prefix,
+                                                                      tmp_path):
+    _setup(source_db)
+    group = f"{topic_prefix}-apply"
+    cfg = _config(source_db, kafka_broker.bootstrap, topic_prefix, [group])
+    slot = cfg["source"]["slot"]
+    topic = f"{topic_prefix}.public.watched"
+    path = write_toml(cfg, tmp_path / "wb.toml")
+    stand_in = GroupStandIn(kafka_broker.bootstrap, group, topic)
+    proc = ProducerProcess(path, tmp_path / "producer.log").start()
+    try:
+        with psycopg.connect(source_db, autocommit=True) as conn:
+            wait_for(lambda: conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active",
+                                          (slot,)).fetchone(), timeout=60, what="slot active")
+            for i in range(30):
+                conn.execute("UPDATE watched SET v = v + 1 WHERE id = %s", (1 + i % 10,))
+            wait_for(lambda: (stand_in.drain(5) or True) and sum(len(p) for p in stand_in.positions.values()) >= 40,
+                     what="30 updates read")
+            # The group commits only the first half of each partition.
+            upto = {p: msgs[len(msgs) // 2][0] for p, msgs in stand_in.positions.items() if msgs}
+            first_uncommitted = min(dict(msgs)[upto[p]][0] for p, msgs in stand_in.positions.items() if msgs)
+            stand_in.commit(upto)
+            for i in range(30):  # more uncommitted changes in flight
+                conn.execute("UPDATE watched SET v = v + 1 WHERE id = %s", (1 + i % 10,))
+            time.sleep(1.0)
+            proc.kill9()
+            assert slot_lsns(source_db, slot)[0] < first_uncommitted
+            proc = ProducerProcess(path, tmp_path / "producer.log").start()
+            wait_for(lambda: conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active",
+                                          (slot,)).fetchone(), timeout=60, what="slot active again")
+            for i in range(10):
+                conn.execute("INSERT INTO unrelated (pad) VALUES ('x')")
+                time.sleep(0.3)
+                assert slot_lsns(source_db, slot)[0] < first_uncommitted
+            # Committing the rest releases it all.
+            stand_in.drain(5)
+            stand_in.commit()
+            last = current_lsn(conn)
+            wait_for(lambda: slot_lsns(source_db, slot)[0] >= last, timeout=30, what="slot released after commit")
+    finally:
+        proc.stop()
+        stand_in.close()
+
+
+def test_stalled_group_is_reported_and_held_then_dropped_on_request(source_db, kafka_broker, topic_prefix, caplog):
+    import json as _json
+
+    from producer.config import parse_config
+    from producer.status import collect_status
+
+    _setup(source_db)
+    group = f"{topic_prefix}-stuck"
+    cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix, [{"table": "public.watched"}],
+                      ack={"consumer_groups": [group], "interval": 0.2, "stall_timeout": 1.5})
+    slot = cfg["source"]["slot"]
+    with ProducerThread(cfg), psycopg.connect(source_db, autocommit=True) as conn:
+        wait_for(lambda: conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active",
+                                      (slot,)).fetchone(), what="slot active")
+        before = current_lsn(conn)
+        conn.execute("UPDATE watched SET v = 1 WHERE id = 1")
+        wait_for(lambda: "consumer group " + group + " is stalled" in caplog.text, timeout=20, what="stall log line")
+        status = wait_for(lambda: (lambda s: s if s["producer"] and s["producer"]["stalled_groups"] else None)(
+            collect_status(parse_config(cfg))), timeout=10, what="stall in status")
+        assert status["producer"]["stalled_groups"] == [group]
+        assert any(w["stalled"] for w in status["writers"])
+        assert _json.dumps(status, default=str)  # --json renders
+        conn.execute("INSERT INTO unrelated (pad) VALUES ('x')")
+        time.sleep(1.0)
+        assert slot_lsns(source_db, slot)[0] <= before  # default policy: hold WAL
+    # on_stall = "drop": stop waiting for the group, loudly, and release WAL.
+    cfg["ack"]["on_stall"] = "drop"
+    with ProducerThread(cfg), psycopg.connect(source_db, autocommit=True) as conn:
+        conn.execute("UPDATE watched SET v = 2 WHERE id = 2")
+        wait_for(lambda: "no longer waiting for consumer group " + group in caplog.text, timeout=20,
+                 what="drop log line")
+        last = current_lsn(conn)
+        wait_for(lambda: slot_lsns(source_db, slot)[0] >= last, timeout=20, what="WAL released after drop")
