@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -99,81 +100,96 @@ class Tail:
     snapshot_id: str | None  # set on snapshot reads
 
 
+def _consumer(conf: dict[str, Any], purpose: str) -> Consumer:
+    return Consumer({**conf, "group.id": f"walbridge-{purpose}-{uuid.uuid4().hex}", "enable.auto.commit": False,
+                     "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+
+
+def _scan(consumer: Consumer, ranges: dict[Writer, tuple[int, int | None]], timeout: float):
+    """Yield the messages of several partitions at once, each from its start to
+    its stop (exclusive) or to end-of-partition (stop None). Order is per
+    partition only."""
+    if not ranges:
+        return
+    consumer.assign([TopicPartition(t, p, start if start > 0 else OFFSET_BEGINNING)
+                     for (t, p), (start, _) in ranges.items()])
+    open_ = set(ranges)
+    deadline = time.monotonic() + timeout
+    try:
+        while open_:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {len(open_)} partition(s) timed out, e.g. {next(iter(open_))}")
+            msg = consumer.poll(0.2)
+            if msg is None:
+                continue
+            writer = (msg.topic(), msg.partition())
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    open_.discard(writer)
+                    continue
+                raise KafkaException(msg.error())
+            if writer not in open_:
+                continue
+            stop = ranges[writer][1]
+            if stop is not None and msg.offset() >= stop:
+                open_.discard(writer)
+                continue
+            yield msg
+    finally:
+        consumer.unassign()
+
+
+def _tail_of(msg: Any) -> Tail | None:
+    headers = msg.headers()
+    pos = wire.header(headers, wire.POSITION_HEADER)
+    if pos is None:
+        return None  # not ours (a foreign producer's message)
+    control = wire.header(headers, wire.CONTROL_HEADER)
+    snap = wire.header(headers, "wb.snapshot")
+    return Tail(msg.offset(), wire.parse_position(pos), control.decode() if control else None,
+                snap.decode() if snap else None)
+
+
 def read_tails(conf: dict[str, Any], writers: Iterable[Writer], timeout: float = 30.0) -> dict[Writer, Tail | None]:
     """The last walbridge message of each partition (None for partitions holding
-    none). Messages without a position header (foreign producers) are skipped."""
+    none). Reads all partitions together, from a little before the reported end
+    (which may be too low) to end-of-partition, widening the window backwards
+    where only foreign messages were found."""
     writers = list(writers)
-    consumer = Consumer({**conf, "group.id": f"walbridge-tail-{uuid.uuid4().hex}", "enable.auto.commit": False,
-                         "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+    consumer = _consumer(conf, "tail")
     try:
-        tails: dict[Writer, Tail | None] = {}
-        for writer in writers:
-            tails[writer] = _read_tail(consumer, writer, timeout)
+        bounds = {}
+        for w in writers:
+            low, reported_end = consumer.get_watermark_offsets(TopicPartition(*w), timeout=timeout)
+            bounds[w] = (low, max(reported_end, low + 1))
+        tails: dict[Writer, Tail | None] = {w: None for w in writers}
+        window = 1
+        todo = {w: (max(low, end - window), None) for w, (low, end) in bounds.items()}
+        while todo:
+            for msg in _scan(consumer, todo, timeout):
+                tail = _tail_of(msg)
+                if tail is not None:
+                    tails[(msg.topic(), msg.partition())] = tail
+            window *= 8
+            todo = {w: (max(bounds[w][0], bounds[w][1] - window), start)
+                    for w, (start, _) in todo.items() if tails[w] is None and start > bounds[w][0]}
         return tails
     finally:
         consumer.close()
-
-
-def _read_tail(consumer: Consumer, writer: Writer, timeout: float) -> Tail | None:
-    topic, partition = writer
-    low, reported_end = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=timeout)
-    if reported_end <= low:
-        reported_end = low + 1  # an empty partition, or a broker that under-reports: still look
-    window = 1
-    stop = None  # exclusive upper bound already scanned; None = to end of partition
-    while True:
-        start = max(low, reported_end - window)
-        found = None
-        for msg in _scan(consumer, topic, partition, start, stop, timeout):
-            pos = wire.header(msg.headers(), wire.POSITION_HEADER)
-            if pos is not None:
-                control = wire.header(msg.headers(), wire.CONTROL_HEADER)
-                snap = wire.header(msg.headers(), "wb.snapshot")
-                found = Tail(msg.offset(), wire.parse_position(pos),
-                             control.decode() if control else None, snap.decode() if snap else None)
-        if found is not None or start <= low:
-            return found
-        stop = start
-        window *= 4
-
-
-def _scan(consumer: Consumer, topic: str, partition: int, start: int, stop: int | None, timeout: float):
-    consumer.assign([TopicPartition(topic, partition, start if start > 0 else OFFSET_BEGINNING)])
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is None:
-                continue
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    return
-                raise KafkaException(msg.error())
-            if stop is not None and msg.offset() >= stop:
-                return
-            yield msg
-        raise TimeoutError(f"reading the tail of {topic}[{partition}] timed out")
-    finally:
-        consumer.unassign()
 
 
 def read_positions(conf: dict[str, Any], start_offsets: dict[Writer, int],
                    timeout: float = 60.0) -> dict[Writer, dict[int, int]]:
     """For each writer, read from ``start_offsets[writer]`` to the end and map
     each transaction (commit LSN) to the offset of its last message there."""
-    consumer = Consumer({**conf, "group.id": f"walbridge-replay-{uuid.uuid4().hex}", "enable.auto.commit": False,
-                         "enable.partition.eof": True})
-    result: dict[Writer, dict[int, int]] = {}
+    consumer = _consumer(conf, "replay")
+    result: dict[Writer, dict[int, int]] = defaultdict(dict)
     try:
-        for (topic, partition), start in start_offsets.items():
-            last: dict[int, int] = {}
-            for msg in _scan(consumer, topic, partition, start, None, timeout):
-                pos = wire.header(msg.headers(), wire.POSITION_HEADER)
-                if pos is not None:
-                    last[wire.parse_position(pos)[0]] = msg.offset()
-            if last:
-                result[(topic, partition)] = last
-        return result
+        for msg in _scan(consumer, {w: (o, None) for w, o in start_offsets.items()}, timeout):
+            pos = wire.header(msg.headers(), wire.POSITION_HEADER)
+            if pos is not None:
+                result[(msg.topic(), msg.partition())][wire.parse_position(pos)[0]] = msg.offset()
+        return dict(result)
     finally:
         consumer.close()
 

@@ -113,6 +113,8 @@ class Pipeline:
         self._op = 0
         self._tx_writers: set[Writer] = set()
         self._tx_done_writers: set[Writer] = set()
+        self._tx_sources: dict[str, Any] = {}
+        self._tx_seen_ms = 0
         self._confirm_lsn = 0
         self._group_seen: dict[str, dict[Writer, int]] = {}
         self._group_progress: dict[str, float] = {}
@@ -214,14 +216,19 @@ class Pipeline:
     def _loop(self) -> None:
         repl = self.repl
         decode, decode_frame = pgoutput.decode, pgoutput.decode_frame
+        handle, keepalive = self._handle, self._on_keepalive
         while not self._stop.is_set():
-            frame = repl.read(0.05)
-            if frame is not None:
+            # A burst of frames between housekeeping rounds: delivery reports,
+            # acks and status are served every 256 frames or when the stream idles.
+            for _ in range(256):
+                frame = repl.read(0.05)
+                if frame is None:
+                    break
                 msg = decode_frame(frame)
                 if isinstance(msg, Keepalive):
-                    self._on_keepalive(msg)
+                    keepalive(msg)
                 else:
-                    self._handle(decode(msg.payload))
+                    handle(decode(msg.payload))
             self.kafka.poll(0)
             if self.ledger.error is not None:
                 raise KafkaException(self.ledger.error)
@@ -246,6 +253,8 @@ class Pipeline:
             self._op = 0
             self._tx_writers = set()
             self._tx_done_writers = set()
+            self._tx_sources = {}
+            self._tx_seen_ms = int(time.time() * 1000)  # envelope ts_ms: when walbridge read the transaction
         elif isinstance(msg, Commit):
             self._commit(msg)
         elif isinstance(msg, Relation):
@@ -303,10 +312,11 @@ class Pipeline:
         writer = (route.topic, partition)
         if self._already_in_kafka(writer, lsn, event.op_offset):
             return
-        source = codec.source(lsn, event.op_offset, tx.xid, self._tx_ts_ms)
-        value = codec.encode_value(codec.value_prefix,
-                                   codec.envelope(event.op, event.before, event.after, source,
-                                                  int(time.time() * 1000), event.unchanged))
+        source = self._tx_sources.get(route.name)
+        if source is None:
+            source = self._tx_sources[route.name] = codec.source_bytes(lsn, tx.xid, self._tx_ts_ms)
+        value = codec.encode_change(codec.value_prefix, event.op, event.before, event.after, source,
+                                    event.op_offset, self._tx_seen_ms, event.unchanged)
         key = codec.key_prefix + key_body if key_body is not None else None
         self._send(writer, key, value, [(wire.POSITION_HEADER, wire.position_header(lsn, event.op_offset))])
         self._tx_writers.add(writer)
@@ -317,9 +327,8 @@ class Pipeline:
         key are gone), at one position."""
         tx = self._tx
         codec = route.codec
-        source = codec.source(tx.final_lsn, self._op, tx.xid, self._tx_ts_ms)
-        value = codec.encode_value(codec.value_prefix,
-                                   codec.envelope("t", None, None, source, int(time.time() * 1000)))
+        source = codec.source_bytes(tx.final_lsn, tx.xid, self._tx_ts_ms)
+        value = codec.encode_change(codec.value_prefix, "t", None, None, source, self._op, int(time.time() * 1000))
         headers = [(wire.POSITION_HEADER, wire.position_header(tx.final_lsn, self._op))]
         for p in range(self.partitions[route.topic]):
             writer = (route.topic, p)
@@ -473,14 +482,18 @@ class Pipeline:
             # has been seen and needs nothing from us.
             self._confirm(ka.wal_end)
         if ka.reply_requested:
-            self._send_status(reply=False)
+            self._send_status()
 
     def _keep_stream_alive(self) -> None:
         if time.monotonic() - self._last_status >= STATUS_INTERVAL:
             self._send_status()
 
-    def _send_status(self, reply: bool = False) -> None:
-        self.repl.send_status(flush_lsn=self._confirm_lsn or None)
+    def _send_status(self) -> None:
+        # When nothing of ours is pending, ask the server to answer with a
+        # keepalive: its WAL end is what we may confirm next (otherwise an idle
+        # walsender reports it only every wal_sender_timeout / 2).
+        idle = self._tx is None and self.tracker.empty() and self.ledger.in_flight() == 0
+        self.repl.send_status(flush_lsn=self._confirm_lsn or None, reply=idle)
         self._last_status = time.monotonic()
 
     # -------------------------------------------------------------- snapshot
@@ -499,6 +512,8 @@ class Pipeline:
                                               (t.oid,)).fetchone()[0] for t in self.tables.values())
         self.snapshot_progress = {"id": snapshot_id, "rows": 0, "total_estimate": total, "started": time.time(),
                                   "done": False}
+        sources = {route.name: route.codec.source_bytes(lsn, None, now_ms, True, snapshot_id)
+                   for plan in plans.values() for route in plan.routes}
         snap_header = ("wb.snapshot", snapshot_id.encode())
         pos_header = (wire.POSITION_HEADER, wire.position_header(lsn, 0))
         started = time.monotonic()
@@ -514,8 +529,8 @@ class Pipeline:
                     codec = route.codec
                     key_body = codec.encode_key(b"", values)
                     partition = partition_for(key_body, self.stats.snapshot_rows, self.partitions[route.topic])
-                    value = codec.encode_value(codec.value_prefix, codec.envelope(
-                        "r", None, values, codec.source(lsn, 0, None, now_ms, True, snapshot_id), now_ms))
+                    value = codec.encode_change(codec.value_prefix, "r", None, values, sources[route.name], 0,
+                                                now_ms)
                     key = codec.key_prefix + key_body if key_body is not None else None
                     self._send((route.topic, partition), key, value, [pos_header, snap_header])
                     self.stats.events[(route.name, "r")] += 1

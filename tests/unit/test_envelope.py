@@ -1,0 +1,59 @@
+"""The composed envelope encoding equals fastavro's encoding of the same dict."""
+
+import datetime
+import io
+from decimal import Decimal
+
+import pytest
+from fastavro import parse_schema, schemaless_reader
+
+from producer.envelope import ShapeCodec, ShapeColumn, avro_long, avro_name
+from producer.pgtypes import PgTypeInfo, column_codec
+
+INT = PgTypeInfo(23, "integer", 23, "integer", -1, "b")
+TEXT = PgTypeInfo(25, "text", 25, "text", -1, "b")
+NUM = PgTypeInfo(1700, "numeric(10,2)", 1700, "numeric(10,2)", (10 << 16 | 2) + 4, "b")
+TSTZ = PgTypeInfo(1184, "timestamp with time zone", 1184, "timestamp with time zone", -1, "b")
+
+
+def codec():
+    cols = [ShapeColumn("id", column_codec(INT), True), ShapeColumn("body text", column_codec(TEXT), False),
+            ShapeColumn("n", column_codec(NUM), False), ShapeColumn("at", column_codec(TSTZ), False)]
+    return ShapeCodec("orders-eu", "wb", "app", "public", "orders", cols, [0, 2, 3, 4])
+
+
+ROW = (7, "unused", "hé", Decimal("1.25"), datetime.datetime(2024, 1, 1, tzinfo=datetime.timezone.utc))
+
+
+@pytest.mark.parametrize("op,before,after,unchanged", [
+    ("c", None, ROW, ()), ("u", ROW, ROW, (2,)), ("d", ROW, None, ()), ("r", None, ROW, ()),
+    ("t", None, None, ()), ("u", None, (7, None, None, "NaN", None), (2, 4)),
+])
+@pytest.mark.parametrize("op_index", [0, 1, 63, 64, 300, 2**40])
+def test_composed_encoding_equals_fastavro(op, before, after, unchanged, op_index):
+    c = codec()
+    src = c.source(0x16B3748, op_index, 991, 1_700_000_000_000)
+    reference = c.encode_value(b"P", c.envelope(op, before, after, src, 1_700_000_000_123, list(unchanged)))
+    composed = c.encode_change(b"P", op, before, after, c.source_bytes(0x16B3748, 991, 1_700_000_000_000),
+                               op_index, 1_700_000_000_123, unchanged)
+    assert composed == reference
+    decoded = schemaless_reader(io.BytesIO(composed[1:]), parse_schema(c.value_schema), None)
+    assert decoded["source"]["op_index"] == op_index and decoded["op"] == op
+
+
+@pytest.mark.parametrize("n", [0, 1, -1, 63, -64, 64, 2**31, -(2**63), 2**63 - 1])
+def test_avro_long_matches_fastavro(n):
+    from fastavro import schemaless_writer
+
+    buf = io.BytesIO()
+    schemaless_writer(buf, "long", n)
+    assert avro_long(n) == buf.getvalue()
+
+
+def test_avro_names_are_sanitised():
+    assert avro_name("body text") == "body_text" and avro_name("1st") == "_1st" and avro_name("ok_1") == "ok_1"
+    schema = codec().value_schema
+    row = schema["fields"][0]["type"][1]
+    assert [f["name"] for f in row["fields"]] == ["id", "body_text", "n", "at"]
+    assert row["fields"][1]["pg.column"] == "body text"
+    assert codec().key_schema["fields"] == [{"name": "id", "type": "int", "pg.type": "integer"}]
