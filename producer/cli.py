@@ -59,6 +59,17 @@ def cmd_producer(args) -> int:
     return 0
 
 
+def cmd_up(args) -> int:
+    from pathlib import Path
+
+    from producer.up import run_up
+
+    config = load_config(args.config) if args.config else None
+    rate = args.rate if args.rate is not None else (0.0 if config else 20.0)
+    run_up(config, Path(args.data_dir), args.duration, rate, headless=args.headless)
+    return 0
+
+
 def cmd_status(args) -> int:
     from producer.status import collect_status, render_status
 
@@ -87,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("producer", help="stream PostgreSQL changes into the shape topics")
     p.add_argument("-c", "--config", required=True)
     p.set_defaults(func=cmd_producer)
+    p = sub.add_parser("up", help="run the whole pipeline with a live view (embedded default without -c)")
+    p.add_argument("-c", "--config", help="your own config; omit for the embedded demo")
+    p.add_argument("--duration", type=float, help="stop after this many seconds")
+    p.add_argument("--rate", type=float, help="demo workload transactions/s (default 20 embedded, 0 with -c)")
+    p.add_argument("--data-dir", default=".walbridge/up", help="where embedded data and logs live")
+    p.add_argument("--headless", action="store_true", help="no live view; print the final view")
+    p.set_defaults(func=cmd_up)
     p = sub.add_parser("status", help="slot, writers, consumer groups and producer state")
     p.add_argument("-c", "--config", required=True)
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -46,7 +46,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import psycopg
 from psycopg import sql
@@ -85,8 +85,10 @@ class Stats:
 class Pipeline:
     """One run of the producer, from connecting to the first fatal error or stop."""
 
-    def __init__(self, config: Config, stop: threading.Event | None = None):
+    def __init__(self, config: Config, stop: threading.Event | None = None,
+                 on_status: Callable[[dict], None] | None = None):
         self.config = config
+        self._on_status = on_status
         self.stats = Stats()
         self._stop = stop or threading.Event()
         kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
@@ -208,6 +210,8 @@ class Pipeline:
             self.kafka.flush(10)
         except Exception:
             pass
+        # Release the librdkafka handles now rather than at garbage collection.
+        self.kafka = self.admin = self.schemas = None
         if self.repl is not None:
             self.repl.close()
         if self.catalog_conn is not None:
@@ -508,8 +512,7 @@ class Pipeline:
                 pgoutput.Column(c.name, c.type_oid, c.typmod, c.name in table.primary_key) for c in table.columns))
             plans[qualified] = plan = self._plan_relation(rel)
             work.append((table, tuple(plan.names), relpages(self.catalog_conn, table)))
-        total = sum(self.catalog_conn.execute("SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = %s",
-                                              (t.oid,)).fetchone()[0] for t in self.tables.values())
+        total = sum(self._row_estimate(t) for t in self.tables.values())
         self.snapshot_progress = {"id": snapshot_id, "rows": 0, "total_estimate": total, "started": time.time(),
                                   "done": False}
         sources = {route.name: route.codec.source_bytes(lsn, None, now_ms, True, snapshot_id)
@@ -584,6 +587,8 @@ class Pipeline:
     def _publish_status(self) -> None:
         view = self.status_view()
         self._sync_metrics(view)
+        if self._on_status is not None:
+            self._on_status(view)
         try:
             self.kafka.produce(self.status_topic, json.dumps(view).encode(), b"producer")
         except BufferError:
@@ -601,6 +606,18 @@ class Pipeline:
         metrics.STALLED_WRITERS.set(len(self.stalled_writers))
         metrics.STALLED_GROUPS.set(len(self.stalled_groups))
 
+    def _row_estimate(self, table: TableInfo) -> int:
+        """Rows to expect: the planner's estimate, or a count for small
+        never-analysed tables (progress and ETA only)."""
+        reltuples, size = self.catalog_conn.execute(
+            "SELECT reltuples::bigint, pg_relation_size(oid) FROM pg_class WHERE oid = %s", (table.oid,)).fetchone()
+        if reltuples >= 0:
+            return reltuples
+        if size < 64 * 1024 * 1024:
+            return self.catalog_conn.execute(
+                sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table.schema, table.name))).fetchone()[0]
+        return size // 100
+
     def _flush_all(self) -> None:
         while self.kafka.flush(1.0):
             pass
@@ -608,13 +625,14 @@ class Pipeline:
             raise KafkaException(self.ledger.error)
 
 
-def run_producer(config: Config, stop: threading.Event | None = None) -> None:
+def run_producer(config: Config, stop: threading.Event | None = None,
+                 on_status: Callable[[dict], None] | None = None) -> None:
     """Run until ``stop`` is set, reconnecting with exponential backoff after lost
     connections; every restart resumes from the slot and the partition tails."""
     stop = stop or threading.Event()
     backoff = 0.5
     while not stop.is_set():
-        pipeline = Pipeline(config, stop)
+        pipeline = Pipeline(config, stop, on_status)
         try:
             pipeline.run()
             return

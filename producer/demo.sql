@@ -1,4 +1,4 @@
--- Demo schema for docker compose (the embedded `walbridge up` creates the same).
+-- Demo schema: `walbridge up` (embedded) and docker compose (init script) both load this file.
 CREATE TABLE customers (id bigint PRIMARY KEY, name text NOT NULL, email text, profile jsonb,
                         created_at timestamptz NOT NULL DEFAULT now());
 CREATE TABLE orders (id bigint PRIMARY KEY, customer_id bigint REFERENCES customers(id), region text NOT NULL,

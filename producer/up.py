@@ -1,0 +1,335 @@
+"""``walbridge up``: the whole pipeline on one machine, with a live view.
+
+Without ``--config`` it runs on the embedded default: a throwaway PostgreSQL
+(demo schema from ``producer/demo.sql``, plus a ``warehouse`` target database),
+the Tansu broker, the producer, the Spark consumer when it is installed, and a
+demo workload writing at a steady rate. With ``--config`` it runs the same
+against your database and broker (no workload unless ``--rate`` is given).
+
+Invariants:
+- Everything ``up`` starts it stops, by handle, on Ctrl-C, SIGTERM or the end of
+  ``--duration``; it then says where the data and the logs are.
+- The view is rendered from a plain snapshot dict by :func:`render_view` (pure),
+  so what it shows can be tested against the real numbers.
+- Logs go to a file while the live view owns the terminal.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from confluent_kafka.admin import AdminClient
+
+from producer import catalog
+from producer.config import Config, parse_config, redact_dsn
+from producer.kafka_io import client_config
+from producer.pgoutput import lsn_to_int
+
+log = logging.getLogger("walbridge.up")
+
+DEMO_SHAPES = [
+    {"table": "public.customers"},
+    {"table": "public.orders"},
+    {"table": "public.orders", "name": "orders_eu_large", "where": "region = 'eu' AND total > 100",
+     "columns": ["id", "region", "total"]},
+    {"table": "public.audit_log"},
+]
+
+
+def demo_sql() -> str:
+    return resources.files("producer").joinpath("demo.sql").read_text()
+
+
+class Workload(threading.Thread):
+    """Demo writes at ``rate`` transactions/s: new customers and orders, order
+    updates (some moving rows in and out of the filtered shape), deletes, and
+    audit rows in a table without a primary key."""
+
+    def __init__(self, dsn: str, rate: float, seed: int = 1):
+        super().__init__(name="workload", daemon=True)
+        self.dsn = dsn
+        self.rate = rate
+        self.stop_event = threading.Event()
+        self.transactions = 0
+        self.error: BaseException | None = None
+        self._rnd = random.Random(seed)
+
+    def run(self) -> None:
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                next_id = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM orders").fetchone()[0]
+                interval = 1.0 / self.rate if self.rate > 0 else 1.0
+                while not self.stop_event.wait(interval):
+                    next_id = self._one(conn, next_id)
+                    self.transactions += 1
+        except BaseException as e:  # shown in the view
+            self.error = e
+
+    def _one(self, conn, next_id: int) -> int:
+        rnd = self._rnd
+        with conn.transaction():
+            kind = rnd.random()
+            if kind < 0.45:
+                conn.execute("INSERT INTO orders (id, customer_id, region, total) VALUES (%s, %s, %s, %s)",
+                             (next_id, rnd.randint(1, 1000), rnd.choice(["eu", "us", "apac"]),
+                              round(rnd.uniform(1, 500), 2)))
+                next_id += 1
+            elif kind < 0.85:
+                conn.execute("UPDATE orders SET total = %s, status = %s WHERE id = %s",
+                             (round(rnd.uniform(1, 500), 2), rnd.choice(["new", "paid", "shipped"]),
+                              rnd.randint(1, next_id)))
+            elif kind < 0.95:
+                conn.execute("DELETE FROM orders WHERE id = %s", (rnd.randint(1, next_id),))
+            else:
+                conn.execute("UPDATE customers SET profile = jsonb_set(coalesce(profile, '{}'), '{visits}', "
+                             "to_jsonb(%s::int)) WHERE id = %s", (rnd.randint(1, 99), rnd.randint(1, 1000)))
+            conn.execute("INSERT INTO audit_log (actor, action) VALUES (%s, %s)",
+                         (f"user{rnd.randint(1, 20)}", "write"))
+        return next_id
+
+
+@dataclass
+class Sampler:
+    """Turns successive producer/slot readings into the view's snapshot."""
+
+    config: Config
+    started: float = field(default_factory=time.monotonic)
+    _last_events: dict[str, int] = field(default_factory=dict)
+    _last_snapshot_rows: int = 0
+    _last_at: float = field(default_factory=time.monotonic)
+
+    def sample(self, producer_view: dict | None, slot: dict | None, committed: dict[str, int],
+               errors: int, dlq: int, workload_tx: int) -> dict:
+        now = time.monotonic()
+        dt = max(now - self._last_at, 1e-6)
+        self._last_at = now
+        producer_view = producer_view or {}
+        shapes = []
+        produced = producer_view.get("produced", {})
+        for shape in self.config.shapes:
+            name = shape.shape_name
+            total = sum(producer_view.get("events", {}).get(name, {}).values())
+            rate = (total - self._last_events.get(name, total)) / dt
+            self._last_events[name] = total
+            topic = self.config.topic(shape)
+            lag = sum(max(n - committed.get(w, 0), 0) for w, n in produced.items() if w.startswith(topic + "["))
+            shapes.append({"shape": name, "events": total, "events_per_s": round(rate, 1),
+                           "lag": lag if self.config.ack_groups else None})
+        writers = [{"writer": w, "produced": n, "committed": committed.get(w)} for w, n in sorted(produced.items())]
+        snap = dict(producer_view.get("snapshot") or {})
+        if snap:
+            rows = snap.get("rows", 0)
+            snap["rows_per_s"] = round((rows - self._last_snapshot_rows) / dt, 1)
+            self._last_snapshot_rows = rows
+            left = max(snap.get("total_estimate", 0) - rows, 0)
+            snap["eta_s"] = None if snap.get("done") or not snap["rows_per_s"] else round(left / snap["rows_per_s"])
+        return {
+            "uptime_s": round(now - self.started), "shapes": shapes, "writers": writers,
+            "slot": slot, "snapshot": snap, "errors": errors, "dlq": dlq, "workload_tx": workload_tx,
+            "stalled_groups": producer_view.get("stalled_groups", []),
+        }
+
+
+def render_view(snap: dict):
+    from rich.console import Group
+    from rich.table import Table
+
+    head = Table.grid(padding=(0, 2))
+    slot = snap.get("slot") or {}
+    head.add_row("uptime", f"{snap['uptime_s']}s", "slot confirmed", str(slot.get("confirmed_flush_lsn") or "-"),
+                 "retained WAL", _size(slot.get("retained_wal_bytes")))
+    head.add_row("workload tx", str(snap.get("workload_tx", 0)), "errors", str(snap.get("errors", 0)),
+                 "DLQ", str(snap.get("dlq", 0)))
+    if snap.get("stalled_groups"):
+        head.add_row("STALLED", ", ".join(snap["stalled_groups"]), "", "", "", "")
+    shapes = Table(title="shapes")
+    for col, justify in (("shape", "left"), ("events", "right"), ("events/s", "right"), ("lag", "right")):
+        shapes.add_column(col, justify=justify)
+    for s in snap["shapes"]:
+        shapes.add_row(s["shape"], str(s["events"]), f"{s['events_per_s']:.1f}",
+                       "-" if s["lag"] is None else str(s["lag"]))
+    parts = [head, shapes]
+    snapshot = snap.get("snapshot") or {}
+    if snapshot:
+        state = "done" if snapshot.get("done") else (
+            f"{snapshot.get('rows_per_s', 0):.0f} rows/s, ETA {snapshot.get('eta_s', '?')}s")
+        parts.append(f"snapshot {snapshot.get('id')}: {snapshot.get('rows', 0)} rows "
+                     f"of ~{snapshot.get('total_estimate', 0)} ({state})")
+    writers = Table(title="writers")
+    writers.add_column("topic[partition]")
+    writers.add_column("produced", justify="right")
+    writers.add_column("committed", justify="right")
+    for w in snap["writers"]:
+        writers.add_row(w["writer"], str(w["produced"]), "-" if w["committed"] is None else str(w["committed"]))
+    parts.append(writers)
+    return Group(*parts)
+
+
+def _size(n: Any) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+class _ErrorCounter(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+
+
+def embedded_config(base_dir: Path) -> tuple[dict, list]:
+    """Start the embedded PostgreSQL and broker; returns (config dict, things to stop)."""
+    from producer.embedded import PostgresCluster, TansuBroker
+
+    pg = PostgresCluster(base_dir / "pg", durable=True).start()
+    broker = TansuBroker(base_dir / "kafka").start()
+    with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
+        exists = {r[0] for r in conn.execute("SELECT datname FROM pg_database")}
+        for db in ("app", "warehouse"):
+            if db not in exists:
+                conn.execute(f"CREATE DATABASE {db}")
+    with psycopg.connect(pg.dsn("app"), autocommit=True) as conn:
+        if conn.execute("SELECT to_regclass('public.orders')").fetchone()[0] is None:
+            conn.execute(demo_sql())
+    data = {
+        "source": {"dsn": pg.dsn("app"), "slot": "walbridge", "publication": "walbridge"},
+        "kafka": {"bootstrap_servers": broker.bootstrap, "topic_prefix": "wb", "partitions": 4},
+        "shapes": DEMO_SHAPES,
+        "consumer": {"group": "walbridge-spark", "target_dsn": pg.dsn("warehouse"),
+                     "checkpoint_dir": str(base_dir / "checkpoints")},
+        "ack": {"consumer_groups": []},
+    }
+    return data, [broker, pg]
+
+
+def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: float,
+           headless: bool = False, console=None) -> dict:
+    """Run until Ctrl-C or ``duration``; returns the last view snapshot."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from producer.pipeline import run_producer
+
+    console = console or Console()
+    base_dir.mkdir(parents=True, exist_ok=True)
+    log_file = base_dir / "walbridge.log"
+    handler = logging.FileHandler(log_file)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    errors = _ErrorCounter()
+    root = logging.getLogger()
+    saved_handlers = root.handlers[:]
+    root.handlers[:] = [handler, errors]
+    root.setLevel(logging.INFO)
+    stoppables: list = []
+    stop = threading.Event()
+    workload = None
+    producer = None
+    admin = None
+    last: dict = {}
+    try:
+        if config is None:
+            console.print(f"starting embedded PostgreSQL and Kafka broker in {base_dir} ...")
+            data, stoppables = embedded_config(base_dir)
+            config = parse_config(data)
+        console.print(f"source {redact_dsn(config.source.dsn)} → Kafka {config.kafka.bootstrap_servers} "
+                      f"(topics {config.kafka.topic_prefix}.*)")
+        views: dict[str, dict] = {}
+        producer = threading.Thread(target=_guard(run_producer, config, stop, views), name="producer", daemon=True)
+        producer.start()
+        if rate > 0:
+            workload = Workload(config.source.dsn, rate)
+            workload.start()
+        sampler = Sampler(config)
+        admin = AdminClient(client_config(config.kafka.bootstrap_servers, config.kafka.client))
+        deadline = time.monotonic() + duration if duration else None
+
+        def on_signal(signum, frame):
+            stop.set()
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, on_signal)
+            signal.signal(signal.SIGTERM, on_signal)
+        with Live(console=console, refresh_per_second=2, transient=False, auto_refresh=False) as live:
+            while not stop.is_set():
+                last = sampler.sample(views.get("producer"), _slot(config), _committed(admin, config),
+                                      errors.count, 0, workload.transactions if workload else 0)
+                if not headless:
+                    live.update(render_view(last), refresh=True)
+                if deadline and time.monotonic() >= deadline:
+                    break
+                stop.wait(1.0)
+            live.update(render_view(last), refresh=True)
+    finally:
+        stop.set()
+        if workload:
+            workload.stop_event.set()
+            workload.join(10)
+        if producer is not None:
+            producer.join(30)
+        admin = None  # noqa: F841  (drops the client before its broker goes)
+        for s in stoppables:
+            s.stop()
+        root.handlers[:] = saved_handlers
+        handler.close()
+        console.print(f"stopped. logs: {log_file}" + (f"; data: {base_dir}" if stoppables else ""))
+    return last
+
+
+def _guard(fn, config: Config, stop: threading.Event, views: dict):
+    def run() -> None:
+        try:
+            fn(config, stop, lambda view: views.__setitem__("producer", view))
+        except Exception:
+            log.exception("producer stopped with an error")
+
+    return run
+
+
+def _slot(config: Config) -> dict | None:
+    try:
+        with psycopg.connect(config.source.dsn, connect_timeout=3) as conn:
+            state = catalog.slot_state(conn, config.source.slot)
+    except psycopg.Error:
+        return None
+    if state is None:
+        return None
+    return {"confirmed_flush_lsn": state["confirmed_flush_lsn"], "retained_wal_bytes": state["retained_wal_bytes"],
+            "confirmed_int": lsn_to_int(state["confirmed_flush_lsn"]) if state["confirmed_flush_lsn"] else 0}
+
+
+def _committed(admin: AdminClient, config: Config) -> dict[str, int]:
+    if not config.ack_groups:
+        return {}
+    from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
+
+    out: dict[str, int] = {}
+    try:
+        meta = admin.list_topics(timeout=5).topics
+        tps = [TopicPartition(config.topic(s), p) for s in config.shapes if config.topic(s) in meta
+               for p in meta[config.topic(s)].partitions]
+        for group in config.ack_groups:
+            res = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group, tps)],
+                                                    request_timeout=5)[group].result()
+            for tp in res.topic_partitions:
+                key = f"{tp.topic}[{tp.partition}]"
+                out[key] = min(out.get(key, max(tp.offset, 0)), max(tp.offset, 0))
+    except Exception:
+        pass
+    return out

@@ -1,0 +1,581 @@
+"""Shape messages → typed Spark rows: the schema mapping and the decoding the
+Kafka source (:mod:`spark_consumer.kafka_source`) runs in its executors. Pure:
+no Kafka, no Spark session; writer schemas come in through a lookup function.
+
+Output columns (the contract the apply step builds on)
+------------------------------------------------------
+One row per Kafka message of the range read, in offset order per partition
+(so per partition the rows' ``_wb_offset`` values are exactly the offsets that
+held a message; the next offset to resume from is ``max(_wb_offset) + 1``).
+
+First the shape's row columns, in the shape's column order, named by their
+PostgreSQL column name (the Avro field's ``pg.column``, else its name), typed:
+
+  ===========================================  ==================================
+  Avro (non-null branch)                       Spark
+  ===========================================  ==================================
+  int / long / float / double / boolean        Integer / Long / Float / Double / Boolean
+  string (incl. text-form PG types) / bytes    String / Binary
+  decimal(p,s), p <= 38                        Decimal(p,s)
+  decimal(p,s), p > 38                         String (exact, plain notation)
+  date                                         Date
+  time-micros                                  String ``HH:MM:SS`` or ``HH:MM:SS.ffffff``
+  timestamp-micros                             Timestamp
+  local-timestamp-micros                       TimestampNTZ
+  uuid                                         String
+  array<items>                                 Array<items mapped as above>
+  ===========================================  ==================================
+
+Each row column's ``StructField.metadata`` holds ``pg.type`` (the source type to
+recreate, e.g. ``numeric(10,2)``), ``avro.field`` (the Avro field name) and
+``wb.key`` (true for key / replica-identity columns, from the key schema).
+
+Values come from ``after`` (ops c, u, r) or, for deletes, from ``before``
+(at least the key columns; when ``before`` lacks them they are filled from the
+message key). Truncates (``t``) and control rows have all row columns null.
+
+Special values: where the producer's Avro union has a ``string`` branch beside a
+typed branch (infinite/BC dates and timestamps, ``24:00:00``, NaN/Infinity
+numerics, multi-dimensional arrays), a value that arrived in the string branch
+leaves the typed column null and its PostgreSQL text form goes to
+``_wb_special[column]``.
+
+Then walbridge's bookkeeping columns (``BOOKKEEPING``), all nullable unless noted:
+
+- ``_wb_op`` string: c, u, d, r, t; null on control rows.
+- ``_wb_lsn`` long, ``_wb_op_index`` long: the position (commit LSN, op index),
+  from the ``wb.pos`` header (else the envelope's ``source``). Set on control
+  rows; null only on DLQ rows without a readable ``wb.pos``.
+- ``_wb_topic`` string, ``_wb_partition`` int, ``_wb_offset`` long: where the
+  message is. Never null.
+- ``_wb_unchanged`` array<string>: column names whose values an UPDATE left in
+  TOAST (their row columns are null and must keep the target's value); null
+  when there are none.
+- ``_wb_special`` map<string,string>: {column: PostgreSQL text} for special
+  values (above); null when there are none.
+- ``_wb_control`` string: null for changes; the ``wb.control`` header of control
+  events (``snapshot_end``, ``backfill_end``, Kafka tombstones); ``dlq`` for a
+  message that could not be decoded and was sent to ``<topic>.dlq`` (its row
+  exists only so progress covers its offset: apply must skip it).
+- ``_wb_control_info`` string: the ``wb.control.info`` header (JSON) of control
+  events.
+- ``_wb_snapshot_id`` string: the ``wb.snapshot`` header (snapshot/backfill
+  reads and their control events), else the envelope's ``source.snapshot_id``.
+- ``_wb_ts_ms`` long: the envelope's ``ts_ms`` (when the producer built it).
+- ``_wb_error`` string: why a ``dlq`` row could not be decoded.
+
+Invariants:
+- The layout is derived from one value schema (the newest at stream start) and
+  never changes during a query. Messages written with an older, known writer
+  schema are read against it by name (dropped columns ignored, added ones null).
+  A writer schema that appeared after the stream started and carries a column
+  the layout lacks or types one differently raises :class:`SchemaChangedError`:
+  the query must stop (and be restarted to pick the new layout up), never drop
+  data silently.
+- A message whose bytes cannot be decoded (no walbridge wire prefix, a schema
+  that cannot be found, a corrupt Avro body, a schema of another shape, a
+  tombstone without ``wb.control``) raises :class:`UndecodableMessage`; the source
+  sends it to the DLQ. Infrastructure failures (broker, registry unreachable)
+  are never classified as undecodable: they propagate.
+- Decoding reads the writer schema with the date/time/timestamp/uuid logical
+  types stripped (the binary encoding is the same), so those values arrive as
+  plain ints/strings and go into Arrow without per-value Python objects.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, Callable
+
+from fastavro import parse_schema, schemaless_reader
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    BooleanType,
+    DataType,
+    DateType,
+    DecimalType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
+
+from schemas import wire
+
+SPARK_MAX_DECIMAL_PRECISION = 38
+SNAPSHOT_HEADER = "wb.snapshot"
+DLQ_CONTROL = "dlq"
+OPS = frozenset("cudrt")
+
+BOOKKEEPING: tuple[StructField, ...] = (
+    StructField("_wb_op", StringType()),
+    StructField("_wb_lsn", LongType()),
+    StructField("_wb_op_index", LongType()),
+    StructField("_wb_topic", StringType(), nullable=False),
+    StructField("_wb_partition", IntegerType(), nullable=False),
+    StructField("_wb_offset", LongType(), nullable=False),
+    StructField("_wb_unchanged", ArrayType(StringType(), containsNull=False)),
+    StructField("_wb_special", MapType(StringType(), StringType(), valueContainsNull=False)),
+    StructField("_wb_control", StringType()),
+    StructField("_wb_control_info", StringType()),
+    StructField("_wb_snapshot_id", StringType()),
+    StructField("_wb_ts_ms", LongType()),
+    StructField("_wb_error", StringType()),
+)
+BOOKKEEPING_NAMES = tuple(f.name for f in BOOKKEEPING)
+RESERVED_PREFIX = "_wb_"
+
+_PRIMITIVES: dict[str, DataType] = {
+    "int": IntegerType(), "long": LongType(), "float": FloatType(), "double": DoubleType(),
+    "boolean": BooleanType(), "string": StringType(), "bytes": BinaryType(),
+}
+# Logical types read as their underlying primitive (see the module docstring).
+_STRIPPED_LOGICAL = frozenset({"date", "time-micros", "timestamp-micros", "local-timestamp-micros", "uuid"})
+
+
+class UnsupportedSchema(ValueError):
+    """The shape's Avro schema uses something this consumer cannot map."""
+
+
+class SchemaChangedError(RuntimeError):
+    """A writer schema newer than the stream's layout adds or retypes columns:
+    restart the query so the layout is derived again."""
+
+
+class UndecodableMessage(ValueError):
+    """This message's bytes cannot be read as a change of this shape (DLQ it)."""
+
+
+# --------------------------------------------------------------- time format
+def format_time_micros(micros: int) -> str:
+    """``time-micros`` as ``HH:MM:SS`` (whole seconds) or ``HH:MM:SS.ffffff``."""
+    seconds, frac = divmod(micros, 1_000_000)
+    minutes, sec = divmod(seconds, 60)
+    hours, minute = divmod(minutes, 60)
+    if frac:
+        return f"{hours:02d}:{minute:02d}:{sec:02d}.{frac:06d}"
+    return f"{hours:02d}:{minute:02d}:{sec:02d}"
+
+
+def format_decimal(value: Decimal) -> str:
+    """Plain notation keeping the scale, as PostgreSQL prints numeric(p,s)."""
+    return format(value, "f")
+
+
+# ------------------------------------------------------------ schema mapping
+@dataclass(frozen=True)
+class ColumnType:
+    """How one Avro field becomes one Spark column."""
+
+    spark_type: DataType
+    has_special: bool  # union has a string branch beside the typed one
+    # Applied to each non-null, non-special value (None: value goes to Arrow as is).
+    convert: Callable[[Any], Any] | None = None
+
+
+def _non_null_branches(avro_type: Any) -> list:
+    branches = avro_type if isinstance(avro_type, list) else [avro_type]
+    return [b for b in branches if b != "null"]
+
+
+def _map_single(t: Any, where: str) -> tuple[DataType, Callable[[Any], Any] | None]:
+    """A non-union Avro type → Spark type and value converter."""
+    if isinstance(t, str):
+        if t in _PRIMITIVES:
+            return _PRIMITIVES[t], None
+        raise UnsupportedSchema(f"{where}: Avro type {t!r} is not supported")
+    if not isinstance(t, dict):
+        raise UnsupportedSchema(f"{where}: unexpected Avro type {t!r}")
+    logical = t.get("logicalType")
+    base = t.get("type")
+    if logical == "decimal" and base in ("bytes", "fixed"):
+        precision, scale = int(t["precision"]), int(t.get("scale", 0))
+        if precision <= SPARK_MAX_DECIMAL_PRECISION and 0 <= scale <= precision:
+            return DecimalType(precision, scale), None
+        return StringType(), format_decimal
+    if logical == "date" and base == "int":
+        return DateType(), None
+    if logical == "time-micros" and base == "long":
+        return StringType(), format_time_micros
+    if logical == "timestamp-micros" and base == "long":
+        return TimestampType(), None
+    if logical == "local-timestamp-micros" and base == "long":
+        return TimestampNTZType(), None
+    if logical == "uuid" and base == "string":
+        return StringType(), None
+    if base == "array":
+        items = t["items"]
+        item_branches = _non_null_branches(items)
+        if len(item_branches) != 1:
+            raise UnsupportedSchema(f"{where}: array items {items!r} are not a nullable single type")
+        element, convert_item = _map_single(item_branches[0], f"{where}[]")
+        contains_null = isinstance(items, list) and "null" in items
+        if convert_item is None:
+            return ArrayType(element, contains_null), None
+
+        def convert_array(values: list) -> list:
+            return [None if v is None else convert_item(v) for v in values]
+
+        return ArrayType(element, contains_null), convert_array
+    if isinstance(base, str) and base in _PRIMITIVES and not logical:
+        return _PRIMITIVES[base], None
+    raise UnsupportedSchema(f"{where}: Avro type {t!r} is not supported")
+
+
+def column_type(avro_type: Any, where: str = "field") -> ColumnType:
+    """The Spark column for an Avro field type (a union with null, as the
+    producer writes them, or a bare type)."""
+    branches = _non_null_branches(avro_type)
+    has_special = "string" in branches and len(branches) > 1
+    typed = [b for b in branches if b != "string"] if has_special else branches
+    if len(typed) != 1:
+        raise UnsupportedSchema(f"{where}: union {avro_type!r} has no single typed branch")
+    spark_type, convert = _map_single(typed[0], where)
+    return ColumnType(spark_type, has_special, convert)
+
+
+@dataclass(frozen=True)
+class LayoutColumn:
+    name: str  # PostgreSQL column name = Spark column name
+    avro_field: str
+    avro_type: Any
+    pg_type: str | None
+    is_key: bool
+    type: ColumnType
+
+    def struct_field(self) -> StructField:
+        meta = {"avro.field": self.avro_field, "wb.key": self.is_key}
+        if self.pg_type is not None:
+            meta["pg.type"] = self.pg_type
+        return StructField(self.name, self.type.spark_type, nullable=True, metadata=meta)
+
+
+def row_record(value_schema: dict) -> dict:
+    """The row record (``Value``) of an envelope schema, from its ``before`` field."""
+    for f in value_schema.get("fields", ()):
+        if f.get("name") == "before":
+            for branch in _non_null_branches(f["type"]):
+                if isinstance(branch, dict) and branch.get("type") == "record":
+                    return branch
+    raise UnsupportedSchema("value schema is not a walbridge envelope (no 'before' row record)")
+
+
+def full_name(schema: dict) -> str:
+    name = schema.get("name", "")
+    ns = schema.get("namespace")
+    return name if "." in name or not ns else f"{ns}.{name}"
+
+
+def _canonical_type(avro_type: Any) -> str:
+    return json.dumps(avro_type, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class ShapeLayout:
+    """The Spark view of one shape: its columns (from the value schema) plus
+    the bookkeeping columns."""
+
+    envelope_name: str
+    columns: tuple[LayoutColumn, ...]
+
+    @classmethod
+    def from_schemas(cls, value_schema: dict, key_schema: dict | None = None) -> ShapeLayout:
+        row = row_record(value_schema)
+        keys = {f["name"] for f in key_schema.get("fields", ())} if key_schema else set()
+        columns = []
+        seen: set[str] = set()
+        for f in row["fields"]:
+            name = f.get("pg.column", f["name"])
+            if name.startswith(RESERVED_PREFIX):
+                raise UnsupportedSchema(f"column {name!r}: names starting with {RESERVED_PREFIX!r} are reserved "
+                                        "for walbridge's bookkeeping columns")
+            if name in seen:
+                raise UnsupportedSchema(f"column {name!r} appears twice")
+            seen.add(name)
+            columns.append(LayoutColumn(name, f["name"], f["type"], f.get("pg.type"), f["name"] in keys,
+                                        column_type(f["type"], f"column {name!r}")))
+        return cls(full_name(value_schema), tuple(columns))
+
+    def spark_schema(self) -> StructType:
+        return StructType([c.struct_field() for c in self.columns] + list(BOOKKEEPING))
+
+    @property
+    def key_columns(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns if c.is_key)
+
+    def check_writer(self, writer_schema: dict, known: bool) -> None:
+        """Raise if a message written with ``writer_schema`` cannot be read into
+        this layout: :class:`UndecodableMessage` for a schema of another shape
+        (or not an envelope), :class:`SchemaChangedError` for a writer schema the
+        stream did not know at its start (``known``) that adds or retypes a column."""
+        if full_name(writer_schema) != self.envelope_name:
+            raise UndecodableMessage(f"written with schema {full_name(writer_schema)!r}, "
+                                     f"not this shape's {self.envelope_name!r}")
+        try:
+            writer_row = row_record(writer_schema)
+        except UnsupportedSchema as e:
+            raise UndecodableMessage(str(e)) from None
+        if known:
+            return  # an older version: read by name, dropped columns ignored
+        by_field = {c.avro_field: c for c in self.columns}
+        for f in writer_row["fields"]:
+            col = by_field.get(f["name"])
+            if col is None:
+                raise SchemaChangedError(
+                    f"a newer schema of {self.envelope_name} adds column {f.get('pg.column', f['name'])!r}; "
+                    "restart the stream to pick it up")
+            if _canonical_type(f["type"]) != _canonical_type(col.avro_type):
+                raise SchemaChangedError(
+                    f"a newer schema of {self.envelope_name} changes the type of column {col.name!r} "
+                    f"from {col.avro_type!r} to {f['type']!r}; restart the stream to pick it up")
+
+
+# ------------------------------------------------------------- writer schemas
+def strip_logical_types(schema: Any) -> Any:
+    """A copy of an Avro schema whose date/time/timestamp/uuid logical types are
+    removed (same binary encoding; values decode to plain ints and strings)."""
+    if isinstance(schema, list):
+        return [strip_logical_types(s) for s in schema]
+    if isinstance(schema, dict):
+        if schema.get("logicalType") in _STRIPPED_LOGICAL:
+            rest = {k: v for k, v in schema.items() if k != "logicalType"}
+            return rest["type"] if len(rest) == 1 else rest
+        out = {}
+        for k, v in schema.items():
+            if k == "fields":
+                out[k] = [{**f, "type": strip_logical_types(f["type"])} for f in v]
+            elif k in ("type", "items", "values"):
+                out[k] = strip_logical_types(v)
+            else:
+                out[k] = v
+        return out
+    return schema
+
+
+def schema_ref_key(ref: wire.SchemaRef) -> str:
+    """A writer schema's identity as a string: ``id:<registry id>`` or ``fp:<hex>``."""
+    return f"id:{ref.ref}" if ref.kind == "confluent" else f"fp:{ref.ref.hex()}"
+
+
+# Looks up a writer schema (as JSON) by reference; raises UndecodableMessage when
+# it does not exist, anything else when the lookup itself failed.
+SchemaLookup = Callable[[wire.SchemaRef, bytes], dict]
+
+
+@dataclass
+class WriterSchemas:
+    """Writer schemas by reference, checked against the layout once each and
+    parsed for decoding. ``known`` holds the refs of the value schemas that
+    existed when the stream started."""
+
+    layout: ShapeLayout
+    lookup: SchemaLookup
+    known: frozenset[str] = frozenset()
+    _parsed: dict[tuple, Any] = field(default_factory=dict)
+
+    def parsed(self, ref: wire.SchemaRef, data: bytes) -> Any:
+        key = (ref.kind, ref.ref)
+        parsed = self._parsed.get(key)
+        if parsed is None:
+            raw = self.lookup(ref, data)
+            self.layout.check_writer(raw, schema_ref_key(ref) in self.known)
+            parsed = self._parsed[key] = parse_schema(strip_logical_types(raw), _write_hint=False)
+        return parsed
+
+    def parsed_key(self, ref: wire.SchemaRef, data: bytes) -> Any:
+        key = ("key", ref.kind, ref.ref)
+        parsed = self._parsed.get(key)
+        if parsed is None:
+            parsed = self._parsed[key] = parse_schema(strip_logical_types(self.lookup(ref, data)),
+                                                      _write_hint=False)
+        return parsed
+
+
+def decode_body(data: bytes, body_offset: int, parsed: Any) -> Any:
+    """The Avro body after the wire prefix; every byte must belong to it."""
+    buf = io.BytesIO(data)
+    buf.seek(body_offset)
+    try:
+        record = schemaless_reader(buf, parsed, None)
+    except Exception as e:  # fastavro raises EOFError, ValueError, IndexError, UnicodeDecodeError, ...
+        raise UndecodableMessage(f"corrupt Avro body: {type(e).__name__}: {e}") from None
+    if buf.tell() != len(data):
+        raise UndecodableMessage(f"corrupt Avro body: {len(data) - buf.tell()} bytes after the record")
+    return record
+
+
+def parse_prefix(data: bytes) -> wire.SchemaRef:
+    try:
+        return wire.parse_prefix(data)
+    except ValueError as e:
+        raise UndecodableMessage(str(e)) from None
+
+
+# --------------------------------------------------------------- row building
+class BatchBuilder:
+    """Accumulates decoded messages column by column and turns them into Arrow
+    record batches with exactly Spark's Arrow schema for the layout."""
+
+    def __init__(self, layout: ShapeLayout, schemas: WriterSchemas, arrow_schema: Any = None):
+        self.layout = layout
+        self.schemas = schemas
+        if arrow_schema is None:
+            from pyspark.sql.pandas.types import to_arrow_schema
+
+            arrow_schema = to_arrow_schema(layout.spark_schema(), timezone="UTC")
+        self.arrow_schema = arrow_schema
+        self._fields = [c.avro_field for c in layout.columns]
+        self._names = [c.name for c in layout.columns]
+        self._special = [c.type.has_special for c in layout.columns]
+        self._converters = [c.type.convert for c in layout.columns]
+        self._name_by_field = {c.avro_field: c.name for c in layout.columns}
+        self._key_fields = [(i, c.avro_field) for i, c in enumerate(layout.columns) if c.is_key]
+        self._reset()
+
+    def _reset(self) -> None:
+        self._rows: list[list] = [[] for _ in self._fields]
+        self._book: list[list] = [[] for _ in BOOKKEEPING]
+        self.count = 0
+
+    def add(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+            headers: list | None) -> None:
+        """Add one message; raises :class:`UndecodableMessage` (nothing added)
+        or :class:`SchemaChangedError`."""
+        pos = control = info = snapshot = None
+        if headers:
+            for name, hv in headers:
+                if name == wire.POSITION_HEADER:
+                    pos = hv
+                elif name == wire.CONTROL_HEADER:
+                    control = hv
+                elif name == wire.CONTROL_INFO_HEADER:
+                    info = hv
+                elif name == SNAPSHOT_HEADER:
+                    snapshot = hv
+        lsn = op_index = None
+        if pos is not None:
+            try:
+                lsn, op_index = wire.parse_position(pos)
+            except Exception:
+                raise UndecodableMessage(f"unreadable {wire.POSITION_HEADER} header {bytes(pos).hex()}") from None
+        if control is not None:
+            self._append(None, None, lsn, op_index, topic, partition, offset, None, _text(control), _text(info),
+                         _text(snapshot), None, None)
+            return
+        if value is None:
+            raise UndecodableMessage(f"tombstone without a {wire.CONTROL_HEADER} header")
+        ref = parse_prefix(value)
+        env = decode_body(value, ref.body_offset, self.schemas.parsed(ref, value))
+        op = env.get("op")
+        if op not in OPS:
+            raise UndecodableMessage(f"envelope op {op!r} is not one of c, u, d, r, t")
+        source = env.get("source") or {}
+        if lsn is None:
+            lsn, op_index = source.get("lsn"), source.get("op_index")
+        if snapshot is None:
+            snapshot = source.get("snapshot_id")
+        row = env.get("before") if op == "d" else env.get("after")
+        if op == "d" and key is not None and self._key_fields and (
+                row is None or any(row.get(f) is None for _, f in self._key_fields)):
+            row = self._fill_key(row, key)
+        unchanged = env.get("unchanged_toast")
+        if unchanged:
+            unchanged = [self._name_by_field.get(f, f) for f in unchanged]
+        self._append(row, op, lsn, op_index, topic, partition, offset, unchanged or None, None, None,
+                     _text(snapshot), env.get("ts_ms"), None)
+
+    def add_dlq(self, topic: str, partition: int, offset: int, headers: list | None, error: str) -> None:
+        """The row of a message sent to the DLQ (row columns null)."""
+        lsn = op_index = None
+        pos = wire.header(headers, wire.POSITION_HEADER)
+        if pos is not None:
+            try:
+                lsn, op_index = wire.parse_position(pos)
+            except Exception:
+                pass
+        self._append(None, None, lsn, op_index, topic, partition, offset, None, DLQ_CONTROL, None, None, None,
+                     error)
+
+    def _fill_key(self, row: dict | None, key: bytes) -> dict | None:
+        try:
+            ref = wire.parse_prefix(key)
+            parsed = self.schemas.parsed_key(ref, key)
+            key_record = decode_body(key, ref.body_offset, parsed)
+        except (ValueError, UndecodableMessage):
+            return row  # the value is what counts; an unreadable key adds nothing
+        filled = dict(row or {})
+        for _, f in self._key_fields:
+            if filled.get(f) is None:
+                filled[f] = key_record.get(f)
+        return filled
+
+    def _append(self, row: dict | None, op, lsn, op_index, topic, partition, offset, unchanged, control, info,
+                snapshot, ts_ms, error) -> None:
+        """One output row: the row record, then the bookkeeping values in
+        BOOKKEEPING's order except ``_wb_special``, computed here from the row."""
+        rows = self._rows
+        special = None
+        if row is None:
+            for col in rows:
+                col.append(None)
+        else:
+            get = row.get
+            for i, f in enumerate(self._fields):
+                v = get(f)
+                if v is not None and self._special[i] and type(v) is str:
+                    if special is None:
+                        special = []
+                    special.append((self._names[i], v))
+                    v = None
+                rows[i].append(v)
+        b = self._book
+        b[0].append(op)  # _wb_op
+        b[1].append(lsn)  # _wb_lsn
+        b[2].append(op_index)  # _wb_op_index
+        b[3].append(topic)  # _wb_topic
+        b[4].append(partition)  # _wb_partition
+        b[5].append(offset)  # _wb_offset
+        b[6].append(unchanged)  # _wb_unchanged
+        b[7].append(special)  # _wb_special
+        b[8].append(control)  # _wb_control
+        b[9].append(info)  # _wb_control_info
+        b[10].append(snapshot)  # _wb_snapshot_id
+        b[11].append(ts_ms)  # _wb_ts_ms
+        b[12].append(error)  # _wb_error
+        self.count += 1
+
+    def to_record_batch(self):
+        """The rows added since the last call, as one ``pyarrow.RecordBatch``."""
+        import pyarrow as pa
+
+        arrays = []
+        schema = self.arrow_schema
+        n = len(self._rows)
+        for i, values in enumerate(self._rows):
+            convert = self._converters[i]
+            if convert is not None:
+                values = [None if v is None else convert(v) for v in values]
+            arrays.append(pa.array(values, type=schema.field(i).type))
+        for j, values in enumerate(self._book):
+            arrays.append(pa.array(values, type=schema.field(n + j).type))
+        batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
+        self._reset()
+        return batch
+
+    def rows(self) -> list[dict]:
+        """The rows added since the last call as plain dicts (tests, debugging)."""
+        return self.to_record_batch().to_pylist()
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else bytes(value).decode("utf-8", "replace")
