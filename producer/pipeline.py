@@ -204,6 +204,8 @@ class Pipeline:
         log.info("streaming from slot %s (publications %s) to %s", cfg.source.slot, ", ".join(self.publications),
                  cfg.kafka.bootstrap_servers)
         self._loop()
+        self._flush_all()
+        self._publish_status()  # the final numbers, for whoever watches
 
     def close(self) -> None:
         try:

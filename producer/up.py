@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psycopg
 from confluent_kafka.admin import AdminClient
@@ -220,8 +220,10 @@ def embedded_config(base_dir: Path) -> tuple[dict, list]:
 
 
 def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: float,
-           headless: bool = False, console=None) -> dict:
-    """Run until Ctrl-C or ``duration``; returns the last view snapshot."""
+           headless: bool = False, console=None, before_stop: Callable[[Config], None] | None = None) -> dict:
+    """Run until Ctrl-C or ``duration``; returns the last view snapshot.
+    ``before_stop(config)`` runs after the pipeline stopped, while the embedded
+    servers still run (tests inspect them there)."""
     from rich.console import Console
     from rich.live import Live
 
@@ -275,7 +277,19 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
                 if deadline and time.monotonic() >= deadline:
                     break
                 stop.wait(1.0)
+            # Wind down in order: no new writes, let the pipeline catch up, stop it,
+            # and show the final numbers.
+            if workload:
+                workload.stop_event.set()
+                workload.join(10)
+            _wait_caught_up(config, timeout=15)
+            stop.set()
+            producer.join(30)
+            last = sampler.sample(views.get("producer"), _slot(config), _committed(admin, config),
+                                  errors.count, 0, workload.transactions if workload else 0)
             live.update(render_view(last), refresh=True)
+        if before_stop is not None:
+            before_stop(config)
     finally:
         stop.set()
         if workload:
@@ -300,6 +314,21 @@ def _guard(fn, config: Config, stop: threading.Event, views: dict):
             log.exception("producer stopped with an error")
 
     return run
+
+
+def _wait_caught_up(config: Config, timeout: float) -> None:
+    """Until the slot has confirmed the source's current WAL position."""
+    deadline = time.monotonic() + timeout
+    try:
+        with psycopg.connect(config.source.dsn, connect_timeout=3) as conn:
+            target = lsn_to_int(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+    except psycopg.Error:
+        return
+    while time.monotonic() < deadline:
+        slot = _slot(config)
+        if slot and slot["confirmed_int"] >= target:
+            return
+        time.sleep(0.2)
 
 
 def _slot(config: Config) -> dict | None:

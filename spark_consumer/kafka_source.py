@@ -1,0 +1,782 @@
+"""A Spark Structured Streaming source for one walbridge shape topic, built on
+confluent-kafka (a Python data source: no Kafka jar is needed).
+
+Use::
+
+    from spark_consumer.kafka_source import read_shape_stream
+
+    df = read_shape_stream(spark, "wb.public.orders", bootstrap_servers="broker:9092",
+                           topic_prefix="wb", schema_registry_url=None,
+                           kafka_client={"security.protocol": "SSL"},
+                           max_offsets_per_trigger=50_000)
+    query = df.writeStream.foreachBatch(apply).option("checkpointLocation", ...).start()
+
+``read_shape_stream`` discovers the shape's schemas in the calling process,
+registers the data source and returns ``spark.readStream.format("walbridge_shape")
+.options(...).load()``. The same format can be used directly with the options
+below (discovery then runs in Spark's Python planner worker, which cannot see an
+in-process ``mock://`` registry). Rows and columns: see :mod:`spark_consumer.decode`.
+
+Options (all strings): ``topic``, ``bootstrap_servers``, ``topic_prefix`` (for
+``<prefix>._schemas``), ``schema_registry_url`` (optional), ``kafka_client`` (JSON
+object of extra librdkafka settings), ``max_offsets_per_trigger`` (alias
+``maxOffsetsPerTrigger``), ``starting_offsets`` (``earliest`` (default),
+``latest``, or JSON ``{"<partition>": offset}``, unlisted partitions earliest),
+``read_idle_timeout_s`` (default 120). Filled by discovery: ``value_schema``,
+``key_schema``, ``known_value_schemas``, ``writer_schemas``.
+
+Schema discovery: the newest ``<topic>-value`` schema (registry: the subject's
+latest version; without a registry: the last ``<prefix>._schemas`` record whose
+``wb.subject`` header is ``<topic>-value``) defines the stream's columns, and
+``<topic>-key`` marks the key columns. Every value schema version existing at
+that moment is "known" (older messages are read against the newest by name).
+
+Invariants:
+- Offsets are ``{"<partition>": next offset}`` (keys sorted numerically). Each
+  micro-batch is the fixed range [start, end) per partition that Spark wrote to
+  its offset log, so a replayed batch reads exactly the same messages: ``read``
+  takes every message with start <= offset < end and stops, whatever arrived since.
+- An end offset is never beyond what the broker has: ends come from the high
+  watermark of a Fetch response (the probe fetches each non-empty partition from
+  its reported end - 1), never from ListOffsets alone, because Tansu's
+  ListOffsets reports the last batch's base offset + 1. The probe's result is
+  never below ListOffsets', so nothing is lost on brokers that report right, and
+  nothing is stranded on Tansu. An end below a batch's start (the broker lost
+  data) stops the query with an error.
+- Read limits: ``ReadMaxRows`` (``max_offsets_per_trigger``) is shared across
+  partitions in proportion to their backlog; ``Trigger.AvailableNow`` records the
+  ends at its start and never reads beyond them. A partition added to the topic
+  joins with an empty range at its earliest offset and is read from the next batch.
+- Clients are created lazily where they are used: the end-offset probe in the
+  driver's long-lived Python process, consumers and the DLQ producer in executor
+  workers (cached per worker process, reused across tasks). Nothing with a
+  socket is pickled.
+- A message that cannot be decoded is produced to ``<topic>.dlq`` (created if
+  missing) with its key, value and headers plus ``wb.dlq.error``,
+  ``wb.dlq.topic``, ``wb.dlq.partition`` and ``wb.dlq.offset``; the task flushes
+  the DLQ before it completes (a failed delivery fails the task), and the stream
+  gets a ``_wb_control = 'dlq'`` row for it. A replayed batch may send it again:
+  the DLQ is at-least-once, deduplicate by the origin headers.
+  ``read_dead_letters`` reads it back (its length is the count).
+- ``commit`` does nothing: group offsets are committed by the apply step after
+  the target transaction commits (Spark only commits batch N-1 while planning N).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    ReadMinRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from schemas import wire
+from spark_consumer.decode import (
+    BatchBuilder,
+    SchemaChangedError,
+    ShapeLayout,
+    UndecodableMessage,
+    WriterSchemas,
+    schema_ref_key,
+)
+
+log = logging.getLogger(__name__)
+
+SOURCE_NAME = "walbridge_shape"
+DLQ_SUFFIX = ".dlq"
+SUBJECT_HEADER = "wb.subject"
+DLQ_ERROR_HEADER = "wb.dlq.error"
+DLQ_TOPIC_HEADER = "wb.dlq.topic"
+DLQ_PARTITION_HEADER = "wb.dlq.partition"
+DLQ_OFFSET_HEADER = "wb.dlq.offset"
+ARROW_BATCH_ROWS = 8192
+CONSUME_BATCH = 5000
+
+
+def dlq_topic(topic: str) -> str:
+    return topic + DLQ_SUFFIX
+
+
+# ------------------------------------------------------------------ options
+@dataclass(frozen=True)
+class SourceOptions:
+    topic: str
+    bootstrap_servers: str
+    topic_prefix: str | None = None
+    schema_registry_url: str | None = None
+    kafka_client: dict[str, Any] = field(default_factory=dict)
+    max_offsets_per_trigger: int | None = None
+    starting_offsets: str = "earliest"
+    read_idle_timeout_s: float = 120.0
+
+    @classmethod
+    def from_options(cls, options: dict[str, str]) -> SourceOptions:
+        o = {k.lower(): v for k, v in options.items()}
+        missing = [k for k in ("topic", "bootstrap_servers") if not o.get(k)]
+        if missing:
+            raise ValueError(f"{SOURCE_NAME}: missing option(s) {', '.join(missing)}")
+        limit = o.get("max_offsets_per_trigger") or o.get("maxoffsetspertrigger")
+        client = json.loads(o["kafka_client"]) if o.get("kafka_client") else {}
+        if not isinstance(client, dict):
+            raise ValueError(f"{SOURCE_NAME}: option kafka_client must be a JSON object")
+        opts = cls(topic=o["topic"], bootstrap_servers=o["bootstrap_servers"],
+                   topic_prefix=o.get("topic_prefix") or None,
+                   schema_registry_url=o.get("schema_registry_url") or None, kafka_client=client,
+                   max_offsets_per_trigger=int(limit) if limit else None,
+                   starting_offsets=o.get("starting_offsets") or "earliest",
+                   read_idle_timeout_s=float(o.get("read_idle_timeout_s") or 120.0))
+        if opts.max_offsets_per_trigger is not None and opts.max_offsets_per_trigger < 1:
+            raise ValueError(f"{SOURCE_NAME}: max_offsets_per_trigger must be >= 1")
+        return opts
+
+    def to_options(self) -> dict[str, str]:
+        out = {"topic": self.topic, "bootstrap_servers": self.bootstrap_servers,
+               "starting_offsets": self.starting_offsets, "read_idle_timeout_s": str(self.read_idle_timeout_s)}
+        if self.topic_prefix:
+            out["topic_prefix"] = self.topic_prefix
+        if self.schema_registry_url:
+            out["schema_registry_url"] = self.schema_registry_url
+        if self.kafka_client:
+            out["kafka_client"] = json.dumps(self.kafka_client)
+        if self.max_offsets_per_trigger is not None:
+            out["max_offsets_per_trigger"] = str(self.max_offsets_per_trigger)
+        return out
+
+    def client_conf(self) -> dict[str, Any]:
+        return {"bootstrap.servers": self.bootstrap_servers, **self.kafka_client}
+
+
+# ---------------------------------------------------------- schema discovery
+@dataclass(frozen=True)
+class ShapeSchemas:
+    """What a stream decodes with: the layout's value/key schemas, the refs
+    (``id:<n>`` / ``fp:<hex>``) of value schemas known at discovery, and writer
+    schemas by ref handed to executors (registry mode: all versions)."""
+
+    value_schema: dict
+    key_schema: dict | None = None
+    known_value_refs: tuple[str, ...] = ()
+    writer_schemas: dict[str, dict] = field(default_factory=dict)
+
+    def to_options(self) -> dict[str, str]:
+        out = {"value_schema": json.dumps(self.value_schema),
+               "known_value_schemas": json.dumps(list(self.known_value_refs))}
+        if self.key_schema is not None:
+            out["key_schema"] = json.dumps(self.key_schema)
+        if self.writer_schemas:
+            out["writer_schemas"] = json.dumps(self.writer_schemas)
+        return out
+
+    @classmethod
+    def from_options(cls, options: dict[str, str]) -> ShapeSchemas | None:
+        o = {k.lower(): v for k, v in options.items()}
+        if not o.get("value_schema"):
+            return None
+        value = json.loads(o["value_schema"])
+        known = list(json.loads(o.get("known_value_schemas") or "[]"))
+        fp = "fp:" + wire.schema_fingerprint(value).hex()
+        if fp not in known:
+            known.append(fp)
+        return cls(value, json.loads(o["key_schema"]) if o.get("key_schema") else None, tuple(known),
+                   json.loads(o.get("writer_schemas") or "{}"))
+
+    def layout(self) -> ShapeLayout:
+        return ShapeLayout.from_schemas(self.value_schema, self.key_schema)
+
+
+def discover_schemas(opts: SourceOptions, timeout: float = 30.0) -> ShapeSchemas:
+    """The shape's newest value schema (and key schema) from the registry or
+    the ``<prefix>._schemas`` topic. Raises ``LookupError`` when the topic has
+    no value schema yet (the producer publishes it before the first message)."""
+    value_subject, key_subject = f"{opts.topic}-value", f"{opts.topic}-key"
+    if opts.schema_registry_url:
+        from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+        from producer.kafka_io import registry_client
+
+        client = registry_client(opts.schema_registry_url)
+        writers: dict[str, dict] = {}
+
+        def versions(subject: str) -> list[tuple[int, int, dict]]:
+            try:
+                found = [client.get_version(subject, v) for v in client.get_versions(subject)]
+            except SchemaRegistryError as e:
+                if e.http_status_code == 404:
+                    return []
+                raise
+            out = [(r.version, r.schema_id, json.loads(r.schema.schema_str)) for r in found]
+            for _, schema_id, schema in out:
+                writers[f"id:{schema_id}"] = schema
+            return sorted(out, key=lambda t: t[0])
+
+        values = versions(value_subject)
+        if not values:
+            raise LookupError(f"no schema under subject {value_subject!r} in {opts.schema_registry_url}: "
+                              "has the producer published this shape yet?")
+        keys = versions(key_subject)
+        return ShapeSchemas(values[-1][2], keys[-1][2] if keys else None,
+                            tuple(f"id:{i}" for _, i, _ in values), writers)
+    if not opts.topic_prefix:
+        raise ValueError(f"{SOURCE_NAME}: without schema_registry_url the option topic_prefix is needed "
+                         "(schemas live in <topic_prefix>._schemas)")
+    records = read_schemas_topic(opts.client_conf(), opts.topic_prefix + wire.SCHEMAS_TOPIC_SUFFIX, timeout)
+    values = [(fp, s) for subject, fp, s in records if subject == value_subject]
+    keys = [(fp, s) for subject, fp, s in records if subject == key_subject]
+    if not values:
+        raise LookupError(f"no schema for subject {value_subject!r} in {opts.topic_prefix}{wire.SCHEMAS_TOPIC_SUFFIX}: "
+                          "has the producer published this shape yet?")
+    return ShapeSchemas(values[-1][1], keys[-1][1] if keys else None,
+                        tuple(dict.fromkeys(f"fp:{fp}" for fp, _ in values)))
+
+
+def read_schemas_topic(conf: dict[str, Any], schemas_topic: str, timeout: float = 30.0) -> list[tuple[str, str, dict]]:
+    """``(subject, fingerprint hex, schema)`` of every record of the schemas
+    topic, in publication order (read to end-of-partition, as it is reported
+    by Fetch)."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
+    consumer = Consumer({**conf, "group.id": f"walbridge-discover-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "enable.partition.eof": True})
+    try:
+        meta = consumer.list_topics(schemas_topic, timeout=timeout).topics.get(schemas_topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            return []
+        consumer.assign([TopicPartition(schemas_topic, p, OFFSET_BEGINNING) for p in sorted(meta.partitions)])
+        pending = set(meta.partitions)
+        out: list[tuple[int, int, str, str, dict]] = []
+        deadline = time.monotonic() + timeout
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {schemas_topic} timed out")
+            msg = consumer.poll(1.0)
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    pending.discard(msg.partition())
+                    continue
+                raise KafkaException(msg.error())
+            subject = wire.header(msg.headers(), SUBJECT_HEADER)
+            if subject is None or msg.key() is None or msg.value() is None:
+                continue
+            out.append((msg.partition(), msg.offset(), subject.decode(), msg.key().decode(), json.loads(msg.value())))
+        out.sort(key=lambda r: (r[0], r[1]))
+        return [(subject, fp, schema) for _, _, subject, fp, schema in out]
+    finally:
+        consumer.close()
+
+
+# ---------------------------------------------------------- offset planning
+Offsets = dict[int, int]
+
+
+def offsets_to_json(offsets: Offsets) -> dict[str, int]:
+    return {str(p): int(offsets[p]) for p in sorted(offsets)}
+
+
+def offsets_from_json(offsets: dict | None) -> Offsets:
+    return {int(p): int(o) for p, o in (offsets or {}).items()}
+
+
+def plan_end_offsets(start: Offsets, available: Offsets, max_rows: int | None) -> Offsets:
+    """The end of the next batch for each partition of ``start``: everything
+    up to ``available`` or, when that exceeds ``max_rows`` offsets in total, a
+    share of ``max_rows`` proportional to each partition's backlog (largest
+    remainders get the leftover). Never below start, never above available."""
+    lag = {p: max(0, available.get(p, s) - s) for p, s in start.items()}
+    total = sum(lag.values())
+    if max_rows is None or total <= max_rows:
+        return {p: start[p] + lag[p] for p in start}
+    shares = {p: lag[p] * max_rows // total for p in start}
+    leftover = max_rows - sum(shares.values())
+    by_remainder = sorted((p for p in start if shares[p] < lag[p]),
+                          key=lambda p: (-(lag[p] * max_rows % total), p))
+    for p in by_remainder[:leftover]:
+        shares[p] += 1
+    return {p: start[p] + shares[p] for p in start}
+
+
+@dataclass
+class OffsetRange(InputPartition):
+    """One Spark task: the messages of ``topic[partition]`` with
+    ``start <= offset < end``."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        InputPartition.__init__(self, (self.topic, self.partition, self.start, self.end))
+
+
+def plan_ranges(topic: str, start: Offsets, end: Offsets) -> list[OffsetRange]:
+    """The non-empty ranges of a batch; a partition absent from ``start``
+    (added to the topic in this batch) has an empty range by construction."""
+    return [OffsetRange(topic, p, start[p], end[p]) for p in sorted(end) if p in start and end[p] > start[p]]
+
+
+# ------------------------------------------------------------- driver side
+class PartitionEnds:
+    """The driver's view of the topic: partitions, earliest offsets and true end
+    offsets (see the module invariants on Tansu). One consumer, created on first
+    use, never committing."""
+
+    def __init__(self, opts: SourceOptions, timeout: float = 30.0):
+        self._opts = opts
+        self._timeout = timeout
+        self._consumer = None
+
+    def _client(self):
+        if self._consumer is None:
+            from confluent_kafka import Consumer
+
+            self._consumer = Consumer({
+                **self._opts.client_conf(), "group.id": f"walbridge-probe-{uuid.uuid4().hex}",
+                "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "latest",
+                "max.partition.fetch.bytes": 65536, "queued.max.messages.kbytes": 4096})
+        return self._consumer
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+
+    def partitions(self) -> list[int]:
+        topic = self._opts.topic
+        meta = self._client().list_topics(topic, timeout=self._timeout).topics.get(topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            raise LookupError(f"topic {topic} does not exist or has no partitions "
+                              f"({meta.error if meta is not None else 'not in metadata'})")
+        return sorted(meta.partitions)
+
+    def reported(self) -> dict[int, tuple[int, int]]:
+        """ListOffsets' (earliest, end) per partition; the end may be low."""
+        from confluent_kafka import TopicPartition
+
+        c = self._client()
+        return {p: c.get_watermark_offsets(TopicPartition(self._opts.topic, p), timeout=self._timeout)
+                for p in self.partitions()}
+
+    def lows_and_ends(self) -> tuple[Offsets, Offsets]:
+        """(earliest offsets, true end offsets) per partition."""
+        from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+        topic = self._opts.topic
+        reported = self.reported()
+        lows = {p: lo for p, (lo, _) in reported.items()}
+        ends = {p: max(hi, lo) for p, (lo, hi) in reported.items()}
+        # Partitions ListOffsets calls empty are: Tansu's value is then 0 as
+        # well. Probe the others from the last reported offset: that message
+        # exists, so the Fetch answers at once and carries the high watermark.
+        probe = [p for p, (lo, hi) in reported.items() if hi > lo]
+        if not probe:
+            return lows, ends
+        c = self._client()
+        c.assign([TopicPartition(topic, p, ends[p] - 1) for p in probe])
+        try:
+            pending = set(probe)
+            deadline = time.monotonic() + self._timeout
+            while pending and time.monotonic() < deadline:
+                for msg in c.consume(num_messages=1000, timeout=0.5):
+                    err = msg.error()
+                    if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                        if err.fatal():
+                            raise KafkaException(err)
+                        log.warning("probing the end of %s[%s]: %s", topic, msg.partition(), err)
+                        if msg.partition() is None or msg.topic() != topic:
+                            continue  # a client-level event, not this partition's answer
+                    pending.discard(msg.partition())
+            for p in probe:
+                if p in pending:
+                    log.warning("probing the end of %s[%d] timed out; using the reported end %d", topic, p, ends[p])
+                    continue
+                _, hwm = c.get_watermark_offsets(TopicPartition(topic, p), cached=True)
+                if hwm > ends[p]:
+                    ends[p] = hwm
+        finally:
+            c.unassign()
+        return lows, ends
+
+
+class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """See the module docstring. Driver-side state (probe, availableNow target)
+    lives only in Spark's long-lived source process; executors only ``read``."""
+
+    def __init__(self, opts: SourceOptions, schemas: ShapeSchemas):
+        self._opts = opts
+        self._schemas = schemas
+        self._ends: PartitionEnds | None = None
+        self._target: Offsets | None = None
+        self._last_ends: Offsets | None = None
+
+    def __getstate__(self) -> dict:
+        return {"_opts": self._opts, "_schemas": self._schemas, "_ends": None, "_target": None, "_last_ends": None}
+
+    def _probe(self) -> PartitionEnds:
+        if self._ends is None:
+            self._ends = PartitionEnds(self._opts)
+        return self._ends
+
+    # -- driver
+    def initialOffset(self) -> dict:
+        lows, ends = self._probe().lows_and_ends()
+        how = self._opts.starting_offsets.strip()
+        if how == "earliest":
+            start = lows
+        elif how == "latest":
+            start = ends
+        else:
+            given = offsets_from_json(json.loads(how))
+            start = {p: min(max(given.get(p, lows[p]), lows[p]), ends[p]) for p in lows}
+        log.info("%s starts at %s", self._opts.topic, start)
+        return offsets_to_json(start)
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self._opts.max_offsets_per_trigger is not None:
+            return ReadMaxRows(self._opts.max_offsets_per_trigger)
+        return ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self._probe().lows_and_ends()[1]
+        log.info("%s: availableNow reads up to %s", self._opts.topic, self._target)
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        begin = offsets_from_json(start)
+        lows, ends = self._probe().lows_and_ends()
+        if self._target is not None:
+            ends = {p: min(e, self._target[p]) for p, e in ends.items() if p in self._target}
+        self._last_ends = ends
+        lost = {p: (begin[p], ends[p]) for p in begin if p in ends and ends[p] < begin[p]}
+        if lost:
+            raise RuntimeError(
+                f"{self._opts.topic}: the broker holds fewer messages than already read "
+                + ", ".join(f"[{p}] end {e} < read {s}" for p, (s, e) in sorted(lost.items()))
+                + " (the broker lost data); not continuing")
+        available = {p: ends.get(p, s) for p, s in begin.items()}
+        max_rows = None
+        if isinstance(limit, ReadMaxRows):
+            max_rows = limit.max_rows
+        elif isinstance(limit, ReadMinRows):
+            if sum(max(0, available[p] - s) for p, s in begin.items()) < limit.min_rows:
+                return offsets_to_json(begin)
+        end = plan_end_offsets(begin, available, max_rows)
+        for p in ends:
+            if p not in begin:  # a new partition: joins empty, read from the next batch on
+                end[p] = lows[p]
+                log.info("%s: partition %d joins at offset %d", self._opts.topic, p, lows[p])
+        return offsets_to_json(end)
+
+    def reportLatestOffset(self) -> dict | None:
+        return offsets_to_json(self._last_ends) if self._last_ends is not None else None
+
+    def partitions(self, start: dict, end: dict) -> list[OffsetRange]:
+        return plan_ranges(self._opts.topic, offsets_from_json(start), offsets_from_json(end))
+
+    def commit(self, end: dict) -> None:
+        """Nothing to do: the apply step commits group offsets after its target commits."""
+
+    def stop(self) -> None:
+        if self._ends is not None:
+            self._ends.close()
+
+    # -- executors
+    def read(self, partition: OffsetRange) -> Iterator[Any]:
+        return read_offset_range(self._opts, self._schemas, partition)
+
+
+class ShapeTopicDataSource(DataSource):
+    """``spark.readStream.format("walbridge_shape")``: one shape topic."""
+
+    @classmethod
+    def name(cls) -> str:
+        return SOURCE_NAME
+
+    def __init__(self, options: dict[str, str]):
+        super().__init__(options)
+        self._opts = SourceOptions.from_options(dict(options))
+        self._shape_schemas = ShapeSchemas.from_options(dict(options))
+
+    def _discovered(self) -> ShapeSchemas:
+        # Runs where Spark first asks (its planner worker); the result travels
+        # with this pickled instance to the other processes.
+        if self._shape_schemas is None:
+            self._shape_schemas = discover_schemas(self._opts)
+        return self._shape_schemas
+
+    def schema(self) -> StructType:
+        return self._discovered().layout().spark_schema()
+
+    def streamReader(self, schema: StructType) -> ShapeStreamReader:
+        schemas = self._discovered()
+        expected = schemas.layout().spark_schema()
+        if schema.simpleString() != expected.simpleString():
+            raise ValueError(f"{SOURCE_NAME} derives its schema from the shape's Avro schema; "
+                             f"do not pass one (got {schema.simpleString()})")
+        return ShapeStreamReader(self._opts, schemas)
+
+
+def read_shape_stream(spark, topic: str, bootstrap_servers: str, topic_prefix: str | None = None,
+                      schema_registry_url: str | None = None, kafka_client: dict[str, Any] | None = None,
+                      max_offsets_per_trigger: int | None = None, starting_offsets: str | dict = "earliest",
+                      schemas: ShapeSchemas | None = None):
+    """The streaming DataFrame of one shape topic (schemas discovered here,
+    in the calling process, unless given)."""
+    if isinstance(starting_offsets, dict):
+        starting_offsets = json.dumps(offsets_to_json(offsets_from_json(starting_offsets)))
+    opts = SourceOptions(topic=topic, bootstrap_servers=bootstrap_servers, topic_prefix=topic_prefix,
+                         schema_registry_url=schema_registry_url, kafka_client=dict(kafka_client or {}),
+                         max_offsets_per_trigger=max_offsets_per_trigger, starting_offsets=starting_offsets)
+    schemas = schemas or discover_schemas(opts)
+    schemas.layout()  # fail here, not in a worker, on an unmappable schema
+    spark.dataSource.register(ShapeTopicDataSource)
+    return spark.readStream.format(SOURCE_NAME).options(**opts.to_options(), **schemas.to_options()).load()
+
+
+# ----------------------------------------------------------- executor side
+# Per worker process (Python workers are reused across tasks): Kafka clients,
+# writer-schema caches and DLQ topic creation happen once, not once per task.
+_consumers: dict[str, Any] = {}
+_dlq_producers: dict[str, Any] = {}
+_writer_schemas: dict[str, WriterSchemas] = {}
+_dlq_topics_ready: set[tuple[str, str]] = set()
+
+
+def _conf_key(conf: dict[str, Any]) -> str:
+    return json.dumps(conf, sort_keys=True, default=str)
+
+
+def _range_consumer(opts: SourceOptions):
+    conf = opts.client_conf()
+    key = _conf_key(conf)
+    consumer = _consumers.get(key)
+    if consumer is None:
+        from confluent_kafka import Consumer
+
+        consumer = _consumers[key] = Consumer({
+            **conf, "group.id": f"walbridge-source-{uuid.uuid4().hex}", "enable.auto.commit": False,
+            "enable.auto.offset.store": False, "enable.partition.eof": True,
+            # An offset that is no longer there is data loss: fail, never skip.
+            "auto.offset.reset": "error"})
+    return consumer
+
+
+def schema_lookup(opts: SourceOptions, preloaded: dict[str, dict]):
+    """Writer schema (JSON) by wire reference: handed-over schemas first, then
+    the registry (by id) or the schemas topic (by fingerprint). Not found →
+    :class:`UndecodableMessage`; failures to look up propagate."""
+    from schemas.reader import SchemaResolver
+
+    resolver = SchemaResolver(opts.client_conf(), opts.topic_prefix, opts.schema_registry_url)
+
+    def lookup(ref: wire.SchemaRef, data: bytes) -> dict:
+        key = schema_ref_key(ref)
+        found = preloaded.get(key)
+        if found is not None:
+            return found
+        if ref.kind == "confluent":
+            if not opts.schema_registry_url:
+                raise UndecodableMessage(f"Confluent-framed message (schema id {ref.ref}) "
+                                         "but no schema registry is configured")
+            from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+            from producer.kafka_io import registry_client
+
+            try:
+                return json.loads(registry_client(opts.schema_registry_url).get_schema(ref.ref).schema_str)
+            except SchemaRegistryError as e:
+                if e.http_status_code == 404:
+                    hint = (" (a mock:// registry lives in one process: executors only know the schemas "
+                            "handed over at stream start)") if opts.schema_registry_url.startswith("mock://") else ""
+                    raise UndecodableMessage(f"unknown schema id {ref.ref}{hint}") from None
+                raise
+        if not opts.topic_prefix:
+            raise UndecodableMessage("single-object-encoded message but no topic_prefix (schemas topic) is configured")
+        try:
+            return resolver.raw_schema(data)
+        except ValueError as e:
+            raise UndecodableMessage(str(e)) from None
+
+    return lookup
+
+
+def _writer_schemas_for(opts: SourceOptions, schemas: ShapeSchemas) -> WriterSchemas:
+    key = _conf_key({"opts": asdict(opts), "value": schemas.value_schema, "key": schemas.key_schema,
+                     "known": schemas.known_value_refs})
+    ws = _writer_schemas.get(key)
+    if ws is None:
+        ws = _writer_schemas[key] = WriterSchemas(schemas.layout(), schema_lookup(opts, schemas.writer_schemas),
+                                                  frozenset(schemas.known_value_refs))
+    return ws
+
+
+class DeadLetters:
+    """Sends undecodable messages to ``<topic>.dlq`` (per-process producer)."""
+
+    def __init__(self, opts: SourceOptions):
+        self._opts = opts
+        self.topic = dlq_topic(opts.topic)
+        self.sent = 0
+        self._errors: list[str] = []
+
+    def _producer(self):
+        conf = self._opts.client_conf()
+        key = _conf_key(conf)
+        producer = _dlq_producers.get(key)
+        if producer is None:
+            from confluent_kafka import Producer
+
+            producer = _dlq_producers[key] = Producer({**conf, "enable.idempotence": True, "acks": "all",
+                                                       "linger.ms": 5})
+        if (key, self.topic) not in _dlq_topics_ready:
+            from confluent_kafka.admin import AdminClient
+
+            from producer.kafka_io import ensure_topics
+
+            ensure_topics(AdminClient(conf), [self.topic], partitions=1, replication=-1)
+            _dlq_topics_ready.add((key, self.topic))
+        return producer
+
+    def send(self, msg: Any, error: str) -> None:
+        headers = list(msg.headers() or []) + [
+            (DLQ_ERROR_HEADER, error.encode()), (DLQ_TOPIC_HEADER, msg.topic().encode()),
+            (DLQ_PARTITION_HEADER, str(msg.partition()).encode()), (DLQ_OFFSET_HEADER, str(msg.offset()).encode())]
+        log.warning("%s[%d]@%d cannot be decoded (%s): sent to %s", msg.topic(), msg.partition(), msg.offset(),
+                    error, self.topic)
+        producer = self._producer()
+
+        def delivered(err, _msg) -> None:
+            if err is not None:
+                self._errors.append(err.str())
+
+        while True:
+            try:
+                producer.produce(self.topic, value=msg.value(), key=msg.key(), headers=headers, on_delivery=delivered)
+                break
+            except BufferError:
+                producer.poll(0.1)
+        producer.poll(0)
+        self.sent += 1
+
+    def flush(self, timeout: float = 60.0) -> None:
+        if not self.sent:
+            return
+        producer = self._producer()
+        if producer.flush(timeout):
+            raise RuntimeError(f"could not deliver {len(producer)} message(s) to {self.topic} in {timeout}s")
+        if self._errors:
+            raise RuntimeError(f"delivery to {self.topic} failed: {self._errors[0]}")
+
+
+def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRange) -> Iterator[Any]:
+    """Arrow record batches of every message in ``task``'s range, in offset
+    order (executor side)."""
+    from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+    topic, partition, end = task.topic, task.partition, task.end
+    builder = BatchBuilder(schemas.layout(), _writer_schemas_for(opts, schemas))
+    dead_letters = DeadLetters(opts)
+    consumer = _range_consumer(opts)
+    consumer.assign([TopicPartition(topic, partition, task.start)])
+    try:
+        next_offset = task.start
+        eof_at = None
+        idle_since = time.monotonic()
+        while next_offset < end:
+            msgs = consumer.consume(num_messages=min(CONSUME_BATCH, end - next_offset), timeout=1.0)
+            if not msgs and time.monotonic() - idle_since > opts.read_idle_timeout_s:
+                raise TimeoutError(
+                    f"{topic}[{partition}]: no message at offset {next_offset} for {opts.read_idle_timeout_s}s "
+                    f"(batch range ends at {end}; broker end of partition {eof_at}): the broker lost data?")
+            for msg in msgs:
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        eof_at = msg.offset()
+                        if eof_at >= end:  # the rest of the range holds no visible message
+                            next_offset = end
+                            break
+                        continue
+                    raise KafkaException(err)
+                offset = msg.offset()
+                if offset >= end:
+                    next_offset = end
+                    break
+                if offset < next_offset:
+                    continue
+                try:
+                    builder.add(topic, partition, offset, msg.key(), msg.value(), msg.headers())
+                except UndecodableMessage as e:
+                    dead_letters.send(msg, str(e))
+                    builder.add_dlq(topic, partition, offset, msg.headers(), str(e))
+                next_offset = offset + 1
+            idle_since = time.monotonic() if msgs else idle_since
+            if builder.count >= ARROW_BATCH_ROWS:
+                yield builder.to_record_batch()
+        if builder.count:
+            yield builder.to_record_batch()
+        dead_letters.flush()
+    except SchemaChangedError:
+        log.error("%s[%d]: writer schema changed under the stream; stopping", topic, partition)
+        raise
+    finally:
+        consumer.unassign()
+
+
+# ---------------------------------------------------------------- DLQ reading
+@dataclass(frozen=True)
+class DeadLetter:
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    error: str
+    origin: tuple[str, int, int]  # topic, partition, offset
+    headers: dict[str, bytes]
+
+
+def read_dead_letters(bootstrap_servers: str, topic: str, kafka_client: dict[str, Any] | None = None,
+                      timeout: float = 30.0) -> list[DeadLetter]:
+    """Every message in ``<topic>.dlq`` (empty when it does not exist)."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
+    name = dlq_topic(topic)
+    consumer = Consumer({"bootstrap.servers": bootstrap_servers, **(kafka_client or {}),
+                         "group.id": f"walbridge-dlq-{uuid.uuid4().hex}", "enable.auto.commit": False,
+                         "enable.partition.eof": True})
+    try:
+        meta = consumer.list_topics(name, timeout=timeout).topics.get(name)
+        if meta is None or meta.error is not None or not meta.partitions:
+            return []
+        consumer.assign([TopicPartition(name, p, OFFSET_BEGINNING) for p in meta.partitions])
+        pending = set(meta.partitions)
+        out = []
+        deadline = time.monotonic() + timeout
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {name} timed out")
+            msg = consumer.poll(1.0)
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    pending.discard(msg.partition())
+                    continue
+                raise KafkaException(msg.error())
+            h = dict(msg.headers() or [])
+            out.append(DeadLetter(msg.offset(), msg.key(), msg.value(), h.get(DLQ_ERROR_HEADER, b"").decode(),
+                                  (h.get(DLQ_TOPIC_HEADER, b"").decode(), int(h.get(DLQ_PARTITION_HEADER, b"-1")),
+                                   int(h.get(DLQ_OFFSET_HEADER, b"-1"))), h))
+        return sorted(out, key=lambda d: d.offset)
+    finally:
+        consumer.close()

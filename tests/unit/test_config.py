@@ -1,0 +1,96 @@
+"""Every documented config error produces its message, naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from producer.cli import main
+from producer.config import ConfigError, load_config, parse_config, redact_dsn
+
+GOOD = {
+    "source": {"dsn": "postgresql://u:secret@db:5432/app"},
+    "kafka": {"bootstrap_servers": "k:9092"},
+    "shapes": [{"table": "public.orders"}],
+}
+
+
+def with_(path: str, value, base=None):
+    import copy
+
+    data = copy.deepcopy(base or GOOD)
+    keys = path.split(".")
+    node = data
+    for k in keys[:-1]:
+        node = node[int(k)] if k.isdigit() else node.setdefault(k, {})
+    if value is _DELETE:
+        del node[keys[-1]]
+    else:
+        node[keys[-1]] = value
+    return data
+
+
+_DELETE = object()
+
+BAD = [
+    (with_("source", _DELETE), "source: is required"),
+    (with_("source.dsn", _DELETE), "source.dsn: is required"),
+    (with_("source.dsn", "host=db port=notaport sslmode=bogus x"), "source.dsn: is not a valid PostgreSQL connection"),
+    (with_("source.slot", "Bad-Slot"), "source.slot: must be 1-63 characters"),
+    (with_("source.snapshot_workers", 0), "source.snapshot_workers: Input should be greater than or equal to 1"),
+    (with_("source.keyless_tables", "maybe"), "source.keyless_tables: Input should be 'refuse' or 'inserts_only'"),
+    (with_("source.dns", "x"), "source.dns: is not a known setting"),
+    (with_("kafka.bootstrap_servers", _DELETE), "kafka.bootstrap_servers: is required"),
+    (with_("kafka.topic_prefix", "wb prefix"), "kafka.topic_prefix: may contain only letters"),
+    (with_("kafka.partitions", 0), "kafka.partitions: Input should be greater than or equal to 1"),
+    (with_("kafka.schema_registry_url", "registry:8081"), "kafka.schema_registry_url: must start with http://"),
+    (with_("shapes", []), "shapes: List should have at least 1 item"),
+    (with_("shapes.0.table", "no spaces allowed"), "shapes[0].table: 'no spaces allowed' is not a table name"),
+    (with_("shapes.0.table", _DELETE), "shapes[0].table: is required"),
+    (with_("shapes.0.where", "lower(region) = 'eu'"), "shapes[0].where: "),
+    (with_("shapes.0.where", "region = 'eu' AND (SELECT 1) = 1"), "subqueries"),
+    (with_("shapes.0.where", ""), "shapes[0].where"),
+    (with_("shapes.0.columns", []), "shapes[0].columns: must list at least one column"),
+    (with_("shapes.0.columns", ["id", "id"]), "shapes[0].columns: lists id more than once"),
+    (with_("shapes.0.name", "bad name"), "shapes[0].name: 'bad name' may contain only"),
+    ({**GOOD, "shapes": [{"table": "public.orders"}, {"table": "orders"}]},
+     "shapes[1].name: shape name 'public.orders' is already used by shapes[0]"),
+    (with_("ack.on_stall", "panic"), "ack.on_stall: Input should be 'hold' or 'drop'"),
+    (with_("ack.interval", 0), "ack.interval: Input should be greater than 0"),
+    (with_("metrics.port", 70000), "metrics.port: Input should be less than or equal to 65535"),
+    (with_("consumer.target_dsn", "warehouse"), "consumer.target_dsn: is not a valid PostgreSQL connection"),
+]
+
+
+@pytest.mark.parametrize("data,fragment", BAD, ids=[b[1][:40] for b in BAD])
+def test_bad_config_names_key_and_problem(data, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse_config(data)
+    assert fragment in str(e.value)
+
+
+def test_good_config_defaults():
+    cfg = parse_config(GOOD)
+    assert cfg.shapes[0].shape_name == "public.orders" and cfg.topic(cfg.shapes[0]) == "wb.public.orders"
+    assert cfg.ack_groups == ["walbridge-spark"]
+    assert parse_config(with_("ack.consumer_groups", [])).ack_groups == []
+    assert parse_config(with_("shapes.0.table", "orders")).shapes[0].table == "public.orders"
+    assert parse_config(with_("shapes.0.table", 'app."Order Items"')).shapes[0].table_name == "Order Items"
+
+
+def test_errors_never_show_secrets():
+    with pytest.raises(ConfigError) as e:
+        parse_config(with_("source.slot", "BAD", with_("source.dsn", "postgresql://u:hunter2@db/app")))
+    assert "hunter2" not in str(e.value)
+    assert redact_dsn("postgresql://u:hunter2@db/app") == "postgresql://u:***@db/app"
+    assert redact_dsn("host=db password=hunter2 user=u") == "host=db password=*** user=u"
+
+
+def test_file_errors(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[source\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    assert main(["check-config", "-c", str(bad)]) == 2
+    assert "not valid TOML" in capsys.readouterr().err
