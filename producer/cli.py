@@ -70,6 +70,27 @@ def cmd_up(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from producer.verify import as_json, render, verify
+
+    config = load_config(args.config)
+    diffs = verify(config, args.shape or None)
+    if args.json:
+        print(json.dumps(as_json(diffs), indent=2, default=str))
+    else:
+        from rich.console import Console
+
+        console = Console()
+        console.print(render(diffs))
+        for d in diffs:
+            for label, keys in (("missing in target", d.missing), ("extra in target", d.extra),
+                                ("different", d.changed)):
+                if keys:
+                    shown = ", ".join(map(str, keys[:10])) + (" ..." if len(keys) > 10 else "")
+                    console.print(f"{d.shape}: {len(keys)} key(s) {label}: {shown}")
+    return 0 if all(d.ok for d in diffs) else 1
+
+
 def cmd_status(args) -> int:
     from producer.status import collect_status, render_status
 
@@ -105,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=".walbridge/up", help="where embedded data and logs live")
     p.add_argument("--headless", action="store_true", help="no live view; print the final view")
     p.set_defaults(func=cmd_up)
+    p = sub.add_parser("verify", help="compare every shape's target table with the source")
+    p.add_argument("-c", "--config", required=True)
+    p.add_argument("--shape", action="append", help="only this shape (repeatable)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_verify)
     p = sub.add_parser("status", help="slot, writers, consumer groups and producer state")
     p.add_argument("-c", "--config", required=True)
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -1,0 +1,160 @@
+"""``walbridge verify``: does each shape's target table equal
+``SELECT <columns> FROM <table> WHERE <filter>`` at the source?
+
+Method (the self-correcting sink's eye, seed 004): compare counts, then a hash
+per key bucket, then — only inside buckets that differ — the keys themselves.
+
+Invariants:
+- Nothing is loaded into client memory but per-bucket aggregates and the keys
+  of differing buckets: both databases compute, in one streaming GROUP BY each,
+  ``count(*)`` and the sum of a 64-bit hash of each row's text per bucket, where
+  the bucket is a hash of the key's text. Sums are order-independent, so no sort.
+- Rows are compared by their PostgreSQL text form with identical session
+  settings on both sides (UTC, ISO dates, full float precision); the target
+  holds the same types as the source (enums as text, which print the same).
+- Keyless shapes are compared as multisets of rows (the bucket is the row hash).
+- Read-only on both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import sql
+
+from producer.catalog import TableInfo, table_info
+from producer.config import Config, ShapeConfig
+from producer.replication import connect
+
+MAX_KEYS_SHOWN = 20
+
+
+@dataclass
+class ShapeDiff:
+    shape: str
+    source_table: str
+    target_table: str
+    source_rows: int = 0
+    target_rows: int = 0
+    buckets: int = 0
+    differing_buckets: int = 0
+    missing: list = field(default_factory=list)  # keys at the source, not in the target
+    extra: list = field(default_factory=list)  # keys in the target, not at the source
+    changed: list = field(default_factory=list)  # keys whose rows differ
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not (self.missing or self.extra or self.changed) \
+            and self.source_rows == self.target_rows and self.differing_buckets == 0
+
+
+def target_table_name(shape: ShapeConfig) -> tuple[str, str]:
+    """A ``schema.table`` shape name keeps its schema; an undotted one goes to public."""
+    name = shape.shape_name
+    return tuple(name.split(".", 1)) if "." in name else ("public", name)  # type: ignore[return-value]
+
+
+def _select(schema: str, table: str, columns: list[str], where: str | None) -> sql.Composable:
+    q = sql.SQL("SELECT {} FROM {}").format(sql.SQL(", ").join(sql.Identifier(c) for c in columns),
+                                            sql.Identifier(schema, table))
+    if where:
+        q += sql.SQL(" WHERE ") + sql.SQL(where)  # validated at config time (safe subset)
+    return q
+
+
+def _bucket_query(rows: sql.Composable, columns: list[str], keys: list[str], buckets: int) -> sql.Composable:
+    key_expr = (sql.SQL("ROW({})::text").format(sql.SQL(", ").join(sql.Identifier(k) for k in keys))
+                if keys else sql.SQL("r::text"))
+    return sql.SQL(
+        "SELECT abs(hashtextextended({key}, 0) % {n}) AS b, count(*), sum(hashtextextended(r::text, 0)::numeric)"
+        " FROM ({rows}) r GROUP BY 1").format(key=key_expr, n=sql.Literal(buckets), rows=rows)
+
+
+def _keys_query(rows: sql.Composable, keys: list[str], buckets: int, which: list[int]) -> sql.Composable:
+    key_expr = (sql.SQL("ROW({})::text").format(sql.SQL(", ").join(sql.Identifier(k) for k in keys))
+                if keys else sql.SQL("r::text"))
+    return sql.SQL(
+        "SELECT {key}, hashtextextended(r::text, 0) FROM ({rows}) r"
+        " WHERE abs(hashtextextended({key}, 0) % {n}) = ANY({which})").format(
+        key=key_expr, rows=rows, n=sql.Literal(buckets), which=sql.Literal(which))
+
+
+def verify_shape(source: psycopg.Connection, target: psycopg.Connection, shape: ShapeConfig,
+                 info: TableInfo) -> ShapeDiff:
+    t_schema, t_table = target_table_name(shape)
+    diff = ShapeDiff(shape.shape_name, shape.table, f"{t_schema}.{t_table}")
+    columns = list(shape.columns) if shape.columns else [c.name for c in info.columns]
+    keys = list(info.primary_key)
+    if table_info(target, t_schema, t_table) is None:
+        diff.error = f"target table {t_schema}.{t_table} does not exist"
+        return diff
+    src_rows = _select(info.schema, info.name, columns, shape.where)
+    tgt_rows = _select(t_schema, t_table, columns, None)
+    diff.source_rows = source.execute(sql.SQL("SELECT count(*) FROM ({}) r").format(src_rows)).fetchone()[0]
+    diff.target_rows = target.execute(sql.SQL("SELECT count(*) FROM ({}) r").format(tgt_rows)).fetchone()[0]
+    diff.buckets = n = max(64, min(65536, max(diff.source_rows, diff.target_rows) // 2000))
+    src_b = {b: (c, h) for b, c, h in source.execute(_bucket_query(src_rows, columns, keys, n))}
+    tgt_b = {b: (c, h) for b, c, h in target.execute(_bucket_query(tgt_rows, columns, keys, n))}
+    differing = sorted(b for b in set(src_b) | set(tgt_b) if src_b.get(b) != tgt_b.get(b))
+    diff.differing_buckets = len(differing)
+    for i in range(0, len(differing), 256):
+        which = differing[i:i + 256]
+        src_k = dict(source.execute(_keys_query(src_rows, keys, n, which)).fetchall()) if keys else None
+        tgt_k = dict(target.execute(_keys_query(tgt_rows, keys, n, which)).fetchall()) if keys else None
+        if keys:
+            diff.missing += sorted(set(src_k) - set(tgt_k))
+            diff.extra += sorted(set(tgt_k) - set(src_k))
+            diff.changed += sorted(k for k in set(src_k) & set(tgt_k) if src_k[k] != tgt_k[k])
+        else:
+            from collections import Counter
+
+            s = Counter(r[1] for r in source.execute(_keys_query(src_rows, keys, n, which)))
+            t = Counter(r[1] for r in target.execute(_keys_query(tgt_rows, keys, n, which)))
+            diff.missing += [f"row hash {h} ×{c}" for h, c in (s - t).items()]
+            diff.extra += [f"row hash {h} ×{c}" for h, c in (t - s).items()]
+    return diff
+
+
+def verify(config: Config, shapes: list[str] | None = None) -> list[ShapeDiff]:
+    if not config.consumer.target_dsn:
+        raise ValueError("consumer.target_dsn is not set: nothing to verify against")
+    out = []
+    with connect(config.source.dsn) as source, connect(config.consumer.target_dsn) as target:
+        # One snapshot per side for the whole comparison.
+        for conn in (source, target):
+            conn.autocommit = False
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        for shape in config.shapes:
+            if shapes and shape.shape_name not in shapes:
+                continue
+            info = table_info(source, shape.schema_name, shape.table_name)
+            if info is None:
+                out.append(ShapeDiff(shape.shape_name, shape.table, "-", error=f"source table {shape.table} "
+                                     "does not exist"))
+                continue
+            out.append(verify_shape(source, target, shape, info))
+    return out
+
+
+def render(diffs: list[ShapeDiff]):
+    from rich.table import Table
+
+    t = Table(title="walbridge verify")
+    for col in ("shape", "source", "target", "buckets≠", "missing", "extra", "changed", "result"):
+        t.add_column(col, justify="left" if col in ("shape", "result") else "right", no_wrap=col == "result")
+    for d in diffs:
+        result = "OK" if d.ok else (d.error or "DIFFERENT")
+        t.add_row(d.shape, str(d.source_rows), str(d.target_rows), f"{d.differing_buckets}/{d.buckets}",
+                  str(len(d.missing)), str(len(d.extra)), str(len(d.changed)), result)
+    return t
+
+
+def as_json(diffs: list[ShapeDiff]) -> list[dict]:
+    return [{"shape": d.shape, "source_table": d.source_table, "target_table": d.target_table,
+             "source_rows": d.source_rows, "target_rows": d.target_rows, "buckets": d.buckets,
+             "differing_buckets": d.differing_buckets, "missing": d.missing[:MAX_KEYS_SHOWN],
+             "extra": d.extra[:MAX_KEYS_SHOWN], "changed": d.changed[:MAX_KEYS_SHOWN],
+             "missing_count": len(d.missing), "extra_count": len(d.extra), "changed_count": len(d.changed),
+             "ok": d.ok, "error": d.error} for d in diffs]
