@@ -105,6 +105,14 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_consumer(args) -> int:
+    from spark_consumer.job import run
+
+    config = load_config(args.config)
+    run(config, args.master, _stop_on_signals())
+    return 0
+
+
 def cmd_check(args) -> int:
     config = load_config(args.config)
     print(f"config ok: {len(config.shapes)} shape(s): " + ", ".join(s.shape_name for s in config.shapes))
@@ -119,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("producer", help="stream PostgreSQL changes into the shape topics")
     p.add_argument("-c", "--config", required=True)
     p.set_defaults(func=cmd_producer)
+    p = sub.add_parser("consumer", help="the Spark consumer (local[*]): apply the shape topics to the target")
+    p.add_argument("-c", "--config", required=True)
+    p.add_argument("--master", default="local[*]", help="Spark master URL")
+    p.set_defaults(func=cmd_consumer)
     p = sub.add_parser("up", help="run the whole pipeline with a live view (embedded default without -c)")
     p.add_argument("-c", "--config", help="your own config; omit for the embedded demo")
     p.add_argument("--duration", type=float, help="stop after this many seconds")

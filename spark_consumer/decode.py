@@ -382,23 +382,33 @@ class WriterSchemas:
     lookup: SchemaLookup
     known: frozenset[str] = frozenset()
     _parsed: dict[tuple, Any] = field(default_factory=dict)
+    # Refs found not to exist (or not to fit): the producer publishes a schema
+    # before its first message, so a failed lookup is final; asking again for
+    # each message of a poison burst would only hammer the registry/topic.
+    _undecodable: dict[tuple, str] = field(default_factory=dict)
+
+    def _get(self, key: tuple, ref: wire.SchemaRef, data: bytes, check: bool) -> Any:
+        parsed = self._parsed.get(key)
+        if parsed is not None:
+            return parsed
+        if key in self._undecodable:
+            raise UndecodableMessage(self._undecodable[key])
+        try:
+            raw = self.lookup(ref, data)
+            if check:
+                self.layout.check_writer(raw, schema_ref_key(ref) in self.known)
+        except UndecodableMessage as e:
+            self._undecodable[key] = str(e)
+            raise
+        parsed = self._parsed[key] = parse_schema(strip_logical_types(raw))
+        return parsed
 
     def parsed(self, ref: wire.SchemaRef, data: bytes) -> Any:
-        key = (ref.kind, ref.ref)
-        parsed = self._parsed.get(key)
-        if parsed is None:
-            raw = self.lookup(ref, data)
-            self.layout.check_writer(raw, schema_ref_key(ref) in self.known)
-            parsed = self._parsed[key] = parse_schema(strip_logical_types(raw), _write_hint=False)
-        return parsed
+        """The parsed value writer schema, checked against the layout."""
+        return self._get((ref.kind, ref.ref), ref, data, True)
 
     def parsed_key(self, ref: wire.SchemaRef, data: bytes) -> Any:
-        key = ("key", ref.kind, ref.ref)
-        parsed = self._parsed.get(key)
-        if parsed is None:
-            parsed = self._parsed[key] = parse_schema(strip_logical_types(self.lookup(ref, data)),
-                                                      _write_hint=False)
-        return parsed
+        return self._get(("key", ref.kind, ref.ref), ref, data, False)
 
 
 def decode_body(data: bytes, body_offset: int, parsed: Any) -> Any:

@@ -161,8 +161,9 @@ class SourceOptions:
 @dataclass(frozen=True)
 class ShapeSchemas:
     """What a stream decodes with: the layout's value/key schemas, the refs
-    (``id:<n>`` / ``fp:<hex>``) of value schemas known at discovery, and writer
-    schemas by ref handed to executors (registry mode: all versions)."""
+    (``id:<n>`` / ``fp:<hex>``) of value schemas known at discovery, and every
+    value/key writer schema of the topic found then, by ref, handed to the
+    executors (they look up only schemas published later)."""
 
     value_schema: dict
     key_schema: dict | None = None
@@ -237,7 +238,8 @@ def discover_schemas(opts: SourceOptions, timeout: float = 30.0) -> ShapeSchemas
         raise LookupError(f"no schema for subject {value_subject!r} in {opts.topic_prefix}{wire.SCHEMAS_TOPIC_SUFFIX}: "
                           "has the producer published this shape yet?")
     return ShapeSchemas(values[-1][1], keys[-1][1] if keys else None,
-                        tuple(dict.fromkeys(f"fp:{fp}" for fp, _ in values)))
+                        tuple(dict.fromkeys(f"fp:{fp}" for fp, _ in values)),
+                        {f"fp:{fp}": schema for fp, schema in values + keys})
 
 
 def read_schemas_topic(conf: dict[str, Any], schemas_topic: str, timeout: float = 30.0) -> list[tuple[str, str, dict]]:

@@ -1,0 +1,639 @@
+"""Apply planning: one micro-batch of decoded change rows of one shape → what
+must happen to the shape's target table. Pure: no database, no Spark; the I/O
+shell is :mod:`spark_consumer.target`.
+
+Input: the rows :mod:`spark_consumer.decode` produces (one mapping per Kafka
+message; the shape's row columns by PostgreSQL name plus the ``_wb_*``
+bookkeeping columns), for one shape, from any number of partitions, in any order.
+
+Invariants:
+- A change's *position* is ``(_wb_lsn, _wb_op_index)``, compared
+  lexicographically; ties (snapshot rows share their snapshot's position) are
+  broken by ``(_wb_partition, _wb_offset)``, so planning is deterministic.
+- Keyed shapes: per key only the change with the highest position survives
+  (``upsert`` for ``c``/``u``/``r``, ``delete`` for ``d``), whatever the order
+  the rows came in. The plan has at most one row per key; the shell applies it
+  only where the target's (or the key's tombstone's) position is lower, so an
+  older, replayed or out-of-order change never overwrites a newer one and a
+  deleted key never comes back to life.
+- Unchanged TOAST values (``_wb_unchanged``) are never written as NULL: the
+  value comes from the latest earlier change of the same key in the batch that
+  carried it (not across a delete or a cut); otherwise the column is listed in
+  the planned row's ``keep`` and the shell keeps the target's current value.
+- Special values (``_wb_special``: PostgreSQL text for what the Python type
+  cannot hold, e.g. ``infinity``, ``NaN``) replace the (None) typed value, as
+  ``str``: the shell writes values in PostgreSQL's text input format, where the
+  text is taken verbatim.
+- Cuts: a TRUNCATE (``t``, sent at one position on every partition) at position
+  P on partition p means "every target row that came from p with a position
+  below P is gone". So do the GC control events (``snapshot_end``,
+  ``backfill_end`` by default): every row the (re-)snapshot or backfill saw was
+  rewritten at its position or later, the rest no longer exists at the source.
+  Changes of the batch on p below p's highest cut are erased; so are changes
+  below the partition's *floor* (the highest cut applied by earlier batches,
+  which the shell keeps in its progress table). Cuts are per partition, never
+  applied to another partition's rows.
+- Keyless shapes are a multiset of rows: ``c``/``r`` append (the shell dedupes
+  live appends by position); ``d`` removes one row equal to the old row
+  (``_wb_before`` if given, else the row columns, which the decoder fills from
+  the envelope's ``before``); ``u`` removes one row equal to ``_wb_before``
+  (required: without the old row an update of a keyless row cannot be applied)
+  and appends the new row. Inside the batch, a removal first cancels an earlier
+  pending append of an equal row (across partitions); what remains removes
+  target rows older than the removal (the shell runs it after the appends).
+- Control rows (``_wb_op`` null, ``_wb_control`` set) are returned in
+  ``controls`` for the job; ``dlq`` rows (undecodable messages) are only
+  counted: their offsets are covered by progress, their content is not applied.
+- Stats are kept per (topic, partition) and count every input row exactly once:
+  ``rows = planned + superseded + erased + below_floor + truncates + control + dlq``
+  (a keyless ``u`` counts once even though it plans a removal and an append).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any, Iterable, Mapping, Sequence
+
+Position = tuple[int, int]
+
+UPSERT, DELETE, APPEND, REMOVE = "u", "d", "a", "x"
+DATA_OPS = frozenset("cudrt")
+DLQ_CONTROL = "dlq"
+DEFAULT_GC_CONTROLS = frozenset({"snapshot_end", "backfill_end"})
+RESERVED_PREFIX = "_wb_"
+
+# PostgreSQL types for columns whose Avro field carries no "pg.type".
+_AVRO_SQL = {"boolean": "boolean", "int": "integer", "long": "bigint", "float": "real",
+             "double": "double precision", "bytes": "bytea", "string": "text"}
+_LOGICAL_SQL = {"date": "date", "time-micros": "time", "timestamp-micros": "timestamp with time zone",
+                "local-timestamp-micros": "timestamp", "uuid": "uuid"}
+
+
+class PlanError(ValueError):
+    """The batch holds a row this shape's apply cannot interpret."""
+
+
+# ------------------------------------------------------------ shape metadata
+@dataclass(frozen=True)
+class TargetColumn:
+    name: str  # PostgreSQL column name (the Avro field's "pg.column", else its name)
+    field: str  # Avro field name
+    pg_type: str | None  # "pg.type" of the Avro field: the type to recreate
+    is_key: bool
+    avro_type: Any = None
+
+    @property
+    def sql_type(self) -> str:
+        """The column type to create (before checking the target knows it)."""
+        if self.pg_type:
+            return self.pg_type
+        return _sql_from_avro(self.avro_type)
+
+
+def _sql_from_avro(avro_type: Any) -> str:
+    branches = avro_type if isinstance(avro_type, list) else [avro_type]
+    typed = [b for b in branches if b not in ("null", "string")] or ["string"]
+    t = typed[0]
+    if isinstance(t, str):
+        return _AVRO_SQL.get(t, "text")
+    if isinstance(t, dict):
+        logical = t.get("logicalType")
+        if logical == "decimal":
+            return f"numeric({int(t['precision'])},{int(t.get('scale', 0))})"
+        if logical in _LOGICAL_SQL:
+            return _LOGICAL_SQL[logical]
+        if t.get("type") == "array":
+            return _sql_from_avro(t["items"]) + "[]"
+        if isinstance(t.get("type"), str):
+            return _AVRO_SQL.get(t["type"], "text")
+    return "text"
+
+
+def split_shape_name(shape: str) -> tuple[str, str]:
+    """A shape's target table: ``schema.table`` keeps its schema (split at the
+    first dot), an undotted name goes to ``public``."""
+    schema, dot, table = shape.partition(".")
+    if not dot:
+        return "public", shape
+    if not schema or not table:
+        raise PlanError(f"shape name {shape!r} does not name a table")
+    return schema, table
+
+
+def _row_record(value_schema: Mapping) -> Mapping:
+    if value_schema.get("type") == "record" and value_schema.get("name") == "Value":
+        return value_schema
+    for f in value_schema.get("fields", ()):
+        if f.get("name") == "before":
+            branches = f["type"] if isinstance(f["type"], list) else [f["type"]]
+            for b in branches:
+                if isinstance(b, Mapping) and b.get("type") == "record":
+                    return b
+    raise PlanError("value schema is not a walbridge envelope (no 'before' row record)")
+
+
+@dataclass(frozen=True)
+class ShapeTarget:
+    """What the apply needs to know about one shape: its name, its target table
+    and its columns (in the shape's order)."""
+
+    shape: str
+    schema: str
+    table: str
+    columns: tuple[TargetColumn, ...]
+
+    @classmethod
+    def from_avro(cls, shape: str, value_schema: Mapping, key_schema: Mapping | None = None, *,
+                  key_fields: Iterable[str] | None = None, table: tuple[str, str] | None = None) -> ShapeTarget:
+        """From the shape's Avro value schema (the envelope, or its row record)
+        and its key schema (None for keyless shapes) or the key field names."""
+        keys = set(key_fields or ())
+        if key_schema:
+            keys |= {f["name"] for f in key_schema.get("fields", ())}
+        cols = []
+        seen: set[str] = set()
+        for f in _row_record(value_schema)["fields"]:
+            name = f.get("pg.column", f["name"])
+            if name.startswith(RESERVED_PREFIX):
+                raise PlanError(f"column {name!r}: names starting with {RESERVED_PREFIX!r} are reserved")
+            if name in seen:
+                raise PlanError(f"column {name!r} appears twice")
+            seen.add(name)
+            cols.append(TargetColumn(name, f["name"], f.get("pg.type"), f["name"] in keys or name in keys,
+                                     f.get("type")))
+        unknown = keys - {c.field for c in cols} - {c.name for c in cols}
+        if unknown:
+            raise PlanError(f"key field(s) {sorted(unknown)} are not columns of shape {shape!r}")
+        schema, tbl = table or split_shape_name(shape)
+        return cls(shape, schema, tbl, tuple(cols))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    @property
+    def key_columns(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns if c.is_key)
+
+    @property
+    def keyless(self) -> bool:
+        return not any(c.is_key for c in self.columns)
+
+    @property
+    def tombstone_table(self) -> str:
+        return tombstone_name(self.table)
+
+
+def tombstone_name(table: str) -> str:
+    """``<table>__wb_tombstones``, shortened with a stable suffix if it would
+    pass PostgreSQL's 63-byte identifier limit."""
+    name = f"{table}__wb_tombstones"
+    if len(name.encode()) <= 63:
+        return name
+    import zlib
+
+    suffix = f"__wb_t{zlib.crc32(table.encode()):08x}"
+    head = table.encode()[: 63 - len(suffix)].decode("utf-8", "ignore")
+    return head + suffix
+
+
+# ------------------------------------------------------------------ the plan
+# A staged row is one flat tuple, in the order the shell COPYs it: the shape's
+# column values, then these (offsets from the number of columns).
+STAGE_EXTRA = ("_wb_kind", "_wb_keep", "_wb_lsn", "_wb_op_index", "_wb_partition", "_wb_offset", "_wb_snapshot_id")
+_KIND, _KEEP, _LSN, _OPI, _PART, _OFF, _SNAP = range(7)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRow:
+    """A readable view of one staged row. ``values`` follow the shape's
+    columns: Python values, or ``str`` PostgreSQL text for special values.
+    ``keep``: columns whose target value is kept (unchanged TOAST the batch
+    could not supply)."""
+
+    kind: str  # UPSERT, DELETE (keyed) / APPEND, REMOVE (keyless)
+    values: tuple
+    lsn: int
+    op_index: int
+    partition: int
+    offset: int
+    snapshot_id: str | None = None
+    keep: tuple[str, ...] = ()
+
+    @property
+    def position(self) -> Position:
+        return (self.lsn, self.op_index)
+
+    @classmethod
+    def from_stage(cls, t: tuple, n: int) -> PlannedRow:
+        return cls(t[n + _KIND], t[:n], t[n + _LSN], t[n + _OPI], t[n + _PART], t[n + _OFF], t[n + _SNAP],
+                   tuple(t[n + _KEEP] or ()))
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """Target rows from ``partition`` below ``position`` are gone (TRUNCATE or
+    a GC control event)."""
+
+    partition: int
+    lsn: int
+    op_index: int
+    offset: int
+    reason: str  # "t" or the control event's name
+
+    @property
+    def position(self) -> Position:
+        return (self.lsn, self.op_index)
+
+
+@dataclass
+class PlanStats:
+    """What the planning did with one (topic, partition)'s rows."""
+
+    rows: int = 0
+    superseded: int = 0  # replaced by a newer change of the same key (keyless: appends a removal cancelled)
+    erased: int = 0  # below a cut of the same batch
+    below_floor: int = 0  # below a cut applied by an earlier batch
+    truncates: int = 0
+    control: int = 0
+    dlq: int = 0
+    max_position: Position | None = None
+    max_offset: int = -1
+
+    @property
+    def planned(self) -> int:
+        """Changes that became planned rows."""
+        return self.rows - self.superseded - self.erased - self.below_floor - self.truncates - self.control - self.dlq
+
+
+@dataclass
+class ApplyPlan:
+    target: ShapeTarget
+    stage_rows: list[tuple]  # flat tuples: column values + STAGE_EXTRA
+    cuts: dict[int, Cut]  # per partition: the highest cut of the batch
+    controls: list[Mapping]
+    stats: dict[tuple[str, int], PlanStats]
+    keep_sets: list[tuple[str, ...]] = field(default_factory=list)  # distinct ``keep`` of upserts
+
+    @property
+    def rows(self) -> list[PlannedRow]:
+        n = len(self.target.columns)
+        return [PlannedRow.from_stage(t, n) for t in self.stage_rows]
+
+    def count(self, kind: str) -> int:
+        n = len(self.target.columns)
+        return sum(1 for t in self.stage_rows if t[n] == kind)
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    if isinstance(v, (bytearray, memoryview)):
+        return bytes(v)
+    return v
+
+
+def _position(row: Mapping) -> Position | None:
+    lsn, op = row.get("_wb_lsn"), row.get("_wb_op_index")
+    if lsn is None or op is None:
+        return None
+    return (int(lsn), int(op))
+
+
+def _as_dict(m: Any) -> dict:
+    if not m:
+        return {}
+    return m if isinstance(m, dict) else dict(m)  # Arrow maps arrive as [(k, v), ...]
+
+
+class _Columns:
+    """Reads a row's column values by PostgreSQL name (decode.py's layout),
+    falling back to the Avro field name."""
+
+    def __init__(self, target: ShapeTarget):
+        self.target = target
+        self.index: dict[str, int] = {}
+        for i, c in enumerate(target.columns):
+            self.index[c.field] = i
+            self.index[c.name] = i
+        self._get: Any = None
+
+    def _bind(self, row: Mapping) -> None:
+        keys = [c.name if c.name in row else c.field for c in self.target.columns]
+        if len(keys) == 1:
+            k = keys[0]
+            self._get = lambda r: (r[k],)
+        elif keys:
+            self._get = itemgetter(*keys)
+        else:
+            self._get = lambda r: ()
+
+    def values(self, row: Mapping) -> tuple:
+        if self._get is None:
+            self._bind(row)
+        try:
+            return self._get(row)
+        except KeyError:  # a row lacking a column: read what it has
+            return tuple(row.get(c.name, row.get(c.field)) for c in self.target.columns)
+
+    def idx(self, name: str, what: str) -> int:
+        i = self.index.get(name)
+        if i is None:
+            raise PlanError(f"{what} names {name!r}, not a column of shape {self.target.shape!r}")
+        return i
+
+    def with_special(self, values: tuple, special: Any) -> tuple:
+        out = list(values)
+        for col, text in _as_dict(special).items():
+            out[self.idx(col, "_wb_special")] = text
+        return tuple(out)
+
+    def before(self, b: Any) -> tuple:
+        values: list = [None] * len(self.target.columns)
+        for col, v in _as_dict(b).items():
+            values[self.idx(col, "_wb_before")] = v
+        return tuple(values)
+
+
+def plan_batch(target: ShapeTarget, rows: Iterable[Mapping], *,
+               floors: Mapping[int, Position] | None = None,
+               gc_controls: Iterable[str] = DEFAULT_GC_CONTROLS) -> ApplyPlan:
+    """Plan one micro-batch of one shape. ``floors``: per partition, the highest
+    cut already applied (changes below it are dropped). ``gc_controls``: control
+    events that cut their partition at their position."""
+    gc = frozenset(gc_controls)
+    floor_of = {int(p): tuple(f) for p, f in (floors or {}).items() if f is not None}
+    cols = _Columns(target)
+    n = len(target.columns)
+    keyless = target.keyless
+    stats: dict[tuple[str, int], PlanStats] = {}
+    topic_of: dict[int, str] = {}
+    cuts: dict[int, Cut] = {}
+    controls: list[Mapping] = []
+    data: list[tuple] = []
+    append = data.append
+    last_tp: Any = None
+    st = PlanStats()
+
+    for row in rows:
+        p = row["_wb_partition"]
+        off = row["_wb_offset"]
+        topic = row.get("_wb_topic")
+        if p != last_tp or topic != topic_of.get(p):
+            st = stats.get((topic, p))
+            if st is None:
+                if topic_of.setdefault(p, topic) != topic:
+                    raise PlanError(f"partition {p} appears with topics {topic_of[p]!r} and {topic!r}: "
+                                    "plan one shape (one topic) at a time")
+                st = stats[(topic, p)] = PlanStats()
+            last_tp = p
+        st.rows += 1
+        if off > st.max_offset:
+            st.max_offset = off
+        lsn = row.get("_wb_lsn")
+        opi = row.get("_wb_op_index")
+        if lsn is not None and opi is not None:
+            mp = st.max_position
+            if mp is None or lsn > mp[0] or (lsn == mp[0] and opi > mp[1]):
+                st.max_position = (lsn, opi)
+        op = row.get("_wb_op")
+        control = row.get("_wb_control")
+        if op is None or control is not None:
+            if control == DLQ_CONTROL:
+                st.dlq += 1
+                continue
+            if control is None:
+                raise PlanError(f"row at {topic}[{p}]@{off} has neither _wb_op nor _wb_control")
+            st.control += 1
+            controls.append(row)
+            if control in gc and lsn is not None and opi is not None:
+                _add_cut(cuts, Cut(p, lsn, opi, off, control))
+            continue
+        if lsn is None or opi is None:
+            raise PlanError(f"row at {topic}[{p}]@{off} has no position (_wb_lsn, _wb_op_index)")
+        if op == "t":
+            st.truncates += 1
+            _add_cut(cuts, Cut(p, lsn, opi, off, "t"))
+            continue
+        values = cols.values(row)
+        special = row.get("_wb_special")
+        if special:
+            values = cols.with_special(values, special)
+        unchanged = row.get("_wb_unchanged")
+        unch = tuple(cols.idx(u, "_wb_unchanged") for u in unchanged) if unchanged else None
+        snap = row.get("_wb_snapshot_id")
+        if not keyless:
+            if op == "d":
+                append(values + ("d", None, lsn, opi, p, off, snap))
+            elif op in ("c", "u", "r"):
+                append(values + ("u", unch, lsn, opi, p, off, snap))
+            else:
+                raise PlanError(f"row at {topic}[{p}]@{off}: unknown _wb_op {op!r}")
+            continue
+        # Keyless: a removal (of the old row) sorts before the append of the same change.
+        if op in ("c", "r"):
+            if unch:
+                raise PlanError(f"{target.shape}: an insert at {topic}[{p}]@{off} has unchanged TOAST columns")
+            append(values + ("a", None, lsn, opi, p, off, snap))
+            continue
+        if op not in ("u", "d"):
+            raise PlanError(f"row at {topic}[{p}]@{off}: unknown _wb_op {op!r}")
+        b = row.get("_wb_before")
+        if b is not None:
+            old = cols.before(b)
+        elif op == "d":
+            old = values
+        else:
+            raise PlanError(f"{target.shape}: keyless update at {topic}[{p}]@{off} needs the old row in "
+                            "_wb_before (REPLICA IDENTITY FULL) to know which row to replace")
+        append(old + ("x", None, lsn, opi, p, off, snap))
+        if op == "u":
+            if unch:  # REPLICA IDENTITY FULL: the old row holds them
+                new = list(values)
+                for i in unch:
+                    new[i] = old[i]
+                values = tuple(new)
+            append(values + ("a", None, lsn, opi, p, off, snap))
+
+    # Cuts and floors erase what lies below them on their partition.
+    limits = dict(floor_of)
+    for p, c in cuts.items():
+        if p not in limits or c.position > limits[p]:
+            limits[p] = c.position
+
+    def stat(t: tuple) -> PlanStats:
+        p = t[n + _PART]
+        return stats[(topic_of[p], p)]
+
+    def gone(t: tuple) -> bool:
+        p = t[n + _PART]
+        lim = limits.get(p)
+        if lim is None:
+            return False
+        pos = (t[n + _LSN], t[n + _OPI])
+        if pos >= lim:
+            return False
+        f = floor_of.get(p)
+        if f is not None and pos < f:
+            stat(t).below_floor += 1
+        else:
+            stat(t).erased += 1
+        return True
+
+    if limits:
+        data = [t for t in data if not gone(t)]
+    if keyless:
+        out = _plan_keyless(data, n, stat)
+    else:
+        out = _plan_keyed(target, data, n, stat)
+    keep_sets = sorted({tuple(t[n + _KEEP] or ()) for t in out if t[n + _KIND] == UPSERT})
+    return ApplyPlan(target, out, cuts, controls, stats, keep_sets)
+
+
+def _add_cut(cuts: dict[int, Cut], cut: Cut) -> None:
+    old = cuts.get(cut.partition)
+    if old is None or cut.position > old.position:
+        cuts[cut.partition] = cut
+
+
+def _sort_key(n: int):
+    lsn, opi, part, off = n + _LSN, n + _OPI, n + _PART, n + _OFF
+    return lambda t: (t[lsn], t[opi], t[part], t[off])
+
+
+def _plan_keyed(target: ShapeTarget, data: list[tuple], n: int, stat) -> list[tuple]:
+    key_idx = [i for i, c in enumerate(target.columns) if c.is_key]
+    key_of = itemgetter(*key_idx)  # a scalar for one key column, else a tuple
+    latest: dict[Any, tuple] = {}
+    chains: dict[Any, list[tuple]] = {}
+    setdefault = latest.setdefault
+    for t in data:
+        key = key_of(t)
+        try:
+            prev = setdefault(key, t)
+        except TypeError:  # unhashable key value (an array key)
+            key = _hashable(key)
+            prev = setdefault(key, t)
+        if prev is not t:
+            chain = chains.get(key)
+            if chain is None:
+                chains[key] = [prev, t]
+            else:
+                chain.append(t)
+    if None in latest or (len(key_idx) > 1 and any(k is None for key in latest for k in key)):
+        bad = next(t for t in data if key_of(t) is None or (len(key_idx) > 1 and None in key_of(t)))
+        raise PlanError(f"{target.shape}: change at partition {bad[n + _PART]} offset {bad[n + _OFF]} "
+                        "has a null key column")
+    order = _sort_key(n)
+    for key, chain in chains.items():
+        chain.sort(key=order)
+        for older in chain[:-1]:
+            stat(older).superseded += 1
+        latest[key] = _merge_toast(chain, n) if chain[-1][n + _KEEP] else chain[-1]
+    names = target.names
+    out = list(latest.values())
+    for i, t in enumerate(out):
+        unch = t[n + _KEEP]
+        if unch:  # unchanged TOAST no earlier change supplied: keep the target's value
+            out[i] = t[:n + _KEEP] + (sorted(names[j] for j in unch),) + t[n + _KEEP + 1:]
+    return out
+
+
+def _merge_toast(chain: list[tuple], n: int) -> tuple:
+    """The chain's last change with its unchanged-TOAST columns filled from the
+    latest earlier change (after the last delete) that carried them."""
+    last = chain[-1]
+    values = list(last[:n])
+    missing = []
+    for i in last[n + _KEEP]:
+        for t in reversed(chain[:-1]):
+            if t[n + _KIND] == DELETE:
+                missing.append(i)
+                break
+            if not t[n + _KEEP] or i not in t[n + _KEEP]:
+                values[i] = t[i]
+                break
+        else:
+            missing.append(i)
+    return tuple(values) + (last[n + _KIND], tuple(missing) or None) + last[n + _KEEP + 1:]
+
+
+def _content(t: tuple, n: int) -> Any:
+    v = t[:n]
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        return _hashable(v)
+
+
+def _plan_keyless(data: list[tuple], n: int, stat) -> list[tuple]:
+    kind = n + _KIND
+    if all(t[kind] == APPEND for t in data):
+        return data  # insert-only (the common case): nothing to match
+    data = sorted(data, key=_sort_key(n))  # stable: a change's removal stays before its append
+    appends: list[tuple | None] = []
+    removals: list[tuple] = []
+    pending: dict[Any, list[int]] = {}  # row content -> indexes of not yet cancelled appends
+    lsn, opi = n + _LSN, n + _OPI
+    for t in data:
+        content = _content(t, n)
+        if t[kind] == APPEND:
+            pending.setdefault(content, []).append(len(appends))
+            appends.append(t)
+            continue
+        slots = pending.get(content)
+        if slots and (appends[slots[-1]][lsn], appends[slots[-1]][opi]) < (t[lsn], t[opi]):
+            j = slots.pop()  # an equal row appended earlier in this batch: both vanish
+            stat(appends[j]).superseded += 1
+            appends[j] = None
+        else:
+            removals.append(t)
+    return [a for a in appends if a is not None] + removals
+
+
+# ------------------------------------------------------------ replay filtering
+@dataclass(frozen=True)
+class Progress:
+    """What the target has applied of one (topic, partition) for one group."""
+
+    next_offset: int
+    applied: Position | None = None  # highest position applied
+    floor: Position | None = None  # highest cut applied
+
+
+class OffsetResetError(RuntimeError):
+    """Rows at offsets progress says were applied carry newer positions than
+    anything applied there: the topic-partition was recreated (Kafka lost its
+    data) or progress belongs to another topic incarnation."""
+
+
+def split_replayed(rows: Sequence[Mapping], progress: Progress | None, *, where: str = "",
+                   on_offset_reset: str = "raise") -> tuple[list[Mapping], int, bool]:
+    """Split one partition's rows into those still to apply and the count of
+    those progress already covers (``offset < next_offset``). A row below
+    ``next_offset`` whose position is above the applied position cannot be a
+    replay (positions only grow within a partition): ``on_offset_reset`` =
+    ``"raise"`` raises :class:`OffsetResetError`, ``"follow"`` applies the whole
+    part (positions guard every write) and returns ``reset=True``."""
+    if progress is None:
+        return list(rows), 0, False
+    nxt = progress.next_offset
+    todo, skipped = [], 0
+    for row in rows:
+        if int(row["_wb_offset"]) >= nxt:
+            todo.append(row)
+            continue
+        pos = _position(row)
+        if pos is not None and (progress.applied is None or pos > tuple(progress.applied)):
+            if on_offset_reset == "follow":
+                return list(rows), 0, True
+            raise OffsetResetError(
+                f"{where}: the row at offset {row['_wb_offset']} has position {pos}, above the applied "
+                f"{progress.applied}, yet progress says offsets below {nxt} are applied: the partition was "
+                "reset (Kafka lost its data?). Apply with on_offset_reset='follow' to re-apply by position.")
+        skipped += 1
+    return todo, skipped, False

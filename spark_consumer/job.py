@@ -1,0 +1,205 @@
+"""The Spark consumer job: one Structured Streaming query per shape topic, each
+micro-batch applied to the target PostgreSQL exactly once, then its offsets
+committed to the consumer group (which the producer's FlushTracker reads).
+
+    spark-submit spark_consumer/job.py -c walbridge.toml     # production
+    walbridge consumer -c walbridge.toml                     # the same, local[*]
+
+The path of one micro-batch, top to bottom:
+1. :func:`spark_consumer.kafka_source.read_shape_stream` gives the batch's
+   decoded rows (a fixed, replayable offset range per partition).
+2. ``_apply_batch`` collects them on the driver and hands them, grouped per
+   partition, to :func:`spark_consumer.target.apply_batch`: one target
+   transaction that skips what the progress table says is applied, writes the
+   rest with position guards and moves the progress.
+3. Only after that commit are the group's offsets committed to Kafka.
+
+Invariants:
+- Progress in the target, not the consumer group or Spark's checkpoint, decides
+  what is applied: a crash anywhere (between apply and offset commit, or before
+  Spark's commit log) is repaired by the replay being skipped part by part.
+- Each query has its own checkpoint (``<checkpoint_dir>/<shape>``), target
+  connection and offset committer; queries share nothing mutable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("walbridge.consumer")
+
+
+class OffsetCommitter:
+    """Commits offsets for the consumer group without joining it as a member."""
+
+    def __init__(self, kafka_conf: dict[str, Any], group: str):
+        from confluent_kafka import Consumer
+
+        self._consumer = Consumer({**kafka_conf, "group.id": group, "enable.auto.commit": False})
+
+    def commit(self, offsets: dict[tuple[str, int], int]) -> None:
+        from confluent_kafka import TopicPartition
+
+        if offsets:
+            self._consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
+                                  asynchronous=False)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+class ShapeApplier:
+    """The foreachBatch function of one shape's query."""
+
+    def __init__(self, config, shape, target, kafka_conf: dict[str, Any]):
+        self.config = config
+        self.shape = shape
+        self.target = target
+        self.kafka_conf = kafka_conf
+        self._conn = None
+        self._committer: OffsetCommitter | None = None
+        self.batches = 0
+        self.rows = 0
+        self.dlq = 0
+
+    def _connection(self):
+        import psycopg
+
+        from spark_consumer.target import ensure_progress, ensure_table
+
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.config.consumer.target_dsn, autocommit=True)
+            ensure_progress(self._conn)
+            ensure_table(self._conn, self.target)
+        return self._conn
+
+    def __call__(self, batch_df, batch_id: int) -> None:
+        from spark_consumer.target import apply_batch, parts_from_rows
+
+        started = time.monotonic()
+        rows = [r.asDict(recursive=True) for r in batch_df.collect()]
+        if not rows:
+            return
+        result = apply_batch(self._connection(), self.config.consumer.group, self.target, parts_from_rows(rows))
+        if self._committer is None:
+            self._committer = OffsetCommitter(self.kafka_conf, self.config.consumer.group)
+        self._committer.commit(result.offsets)
+        self.batches += 1
+        self.rows += len(rows)
+        self.dlq += result.total("dlq")
+        log.info("shape %s batch %d: %d rows (%d applied, %d replayed skipped, %d dead-lettered) in %.2fs",
+                 self.shape.shape_name, batch_id, len(rows), result.total("applied"),
+                 result.total("skipped_replayed"), result.total("dlq"), time.monotonic() - started)
+
+
+def spark_session(master: str | None = None):
+    import os
+
+    from pyspark.sql import SparkSession
+
+    # Python workers (the data source's readers) must run this interpreter,
+    # which has walbridge's dependencies.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+    builder = SparkSession.builder.appName("walbridge-consumer")
+    if master:
+        builder = builder.master(master)
+    return (builder.config("spark.sql.session.timeZone", "UTC")
+            .config("spark.driver.host", "127.0.0.1")  # stay on loopback: no other network here
+            .config("spark.driver.bindAddress", "127.0.0.1")
+            .config("spark.sql.shuffle.partitions", "2")
+            .config("spark.ui.enabled", "false")
+            .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
+            .getOrCreate())
+
+
+def start_queries(spark, config) -> tuple[list, list[ShapeApplier]]:
+    from producer.kafka_io import client_config
+    from spark_consumer.apply_plan import ShapeTarget
+    from spark_consumer.kafka_source import SourceOptions, discover_schemas, read_shape_stream
+
+    if not config.consumer.target_dsn:
+        raise SystemExit("walbridge consumer: consumer.target_dsn is not set in the config")
+    kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
+    queries, appliers = [], []
+    for shape in config.shapes:
+        topic = config.topic(shape)
+        opts = SourceOptions(topic=topic, bootstrap_servers=config.kafka.bootstrap_servers,
+                             topic_prefix=config.kafka.topic_prefix,
+                             schema_registry_url=config.kafka.schema_registry_url,
+                             kafka_client=dict(config.kafka.client),
+                             max_offsets_per_trigger=config.consumer.max_offsets_per_trigger)
+        schemas = _wait_for_schemas(opts, discover_schemas)
+        target = ShapeTarget.from_avro(shape.shape_name, schemas.value_schema, schemas.key_schema)
+        applier = ShapeApplier(config, shape, target, kafka_conf)
+        df = read_shape_stream(spark, topic, config.kafka.bootstrap_servers, config.kafka.topic_prefix,
+                               config.kafka.schema_registry_url, dict(config.kafka.client),
+                               config.consumer.max_offsets_per_trigger, schemas=schemas)
+        checkpoint = Path(config.consumer.checkpoint_dir) / shape.shape_name
+        query = (df.writeStream.queryName(f"walbridge:{shape.shape_name}").foreachBatch(applier)
+                 .option("checkpointLocation", str(checkpoint))
+                 .trigger(processingTime=f"{config.consumer.trigger_interval} seconds").start())
+        queries.append(query)
+        appliers.append(applier)
+        log.info("consuming %s into %s.%s (checkpoint %s)", topic, target.schema, target.table, checkpoint)
+    return queries, appliers
+
+
+def _wait_for_schemas(opts, discover, timeout: float = 600.0):
+    """The producer publishes a shape's schema before its first message; a
+    consumer started first waits for it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return discover(opts)
+        except LookupError:
+            if time.monotonic() > deadline:
+                raise
+            log.info("waiting for the producer to publish the schema of %s", opts.topic)
+            time.sleep(2.0)
+
+
+def run(config, master: str | None = None, stop: threading.Event | None = None) -> None:
+    spark = spark_session(master)
+    queries, _ = start_queries(spark, config)
+    try:
+        while not (stop and stop.is_set()):
+            for q in queries:
+                if q.exception() is not None:
+                    raise RuntimeError(f"query {q.name} failed: {q.exception()}")
+            if spark.streams.awaitAnyTermination(1.0):
+                break
+    finally:
+        for q in queries:
+            q.stop()
+        spark.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from producer.cli import setup_logging
+    from producer.config import ConfigError, load_config
+
+    parser = argparse.ArgumentParser(prog="walbridge consumer")
+    parser.add_argument("-c", "--config", required=True)
+    parser.add_argument("--master", default=None, help="Spark master (spark-submit sets it; default local[*])")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text")
+    args = parser.parse_args(argv)
+    setup_logging(args.log_format)
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"walbridge: {e}", file=sys.stderr)
+        return 2
+    run(config, args.master)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # spark-submit runs this file directly
+    sys.exit(main())

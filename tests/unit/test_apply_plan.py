@@ -1,0 +1,232 @@
+"""Apply planning (pure): highest position wins per key, TOAST merge, cuts,
+keyless multiset semantics, replay filtering."""
+
+from __future__ import annotations
+
+import datetime
+from decimal import Decimal
+
+import pytest
+
+from producer.envelope import ShapeCodec, ShapeColumn
+from producer.pgtypes import PgTypeInfo, column_codec
+from spark_consumer.apply_plan import (
+    APPEND, DELETE, REMOVE, UPSERT, OffsetResetError, PlanError, Progress, ShapeTarget, plan_batch,
+    split_replayed, split_shape_name, tombstone_name,
+)
+
+INT = PgTypeInfo(23, "integer", 23, "integer", -1, "b")
+TEXT = PgTypeInfo(25, "text", 25, "text", -1, "b")
+NUM = PgTypeInfo(1700, "numeric(10,2)", 1700, "numeric(10,2)", (10 << 16 | 2) + 4, "b")
+DATE = PgTypeInfo(1082, "date", 1082, "date", -1, "b")
+TOPIC = "wb.public.items"
+
+
+def keyed_target() -> ShapeTarget:
+    cols = [ShapeColumn("id", column_codec(INT), True), ShapeColumn("body text", column_codec(TEXT), False),
+            ShapeColumn("n", column_codec(NUM), False), ShapeColumn("d", column_codec(DATE), False)]
+    codec = ShapeCodec("public.items", "wb", "app", "public", "items", cols, [0, 1, 2, 3])
+    return ShapeTarget.from_avro("public.items", codec.value_schema, codec.key_schema)
+
+
+def keyless_target() -> ShapeTarget:
+    cols = [ShapeColumn("a", column_codec(INT), False), ShapeColumn("b", column_codec(TEXT), False)]
+    codec = ShapeCodec("log", "wb", "app", "public", "log", cols, [0, 1])
+    return ShapeTarget.from_avro("log", codec.value_schema, codec.key_schema)
+
+
+def row(op, lsn, idx=0, *, p=0, off=0, id=None, body=None, n=None, d=None, unchanged=None, special=None,
+        control=None, snap=None, **extra):
+    r = {"id": id, "body text": body, "n": n, "d": d, "_wb_op": op, "_wb_lsn": lsn, "_wb_op_index": idx,
+         "_wb_topic": TOPIC, "_wb_partition": p, "_wb_offset": off, "_wb_unchanged": unchanged,
+         "_wb_special": special, "_wb_control": control, "_wb_snapshot_id": snap, "_wb_ts_ms": 0}
+    r.update(extra)
+    return r
+
+
+def lrow(op, lsn, idx=0, *, p=0, off=0, a=None, b=None, before=None):
+    return {"a": a, "b": b, "_wb_op": op, "_wb_lsn": lsn, "_wb_op_index": idx, "_wb_topic": TOPIC,
+            "_wb_partition": p, "_wb_offset": off, "_wb_unchanged": None, "_wb_special": None,
+            "_wb_control": None, "_wb_snapshot_id": None, "_wb_ts_ms": 0, "_wb_before": before}
+
+
+def by_key(plan):
+    return {r.values[0]: r for r in plan.rows}
+
+
+def test_target_from_avro_schema():
+    t = keyed_target()
+    assert (t.schema, t.table) == ("public", "items")
+    assert t.names == ("id", "body text", "n", "d") and t.key_columns == ("id",) and not t.keyless
+    assert [c.sql_type for c in t.columns] == ["integer", "text", "numeric(10,2)", "date"]
+    assert t.columns[1].field == "body_text"
+    assert keyless_target().keyless and (keyless_target().schema, keyless_target().table) == ("public", "log")
+    assert split_shape_name("sales.orders-eu") == ("sales", "orders-eu")
+    assert split_shape_name("orders-eu") == ("public", "orders-eu")
+    assert len(tombstone_name("x" * 60).encode()) <= 63
+
+
+def test_highest_position_wins_whatever_the_order():
+    t = keyed_target()
+    rows = [row("u", 30, id=1, body="third", off=2), row("c", 10, id=1, body="first", off=0),
+            row("u", 20, id=1, body="second", off=1), row("c", 10, 1, id=2, body="other", off=3)]
+    plan = plan_batch(t, rows)
+    got = by_key(plan)
+    assert got[1].kind == UPSERT and got[1].values[1] == "third" and got[1].position == (30, 0)
+    assert got[2].values[1] == "other"
+    st = plan.stats[(TOPIC, 0)]
+    assert (st.rows, st.planned, st.superseded) == (4, 2, 2)
+    assert st.max_position == (30, 0) and st.max_offset == 3
+
+
+def test_op_index_orders_within_a_transaction():
+    plan = plan_batch(keyed_target(), [row("u", 10, 5, id=1, body="late"), row("u", 10, 2, id=1, body="early")])
+    assert by_key(plan)[1].values[1] == "late"
+
+
+def test_delete_wins_over_older_insert_and_reinsert_wins_over_delete():
+    t = keyed_target()
+    plan = plan_batch(t, [row("d", 20, id=1), row("c", 10, id=1, body="old")])
+    assert by_key(plan)[1].kind == DELETE and by_key(plan)[1].position == (20, 0)
+    plan = plan_batch(t, [row("c", 10, id=1, body="v1"), row("d", 20, id=1), row("c", 30, id=1, body="v2")])
+    assert by_key(plan)[1].kind == UPSERT and by_key(plan)[1].values[1] == "v2"
+
+
+def test_unchanged_toast_merged_from_earlier_change_in_batch():
+    t = keyed_target()
+    rows = [row("c", 10, id=1, body="big", n=Decimal("1.00")),
+            row("u", 20, id=1, body=None, n=Decimal("2.00"), unchanged=["body text"])]
+    got = by_key(plan_batch(t, rows))[1]
+    assert got.values[1] == "big" and got.values[2] == Decimal("2.00") and got.keep == ()
+
+
+def test_unchanged_toast_without_source_is_kept_from_target():
+    t = keyed_target()
+    got = by_key(plan_batch(t, [row("u", 20, id=1, n=Decimal("2.00"), unchanged=["body text"])]))[1]
+    assert got.keep == ("body text",) and got.values[1] is None
+    # Also by Avro field name, and not across a delete.
+    rows = [row("c", 5, id=1, body="gone"), row("d", 6, id=1), row("c", 7, id=1, body="new"),
+            row("u", 8, id=1, unchanged=["body_text"]), row("u", 9, id=1, unchanged=["body_text"])]
+    got = by_key(plan_batch(t, rows))[1]
+    assert got.values[1] == "new" and got.keep == ()
+    rows = [row("c", 5, id=1, body="gone"), row("d", 6, id=1), row("u", 9, id=1, unchanged=["body text"])]
+    assert by_key(plan_batch(t, rows))[1].keep == ("body text",)
+
+
+def test_special_values_replace_typed_value():
+    t = keyed_target()
+    got = by_key(plan_batch(t, [row("c", 1, id=1, special={"n": "NaN", "d": "infinity"})]))[1]
+    assert got.values[2] == "NaN" and got.values[3] == "infinity"
+    # Arrow maps arrive as lists of pairs.
+    got = by_key(plan_batch(t, [row("c", 1, id=1, special=[("d", "-infinity")])]))[1]
+    assert got.values[3] == "-infinity"
+    with pytest.raises(PlanError):
+        plan_batch(t, [row("c", 1, id=1, special={"nope": "x"})])
+
+
+def test_truncate_erases_older_changes_of_its_partition_only():
+    t = keyed_target()
+    rows = [row("c", 10, id=1, p=0, off=0), row("c", 11, id=2, p=1, off=0),
+            row("t", 20, p=0, off=1), row("t", 20, p=1, off=1),
+            row("c", 30, id=3, p=0, off=2), row("c", 15, id=4, p=2, off=0)]
+    plan = plan_batch(t, rows)
+    assert set(by_key(plan)) == {3, 4}  # partition 2 has not seen its truncate yet
+    assert {p: c.position for p, c in plan.cuts.items()} == {0: (20, 0), 1: (20, 0)}
+    assert plan.stats[(TOPIC, 0)].erased == 1 and plan.stats[(TOPIC, 0)].truncates == 1
+
+
+def test_floor_drops_changes_below_an_earlier_cut():
+    plan = plan_batch(keyed_target(), [row("c", 10, id=1, p=0), row("c", 10, id=2, p=1)], floors={0: (20, 0)})
+    assert set(by_key(plan)) == {2} and plan.stats[(TOPIC, 0)].below_floor == 1
+
+
+def test_gc_controls_cut_and_controls_returned():
+    t = keyed_target()
+    rows = [row("r", 50, id=1, snap="s1", off=0), row(None, 50, control="snapshot_end", snap="s1", off=1),
+            row(None, 60, control="custom", off=2), row(None, None, control="dlq", off=3)]
+    plan = plan_batch(t, rows)
+    assert plan.cuts[0].position == (50, 0) and plan.cuts[0].reason == "snapshot_end"
+    assert [c["_wb_control"] for c in plan.controls] == ["snapshot_end", "custom"]
+    assert by_key(plan)[1].snapshot_id == "s1"  # same position as the cut: not erased
+    st = plan.stats[(TOPIC, 0)]
+    assert (st.control, st.dlq, st.planned) == (2, 1, 1)
+    assert plan_batch(t, rows, gc_controls=()).cuts == {}
+
+
+def test_snapshot_rows_sharing_a_position_are_all_kept():
+    rows = [row("r", 50, id=i, off=i, snap="s") for i in range(5)]
+    assert len(plan_batch(keyed_target(), rows).rows) == 5
+
+
+def test_keyless_appends_and_removals():
+    t = keyless_target()
+    rows = [lrow("c", 10, a=1, b="x", off=0), lrow("c", 11, a=1, b="x", p=1, off=0),
+            lrow("d", 12, a=1, b="x", off=1),  # cancels one pending append (any partition)
+            lrow("d", 13, a=9, b="old", off=2),  # removes a target row
+            lrow("u", 14, a=2, b="new", before={"a": 2, "b": "old"}, off=3)]
+    plan = plan_batch(t, rows)
+    appends = [r.values for r in plan.rows if r.kind == APPEND]
+    removes = [r.values for r in plan.rows if r.kind == REMOVE]
+    assert sorted(appends) == [(1, "x"), (2, "new")]
+    assert removes == [(9, "old"), (2, "old")]
+    total = sum(s.planned + s.superseded for s in plan.stats.values())
+    assert total == 5
+
+
+def test_keyless_update_needs_the_old_row():
+    with pytest.raises(PlanError, match="_wb_before"):
+        plan_batch(keyless_target(), [lrow("u", 14, a=2, b="new")])
+
+
+def test_keyless_removal_does_not_cancel_a_later_append():
+    t = keyless_target()
+    plan = plan_batch(t, [lrow("d", 10, a=1, b="x", off=0), lrow("c", 11, a=1, b="x", off=1)])
+    assert sorted(r.kind for r in plan.rows) == [APPEND, REMOVE]
+
+
+def test_replay_filter_by_offset_and_reset_detection():
+    rows = [row("c", 10 + i, id=i, off=i) for i in range(6)]
+    todo, skipped, reset = split_replayed(rows, Progress(3, (12, 0)))
+    assert [r["_wb_offset"] for r in todo] == [3, 4, 5] and skipped == 3 and not reset
+    assert split_replayed(rows, None)[1] == 0
+    with pytest.raises(OffsetResetError):
+        split_replayed(rows, Progress(3, (5, 0)))
+    todo, skipped, reset = split_replayed(rows, Progress(3, (5, 0)), on_offset_reset="follow")
+    assert len(todo) == 6 and reset
+
+
+def test_null_key_and_unknown_op_are_errors():
+    with pytest.raises(PlanError):
+        plan_batch(keyed_target(), [row("c", 1, id=None)])
+    with pytest.raises(PlanError):
+        plan_batch(keyed_target(), [row("x", 1, id=1)])
+    with pytest.raises(PlanError):
+        plan_batch(keyed_target(), [row(None, 1, id=1)])
+
+
+def test_values_are_passed_through_untouched():
+    ts = datetime.date(2024, 2, 29)
+    got = by_key(plan_batch(keyed_target(), [row("c", 1, id=1, d=ts, n=Decimal("1.50"))]))[1]
+    assert got.values == (1, None, Decimal("1.50"), ts)
+
+
+def test_composite_keys():
+    cols = [ShapeColumn("tenant", column_codec(TEXT), True), ShapeColumn("id", column_codec(INT), True),
+            ShapeColumn("v", column_codec(TEXT), False)]
+    codec = ShapeCodec("s.t", "wb", "app", "s", "t", cols, [0, 1, 2])
+    t = ShapeTarget.from_avro("s.t", codec.value_schema, codec.key_schema)
+    assert t.key_columns == ("tenant", "id")
+    mk = lambda op, lsn, tenant, id, v=None, off=0: {"tenant": tenant, "id": id, "v": v, "_wb_op": op, "_wb_lsn": lsn,
+                                                      "_wb_op_index": 0, "_wb_topic": TOPIC, "_wb_partition": 0,
+                                                      "_wb_offset": off}
+    plan = plan_batch(t, [mk("c", 1, "a", 1, "x"), mk("c", 1, "b", 1, "y", 1), mk("u", 2, "a", 1, "z", 2)])
+    assert sorted((r.values, r.kind) for r in plan.rows) == [(("a", 1, "z"), UPSERT), (("b", 1, "y"), UPSERT)]
+    with pytest.raises(PlanError, match="null key"):
+        plan_batch(t, [mk("c", 1, "a", None)])
+
+
+def test_keyless_insert_only_batch_keeps_every_row():
+    t = keyless_target()
+    rows = [lrow("c", 10 + i, a=1, b="same", p=i % 2, off=i) for i in range(6)]
+    plan = plan_batch(t, rows)
+    assert plan.count(APPEND) == 6 and all(s.planned == 3 for s in plan.stats.values())

@@ -1,0 +1,517 @@
+"""Pure parts of the Spark source: Avro → Spark schema mapping, message
+decoding into Arrow rows, writer-schema checks, and offset planning.
+
+Messages are built with the producer's own ShapeCodec, so the bytes are the
+ones the real producer writes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import pickle
+import uuid
+from decimal import Decimal
+
+import pytest
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, ReadMinRows
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    BooleanType,
+    DateType,
+    DecimalType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    StringType,
+    TimestampNTZType,
+    TimestampType,
+)
+
+from producer.envelope import ShapeCodec, ShapeColumn
+from producer.pgtypes import PgTypeInfo, column_codec
+from schemas import wire
+from spark_consumer.decode import (
+    BOOKKEEPING_NAMES,
+    BatchBuilder,
+    SchemaChangedError,
+    ShapeLayout,
+    UndecodableMessage,
+    UnsupportedSchema,
+    WriterSchemas,
+    column_type,
+    format_time_micros,
+    strip_logical_types,
+)
+from spark_consumer.kafka_source import (
+    OffsetRange,
+    ShapeSchemas,
+    ShapeStreamReader,
+    SourceOptions,
+    plan_end_offsets,
+    plan_ranges,
+    schema_lookup,
+)
+
+TOPIC = "wb.public.t"
+
+
+def _col(name: str, oid: int, type_name: str, typmod: int = -1, key: bool = False, elem: int = 0) -> ShapeColumn:
+    info = PgTypeInfo(oid, type_name, oid, type_name, typmod, "b", elem, "b" if elem else "", -1)
+    return ShapeColumn(name, column_codec(info), key)
+
+
+def _numeric(p: int, s: int) -> int:
+    return ((p << 16) | s) + 4
+
+
+COLUMNS = [
+    _col("id", 20, "bigint", key=True),
+    _col("flag", 16, "boolean"),
+    _col("small", 21, "smallint"),
+    _col("real4", 700, "real"),
+    _col("dbl", 701, "double precision"),
+    _col("amount", 1700, "numeric(10,2)", _numeric(10, 2)),
+    _col("huge", 1700, "numeric(50,3)", _numeric(50, 3)),
+    _col("free", 1700, "numeric"),
+    _col("day", 1082, "date"),
+    _col("at", 1083, "time without time zone"),
+    _col("local_ts", 1114, "timestamp without time zone"),
+    _col("ts", 1184, "timestamp with time zone"),
+    _col("uid", 2950, "uuid"),
+    _col("ints", 1007, "integer[]", elem=23),
+    _col("days", 1182, "date[]", elem=1082),
+    _col("body", 25, "text"),
+    _col("raw", 17, "bytea"),
+    _col("Mixed Case", 25, "text"),
+]
+ROW = (
+    7, True, -3, 1.5, 2.25, Decimal("12.30"), Decimal("-123456789012345678901234567890.123"), "1e-30",
+    dt.date(2024, 2, 29), dt.time(13, 14, 15, 123456), dt.datetime(2024, 1, 1, 10, 0, 0, 500000),
+    dt.datetime(2024, 1, 1, 7, 0, 0, 250000, tzinfo=dt.timezone.utc), uuid.UUID("a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"),
+    [1, None, 3], [dt.date(2024, 1, 1), None], "héllo", b"\x00\xff", "mc",
+)
+SPECIAL_ROW = (
+    8, None, None, float("inf"), None, "NaN", "Infinity", "NaN",
+    "infinity", "24:00:00", "-infinity", "0044-03-15 00:00:00+00 BC", None,
+    "{{1,2},{3,4}}", "{infinity}", None, None, None,
+)
+
+
+class Shape:
+    """A shape's codec plus single-object prefixes and a schema lookup."""
+
+    def __init__(self, columns=COLUMNS, shape: str = "public.t", prefix: str = "wb"):
+        self.codec = ShapeCodec(shape, prefix, "db", "public", "t", columns, list(range(len(columns))))
+        self.schemas: dict[bytes, dict] = {}
+        self.value_prefix = self.publish(self.codec.value_schema)
+        self.key_prefix = self.publish(self.codec.key_schema) if self.codec.key_schema else None
+        self.layout = ShapeLayout.from_schemas(self.codec.value_schema, self.codec.key_schema)
+        self.lookups = 0
+
+    def publish(self, schema: dict) -> bytes:
+        fp = wire.schema_fingerprint(schema)
+        self.schemas[fp] = schema
+        return wire.single_object_prefix(fp)
+
+    def lookup(self, ref: wire.SchemaRef, data: bytes) -> dict:
+        self.lookups += 1
+        try:
+            return self.schemas[ref.ref]
+        except KeyError:
+            raise UndecodableMessage(f"unknown schema fingerprint {ref.ref.hex()}") from None
+
+    def known(self) -> frozenset[str]:
+        return frozenset(f"fp:{fp.hex()}" for fp in self.schemas)
+
+    def builder(self, known: frozenset[str] | None = None, layout: ShapeLayout | None = None) -> BatchBuilder:
+        layout = layout or self.layout
+        return BatchBuilder(layout, WriterSchemas(layout, self.lookup, self.known() if known is None else known))
+
+    def value(self, op: str, before=None, after=None, lsn: int = 100, op_index: int = 0, unchanged=None,
+              snapshot_id: str | None = None, prefix: bytes | None = None) -> bytes:
+        source = self.codec.source(lsn, op_index, 5, 1_700_000_000_000, snapshot_id is not None, snapshot_id)
+        envelope = self.codec.envelope(op, before, after, source, 1_700_000_000_123, unchanged)
+        return self.codec.encode_value(self.value_prefix if prefix is None else prefix, envelope)
+
+    def key(self, values: tuple) -> bytes:
+        return self.codec.encode_key(self.key_prefix, values)
+
+
+def pos(lsn: int, op_index: int = 0) -> list:
+    return [(wire.POSITION_HEADER, wire.position_header(lsn, op_index))]
+
+
+# ------------------------------------------------------------ schema mapping
+@pytest.mark.parametrize("avro_type, spark_type, special", [
+    (["null", "int"], IntegerType(), False),
+    (["null", "long"], LongType(), False),
+    (["null", "float"], FloatType(), False),
+    (["null", "double"], DoubleType(), False),
+    (["null", "boolean"], BooleanType(), False),
+    (["null", "string"], StringType(), False),
+    (["null", "bytes"], BinaryType(), False),
+    (["null", {"type": "string", "logicalType": "uuid"}], StringType(), False),
+    (["null", "string", {"type": "bytes", "logicalType": "decimal", "precision": 10, "scale": 2}],
+     DecimalType(10, 2), True),
+    (["null", "string", {"type": "bytes", "logicalType": "decimal", "precision": 38, "scale": 38}],
+     DecimalType(38, 38), True),
+    (["null", "string", {"type": "bytes", "logicalType": "decimal", "precision": 39, "scale": 2}],
+     StringType(), True),
+    (["null", "string", {"type": "int", "logicalType": "date"}], DateType(), True),
+    (["null", "string", {"type": "long", "logicalType": "time-micros"}], StringType(), True),
+    (["null", "string", {"type": "long", "logicalType": "timestamp-micros"}], TimestampType(), True),
+    (["null", "string", {"type": "long", "logicalType": "local-timestamp-micros"}], TimestampNTZType(), True),
+    (["null", "string", {"type": "array", "items": ["null", "int"]}], ArrayType(IntegerType(), True), True),
+    (["null", "string", {"type": "array", "items": ["null", {"type": "long", "logicalType": "timestamp-micros"}]}],
+     ArrayType(TimestampType(), True), True),
+    ("long", LongType(), False),
+])
+def test_column_types(avro_type, spark_type, special):
+    mapped = column_type(avro_type)
+    assert mapped.spark_type == spark_type
+    assert mapped.has_special is special
+
+
+@pytest.mark.parametrize("avro_type", [
+    ["null", "int", "long"],
+    ["null", {"type": "enum", "name": "E", "symbols": ["a"]}],
+    ["null", {"type": "long", "logicalType": "timestamp-millis"}],
+])
+def test_unsupported_types_are_refused(avro_type):
+    with pytest.raises(UnsupportedSchema):
+        column_type(avro_type)
+
+
+def test_layout_columns_names_and_metadata():
+    shape = Shape()
+    schema = shape.layout.spark_schema()
+    names = schema.fieldNames()
+    assert names[:len(COLUMNS)] == [c.name for c in COLUMNS]  # PostgreSQL names, shape order
+    assert tuple(names[len(COLUMNS):]) == BOOKKEEPING_NAMES
+    assert names[-len(BOOKKEEPING_NAMES):] == [
+        "_wb_op", "_wb_lsn", "_wb_op_index", "_wb_topic", "_wb_partition", "_wb_offset", "_wb_unchanged",
+        "_wb_special", "_wb_control", "_wb_control_info", "_wb_snapshot_id", "_wb_ts_ms", "_wb_error"]
+    mixed = schema["Mixed Case"]
+    assert mixed.metadata == {"avro.field": "Mixed_Case", "wb.key": False, "pg.type": "text"}
+    assert schema["id"].metadata["wb.key"] is True and shape.layout.key_columns == ("id",)
+    assert schema["amount"].metadata["pg.type"] == "numeric(10,2)"
+    assert schema["amount"].dataType == DecimalType(10, 2)
+    assert schema["huge"].dataType == StringType()  # beyond Spark's 38 digits: exact text
+    assert schema["free"].dataType == StringType()  # unbounded numeric travels as text
+    assert schema["at"].dataType == StringType()
+    assert schema["days"].dataType == ArrayType(DateType(), True)
+    assert not schema["_wb_offset"].nullable and schema["_wb_op"].nullable
+
+
+def test_keyless_layout_and_reserved_names():
+    keyless = Shape([_col("a", 23, "integer"), _col("b", 25, "text")])
+    assert keyless.codec.key_schema is None and keyless.layout.key_columns == ()
+    with pytest.raises(UnsupportedSchema, match="reserved"):
+        Shape([_col("id", 23, "integer", key=True), _col("_wb_op", 25, "text")])
+
+
+def test_strip_logical_types_keeps_decimal():
+    stripped = strip_logical_types(Shape().codec.value_schema)
+    text = json.dumps(stripped)
+    for logical in ("date", "time-micros", "timestamp-micros", "local-timestamp-micros", "uuid"):
+        assert f'"logicalType": "{logical}"' not in text
+    assert '"logicalType": "decimal"' in text
+
+
+def test_format_time_micros():
+    assert format_time_micros(0) == "00:00:00"
+    assert format_time_micros((13 * 3600 + 14 * 60 + 15) * 1_000_000 + 123456) == "13:14:15.123456"
+    assert format_time_micros(1) == "00:00:00.000001"
+    assert format_time_micros(23 * 3600 * 1_000_000 + 500_000) == "23:00:00.500000"
+
+
+# ------------------------------------------------------------------ decoding
+def test_typed_row_from_after():
+    shape = Shape()
+    b = shape.builder()
+    b.add(TOPIC, 2, 40, shape.key(ROW), shape.value("c", after=ROW, lsn=100, op_index=3), pos(100, 3))
+    batch = b.to_record_batch()
+    assert batch.schema.equals(to_arrow_schema(shape.layout.spark_schema(), timezone="UTC"))
+    [row] = batch.to_pylist()
+    assert row["id"] == 7 and row["flag"] is True and row["small"] == -3
+    assert row["real4"] == 1.5 and row["dbl"] == 2.25
+    assert row["amount"] == Decimal("12.30")
+    assert row["huge"] == "-123456789012345678901234567890.123"
+    assert row["free"] == "1e-30"
+    assert row["day"] == dt.date(2024, 2, 29)
+    assert row["at"] == "13:14:15.123456"
+    assert row["local_ts"] == dt.datetime(2024, 1, 1, 10, 0, 0, 500000)
+    assert row["ts"].astimezone(dt.timezone.utc) == dt.datetime(2024, 1, 1, 7, 0, 0, 250000, tzinfo=dt.timezone.utc)
+    assert row["uid"] == "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
+    assert row["ints"] == [1, None, 3] and row["days"] == [dt.date(2024, 1, 1), None]
+    assert row["body"] == "héllo" and row["raw"] == b"\x00\xff" and row["Mixed Case"] == "mc"
+    assert (row["_wb_op"], row["_wb_lsn"], row["_wb_op_index"]) == ("c", 100, 3)
+    assert (row["_wb_topic"], row["_wb_partition"], row["_wb_offset"]) == (TOPIC, 2, 40)
+    assert row["_wb_unchanged"] is None and row["_wb_special"] is None
+    assert row["_wb_control"] is None and row["_wb_error"] is None
+    assert row["_wb_ts_ms"] == 1_700_000_000_123 and row["_wb_snapshot_id"] is None
+
+
+def test_special_values_go_to_the_special_map():
+    shape = Shape()
+    b = shape.builder()
+    b.add(TOPIC, 0, 1, None, shape.value("c", after=SPECIAL_ROW), pos(100))
+    [row] = b.rows()
+    assert row["real4"] == float("inf")  # floats hold infinities themselves
+    for col in ("amount", "huge", "day", "at", "local_ts", "ts", "ints", "days"):
+        assert row[col] is None, col
+    assert row["free"] == "NaN"  # a text-only column is its value, never special
+    assert dict(row["_wb_special"]) == {
+        "amount": "NaN", "huge": "Infinity", "day": "infinity", "at": "24:00:00", "local_ts": "-infinity",
+        "ts": "0044-03-15 00:00:00+00 BC", "ints": "{{1,2},{3,4}}", "days": "{infinity}"}
+
+
+def test_update_with_unchanged_toast_names_the_columns():
+    shape = Shape()
+    after = list(ROW)
+    after[15] = None  # body unchanged in TOAST
+    after[17] = None  # "Mixed Case" too
+    b = shape.builder()
+    b.add(TOPIC, 0, 1, None, shape.value("u", after=tuple(after), unchanged=[15, 17]), pos(101))
+    [row] = b.rows()
+    assert row["_wb_op"] == "u" and row["body"] is None and row["Mixed Case"] is None
+    assert row["_wb_unchanged"] == ["body", "Mixed Case"]
+
+
+def test_delete_reads_before_and_fills_the_key_from_the_message_key():
+    shape = Shape()
+    key_only = (9,) + (None,) * (len(COLUMNS) - 1)
+    b = shape.builder()
+    b.add(TOPIC, 0, 1, shape.key(key_only), shape.value("d", before=key_only), pos(102))
+    b.add(TOPIC, 0, 2, shape.key((10,) + key_only[1:]), shape.value("d", before=None), pos(103))
+    rows = b.rows()
+    assert [(r["_wb_op"], r["id"]) for r in rows] == [("d", 9), ("d", 10)]
+
+
+def test_snapshot_read_truncate_and_control_rows():
+    shape = Shape()
+    b = shape.builder()
+    snap = [("wb.snapshot", b"slot@0/1")]
+    b.add(TOPIC, 1, 0, shape.key(ROW), shape.value("r", after=ROW, lsn=50, snapshot_id="slot@0/1"), pos(50) + snap)
+    b.add(TOPIC, 1, 1, None, None, pos(50) + snap + [(wire.CONTROL_HEADER, b"snapshot_end"),
+                                                      (wire.CONTROL_INFO_HEADER, b'{"rows": 1}')])
+    b.add(TOPIC, 1, 2, None, shape.value("t", lsn=60, op_index=1), pos(60, 1))
+    r, ctrl, trunc = b.rows()
+    assert (r["_wb_op"], r["_wb_snapshot_id"], r["id"]) == ("r", "slot@0/1", 7)
+    assert ctrl["_wb_op"] is None and ctrl["_wb_control"] == "snapshot_end"
+    assert ctrl["_wb_control_info"] == '{"rows": 1}' and ctrl["_wb_snapshot_id"] == "slot@0/1"
+    assert (ctrl["_wb_lsn"], ctrl["_wb_op_index"], ctrl["_wb_offset"]) == (50, 0, 1)
+    assert all(ctrl[c.name] is None for c in COLUMNS)
+    assert trunc["_wb_op"] == "t" and (trunc["_wb_lsn"], trunc["_wb_op_index"]) == (60, 1)
+    assert all(trunc[c.name] is None for c in COLUMNS)
+
+
+def test_position_falls_back_to_the_envelope_source():
+    shape = Shape()
+    b = shape.builder()
+    b.add(TOPIC, 0, 0, None, shape.value("c", after=ROW, lsn=77, op_index=4), None)
+    [row] = b.rows()
+    assert (row["_wb_lsn"], row["_wb_op_index"]) == (77, 4)
+
+
+@pytest.mark.parametrize("case", ["bad prefix", "unknown schema", "corrupt body", "trailing bytes",
+                                  "truncated", "bare tombstone", "bad position", "other shape"])
+def test_undecodable_messages_are_classified(case):
+    shape = Shape()
+    good = shape.value("c", after=ROW)
+    headers = pos(100)
+    value = {
+        "bad prefix": b"not avro at all",
+        "unknown schema": wire.single_object_prefix(b"\x01" * 8) + good[10:],
+        "corrupt body": shape.value_prefix + b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff",
+        "trailing bytes": good + b"\x00",
+        "truncated": good[:-3],
+        "bare tombstone": None,
+        "bad position": good,
+        "other shape": None,
+    }[case]
+    if case == "bad position":
+        headers = [(wire.POSITION_HEADER, b"\x01\x02")]
+    if case == "other shape":
+        other = Shape(shape="public.other")
+        shape.schemas.update(other.schemas)
+        value = other.value("c", after=ROW)
+    b = shape.builder()
+    with pytest.raises(UndecodableMessage):
+        b.add(TOPIC, 0, 5, None, value, headers)
+    assert b.count == 0
+    b.add_dlq(TOPIC, 0, 5, pos(100), "why")
+    [row] = b.rows()
+    assert (row["_wb_control"], row["_wb_error"], row["_wb_offset"], row["_wb_lsn"]) == ("dlq", "why", 5, 100)
+    assert row["_wb_op"] is None and all(row[c.name] is None for c in COLUMNS)
+
+
+def test_an_unknown_schema_is_looked_up_once():
+    shape = Shape()
+    b = shape.builder()
+    bad = wire.single_object_prefix(b"\x02" * 8) + b"\x00"
+    for offset in range(3):
+        with pytest.raises(UndecodableMessage):
+            b.add(TOPIC, 0, offset, None, bad, None)
+    assert shape.lookups == 1
+
+
+def test_writer_schema_evolution():
+    old_cols = [_col("id", 20, "bigint", key=True), _col("gone", 25, "text"), _col("v", 23, "integer")]
+    new_cols = [_col("id", 20, "bigint", key=True), _col("v", 23, "integer")]
+    newer_cols = new_cols + [_col("added", 25, "text")]
+    old, current, newer = Shape(old_cols), Shape(new_cols), Shape(newer_cols)
+    retyped = Shape([_col("id", 20, "bigint", key=True), _col("v", 20, "bigint")])
+    for other in (old, newer, retyped):
+        current.schemas.update(other.schemas)
+    layout = current.layout
+    known_at_start = frozenset({f"fp:{fp.hex()}" for fp in list(old.schemas) + list(current.schemas)[:2]})
+
+    b = current.builder(known=known_at_start, layout=layout)
+    # an older known version: its dropped column is ignored, the others are read by name
+    b.add(TOPIC, 0, 0, None, old.value("c", after=(1, "x", 5)), pos(1))
+    b.add(TOPIC, 0, 1, None, current.value("c", after=(2, 6)), pos(2))
+    assert [(r["id"], r["v"]) for r in b.rows()] == [(1, 5), (2, 6)]
+    # a newer version: adding or retyping a column must stop the stream
+    with pytest.raises(SchemaChangedError, match="added"):
+        b.add(TOPIC, 0, 2, None, newer.value("c", after=(3, 7, "new")), pos(3))
+    with pytest.raises(SchemaChangedError, match="type"):
+        b.add(TOPIC, 0, 3, None, retyped.value("c", after=(4, 8)), pos(4))
+    # a newer version that only drops a column is fine
+    narrower = Shape([_col("id", 20, "bigint", key=True)])
+    current.schemas.update(narrower.schemas)
+    b.add(TOPIC, 0, 4, None, narrower.value("c", after=(5,)), pos(5))
+    assert [(r["id"], r["v"]) for r in b.rows()] == [(5, None)]
+
+
+def test_registry_framed_messages_decode_through_the_registry_client():
+    """A mock:// registry lives in one process: here (in-process) the lookup
+    used by the executors resolves ids through the same client the producer
+    registered with."""
+    from confluent_kafka.schema_registry import Schema
+
+    from producer.kafka_io import registry_client
+
+    url = f"mock://unit-{uuid.uuid4().hex[:8]}"
+    shape = Shape()
+    client = registry_client(url)
+    value_id = client.register_schema(f"{TOPIC}-value", Schema(wire.canonical_json(shape.codec.value_schema), "AVRO"))
+    key_id = client.register_schema(f"{TOPIC}-key", Schema(wire.canonical_json(shape.codec.key_schema), "AVRO"))
+    opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", schema_registry_url=url)
+    lookup = schema_lookup(opts, {})
+    layout = shape.layout
+    b = BatchBuilder(layout, WriterSchemas(layout, lookup, frozenset({f"id:{value_id}"})))
+    value = shape.value("d", before=(3,) + (None,) * (len(COLUMNS) - 1), prefix=wire.confluent_prefix(value_id))
+    key = shape.codec.encode_key(wire.confluent_prefix(key_id), (3,))
+    b.add(TOPIC, 0, 0, key, value, pos(9))
+    [row] = b.rows()
+    assert (row["_wb_op"], row["id"], row["_wb_lsn"]) == ("d", 3, 9)
+    with pytest.raises(UndecodableMessage, match="unknown schema id"):
+        b.add(TOPIC, 0, 1, None, wire.confluent_prefix(value_id + 1000) + value[5:], pos(10))
+    no_registry = schema_lookup(SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092"), {})
+    with pytest.raises(UndecodableMessage, match="no schema registry"):
+        no_registry(wire.parse_prefix(value), value)
+
+
+# ---------------------------------------------------------- offset planning
+def test_plan_end_offsets_without_limit_takes_everything():
+    assert plan_end_offsets({0: 5, 1: 0}, {0: 10, 1: 3}, None) == {0: 10, 1: 3}
+    assert plan_end_offsets({0: 5, 1: 0}, {0: 10, 1: 3}, 100) == {0: 10, 1: 3}
+
+
+def test_plan_end_offsets_shares_the_limit_by_backlog():
+    end = plan_end_offsets({0: 0, 1: 100, 2: 7}, {0: 900, 1: 400, 2: 7}, 120)
+    assert sum(end[p] - s for p, s in {0: 0, 1: 100, 2: 7}.items()) == 120
+    assert end == {0: 90, 1: 130, 2: 7}
+    # every offset up to the limit is used, none beyond what is available
+    for limit in range(1, 30):
+        start, avail = {0: 0, 1: 0, 2: 0}, {0: 1, 1: 13, 2: 7}
+        end = plan_end_offsets(start, avail, limit)
+        assert sum(end.values()) == min(limit, 21)
+        assert all(start[p] <= end[p] <= avail[p] for p in start)
+
+
+def test_plan_end_offsets_never_goes_backwards():
+    assert plan_end_offsets({0: 10}, {0: 8}, None) == {0: 10}
+
+
+def test_plan_ranges_skips_empty_and_new_partitions():
+    ranges = plan_ranges(TOPIC, {0: 0, 1: 5}, {0: 4, 1: 5, 2: 0})
+    assert ranges == [OffsetRange(TOPIC, 0, 0, 4)]
+    assert pickle.loads(pickle.dumps(ranges[0])) == ranges[0]
+
+
+class FakeEnds:
+    def __init__(self, lows, ends):
+        self.lows, self.ends, self.closed = lows, ends, False
+
+    def lows_and_ends(self):
+        return dict(self.lows), dict(self.ends)
+
+    def close(self):
+        self.closed = True
+
+
+def _reader(max_rows=None, starting="earliest", lows=None, ends=None):
+    opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb",
+                         max_offsets_per_trigger=max_rows, starting_offsets=starting)
+    reader = ShapeStreamReader(opts, ShapeSchemas(Shape().codec.value_schema))
+    reader._ends = FakeEnds(lows or {0: 0, 1: 0}, ends or {0: 100, 1: 50})
+    return reader
+
+
+def test_reader_offsets_and_limits():
+    r = _reader(max_rows=30)
+    assert r.getDefaultReadLimit() == ReadMaxRows(30)
+    assert _reader().getDefaultReadLimit() == ReadAllAvailable()
+    start = r.initialOffset()
+    assert start == {"0": 0, "1": 0}
+    assert r.latestOffset(start, ReadMaxRows(30)) == {"0": 20, "1": 10}
+    assert r.latestOffset(start, ReadAllAvailable()) == {"0": 100, "1": 50}
+    assert r.latestOffset({"0": 100, "1": 50}, ReadMaxRows(30)) == {"0": 100, "1": 50}  # nothing new
+    assert r.latestOffset({"0": 90, "1": 50}, ReadMinRows(20)) == {"0": 90, "1": 50}  # too little yet
+    assert r.reportLatestOffset() == {"0": 100, "1": 50}
+    assert r.partitions({"0": 0, "1": 10}, {"0": 20, "1": 10}) == [OffsetRange(TOPIC, 0, 0, 20)]
+    assert _reader(starting="latest").initialOffset() == {"0": 100, "1": 50}
+    assert _reader(starting='{"1": 7, "0": 500}').initialOffset() == {"0": 100, "1": 7}
+
+
+def test_reader_available_now_stops_at_the_ends_seen_at_its_start():
+    r = _reader(max_rows=60)
+    r.prepareForTriggerAvailableNow()
+    r._ends.ends = {0: 1000, 1: 1000}  # data arriving later is not read
+    offsets = r.initialOffset()
+    seen = []
+    while True:
+        end = r.latestOffset(offsets, ReadMaxRows(60))
+        if end == offsets:
+            break
+        seen.append(end)
+        offsets = end
+    assert offsets == {"0": 100, "1": 50} and len(seen) == 3
+
+
+def test_reader_new_partition_joins_empty_then_is_read():
+    r = _reader(lows={0: 0, 1: 0, 2: 3}, ends={0: 10, 1: 10, 2: 9})
+    end = r.latestOffset({"0": 10, "1": 10}, ReadAllAvailable())
+    assert end == {"0": 10, "1": 10, "2": 3}
+    assert r.partitions({"0": 10, "1": 10}, end) == []
+    assert r.latestOffset(end, ReadAllAvailable()) == {"0": 10, "1": 10, "2": 9}
+
+
+def test_reader_refuses_to_go_on_when_the_broker_lost_data():
+    r = _reader(ends={0: 5, 1: 50})
+    with pytest.raises(RuntimeError, match="lost data"):
+        r.latestOffset({"0": 20, "1": 0}, ReadAllAvailable())
+
+
+def test_reader_pickles_without_its_clients():
+    r = _reader()
+    r.prepareForTriggerAvailableNow()
+    clone = pickle.loads(pickle.dumps(r))
+    assert clone._ends is None and clone._target is None
+    r.stop()
+    assert r._ends.closed
