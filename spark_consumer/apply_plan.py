@@ -46,7 +46,17 @@ Invariants:
   counted: their offsets are covered by progress, their content is not applied.
 - Stats are kept per (topic, partition) and count every input row exactly once:
   ``rows = planned + superseded + erased + below_floor + truncates + control + dlq``
-  (a keyless ``u`` counts once even though it plans a removal and an append).
+  (a keyless ``u`` counts once even though it plans a removal and an append; a
+  keyless change is ``superseded`` when a later removal cancelled its append).
+- The plan is a list of flat tuples in staging order (column values, then
+  ``STAGE_EXTRA``) so the shell can COPY them as they are; ``ApplyPlan.rows``
+  gives readable :class:`PlannedRow` views. Planning is linear in the batch
+  (one dict lookup per keyed row; only keys changed more than once are sorted).
+- Known limits: a keyless removal can only find rows that are applied; a
+  removal whose row arrives in a later batch (another partition lagging)
+  finds nothing and the row stays. An upsert whose unchanged-TOAST column
+  neither the batch nor the target can supply (the key is new to the target)
+  writes NULL there: the value is not in the stream.
 """
 
 from __future__ import annotations

@@ -67,7 +67,6 @@ superuser (or explicit grants) on the target.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import zlib
 from collections import Counter, defaultdict

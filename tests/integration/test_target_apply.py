@@ -5,7 +5,6 @@ cuts, keyless dedupe, the staged (parallel) path, and throughput."""
 from __future__ import annotations
 
 import datetime
-import io
 import time
 from decimal import Decimal
 
@@ -381,3 +380,37 @@ def test_throughput_keyed_upserts_vs_raw_copy(conn, items, capsys):
         print(f"\n[throughput] raw COPY {n / copy_s:,.0f} rows/s; apply_batch inserts {n / apply_s:,.0f} rows/s "
               f"({copy_s / apply_s:.0%} of COPY); apply_batch updates {n / update_s:,.0f} rows/s "
               f"({copy_s / update_s:.0%} of COPY)")
+
+
+def test_several_shapes_commit_or_fail_together(conn, items):
+    t = log_target()
+    ensure_table(conn, t)
+    good = (items, [part([change("c", 100, id=1, off=0)], 0)])
+    bad = (t, parts_from_rows([lchange("u", 101, off=0, a=1, b="no before")]))  # keyless update without old row
+    with pytest.raises(Exception, match="_wb_before"):
+        apply_shapes(conn, GROUP, [good, bad])
+    assert table_rows(conn) == [] and read_progress(conn, GROUP) == {}
+    res = apply_shapes(conn, GROUP, [good, (t, parts_from_rows([lchange("c", 101, off=0, a=1, b="ok")]))])
+    assert res.total("upserted") == 1 and res.total("appended") == 1
+    assert set(res.offsets) == {(TOPIC, 0), ("wb.eventlog", 0)}
+
+
+def test_staged_cuts_keyless_and_progress_race(target_db, conn, items):
+    t = log_target()
+    ensure_table(conn, t)
+    apply_batch(conn, GROUP, items, [part([change("c", 100, id=1, off=0), change("c", 100, 1, id=2, off=1)], 0)])
+    p0 = part([change("t", 200, off=2), change("c", 210, id=3, off=3)], 0)
+    lp = parts_from_rows([lchange("c", 300, off=0, a=1, b="x"), lchange("c", 301, off=1, a=1, b="x")])
+    with psycopg.connect(target_db, autocommit=True) as e:
+        stage_part(e, GROUP, items, p0)
+        stage_part(e, GROUP, t, lp[0])
+    res = commit_batch(conn, GROUP, [(items, [p0]), (t, lp)])
+    assert res.parts[(TOPIC, 0)].truncated == 2 and res.parts[(TOPIC, 0)].upserted == 1
+    assert res.parts[("wb.eventlog", 0)].appended == 2
+    assert [r[0] for r in table_rows(conn)] == [3] and read_progress(conn, GROUP)[(TOPIC, 0)].floor == (200, 0)
+    # A part staged, then applied by someone else before this commit: skipped at commit.
+    p1 = part([change("c", 220, id=4, off=4)], 0)
+    stage_part(conn, GROUP, items, p1)
+    apply_batch(conn, GROUP, items, [p1])
+    res = commit_batch(conn, GROUP, [(items, [p1])])
+    assert res.parts[(TOPIC, 0)].skipped_replayed == 1 and res.total("applied") == 0
