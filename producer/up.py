@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import signal
 import threading
 import time
@@ -214,13 +215,16 @@ def embedded_config(base_dir: Path) -> tuple[dict, list]:
         "shapes": DEMO_SHAPES,
         "consumer": {"group": "walbridge-spark", "target_dsn": pg.dsn("warehouse"),
                      "checkpoint_dir": str(base_dir / "checkpoints")},
-        "ack": {"consumer_groups": []},
+        # WAL is released once the Spark consumer has committed (set to [] to
+        # release on broker acknowledgement instead).
+        "ack": {"consumer_groups": ["walbridge-spark"], "interval": 0.5},
     }
     return data, [broker, pg]
 
 
 def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: float,
-           headless: bool = False, console=None, before_stop: Callable[[Config], None] | None = None) -> dict:
+           headless: bool = False, console=None, before_stop: Callable[[Config], None] | None = None,
+           with_consumer: bool = True) -> dict:
     """Run until Ctrl-C or ``duration``; returns the last view snapshot.
     ``before_stop(config)`` runs after the pipeline stopped, while the embedded
     servers still run (tests inspect them there)."""
@@ -242,11 +246,15 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
     stoppables: list = []
     stop = threading.Event()
     workload = None
-    producer = None
+    producer = consumer = None
     admin = None
     last: dict = {}
     try:
         if config is None:
+            # A throwaway demo: each run starts from nothing (the broker keeps no
+            # data across restarts, so old checkpoints and progress would not fit).
+            for sub in ("pg", "kafka", "checkpoints"):
+                shutil.rmtree(base_dir / sub, ignore_errors=True)
             console.print(f"starting embedded PostgreSQL and Kafka broker in {base_dir} ...")
             data, stoppables = embedded_config(base_dir)
             config = parse_config(data)
@@ -255,6 +263,11 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
         views: dict[str, dict] = {}
         producer = threading.Thread(target=_guard(run_producer, config, stop, views), name="producer", daemon=True)
         producer.start()
+        appliers: list = []
+        if with_consumer and config.consumer.target_dsn:
+            consumer = threading.Thread(target=_run_consumer, args=(config, stop, appliers), name="consumer",
+                                        daemon=True)
+            consumer.start()
         if rate > 0:
             workload = Workload(config.source.dsn, rate)
             workload.start()
@@ -271,7 +284,7 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
         with Live(console=console, refresh_per_second=2, transient=False, auto_refresh=False) as live:
             while not stop.is_set():
                 last = sampler.sample(views.get("producer"), _slot(config), _committed(admin, config),
-                                      errors.count, 0, workload.transactions if workload else 0)
+                                      errors.count, _dlq(appliers), workload.transactions if workload else 0)
                 if not headless:
                     live.update(render_view(last), refresh=True)
                 if deadline and time.monotonic() >= deadline:
@@ -282,12 +295,20 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
             if workload:
                 workload.stop_event.set()
                 workload.join(10)
-            _wait_caught_up(config, timeout=15)
+            _wait_caught_up(config, timeout=60 if consumer else 15)
             stop.set()
             producer.join(30)
+            if consumer:
+                consumer.join(60)
             last = sampler.sample(views.get("producer"), _slot(config), _committed(admin, config),
-                                  errors.count, 0, workload.transactions if workload else 0)
+                                  errors.count, _dlq(appliers), workload.transactions if workload else 0)
             live.update(render_view(last), refresh=True)
+        if consumer and duration:
+            from producer.verify import as_json, render, verify
+
+            diffs = verify(config)
+            console.print(render(diffs))
+            last["verify"] = as_json(diffs)
         if before_stop is not None:
             before_stop(config)
     finally:
@@ -297,6 +318,8 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
             workload.join(10)
         if producer is not None:
             producer.join(30)
+        if consumer is not None:
+            consumer.join(60)
         admin = None  # noqa: F841  (drops the client before its broker goes)
         for s in stoppables:
             s.stop()
@@ -314,6 +337,22 @@ def _guard(fn, config: Config, stop: threading.Event, views: dict):
             log.exception("producer stopped with an error")
 
     return run
+
+
+def _run_consumer(config: Config, stop: threading.Event, appliers: list) -> None:
+    try:
+        from spark_consumer.job import run
+    except ImportError:
+        log.warning("pyspark is not installed (pip install 'walbridge[spark]'): running without the consumer")
+        return
+    try:
+        run(config, "local[*]", stop, appliers)
+    except Exception:
+        log.exception("consumer stopped with an error")
+
+
+def _dlq(appliers: list) -> int:
+    return sum(a.dlq for a in appliers)
 
 
 def _wait_caught_up(config: Config, timeout: float) -> None:

@@ -83,7 +83,9 @@ class ShapeApplier:
         from spark_consumer.target import apply_batch, parts_from_rows
 
         started = time.monotonic()
-        rows = [r.asDict(recursive=True) for r in batch_df.collect()]
+        # Arrow: fast, and timestamps arrive timezone-aware (collect() would give
+        # naive datetimes in the driver's local zone).
+        rows = batch_df.toArrow().to_pylist()
         if not rows:
             return
         result = apply_batch(self._connection(), self.config.consumer.group, self.target, parts_from_rows(rows))
@@ -117,6 +119,11 @@ def spark_session(master: str | None = None):
             .config("spark.ui.enabled", "false")
             .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
             .getOrCreate())
+
+
+def _quiet(spark):
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
 
 
 def start_queries(spark, config) -> tuple[list, list[ShapeApplier]]:
@@ -165,9 +172,14 @@ def _wait_for_schemas(opts, discover, timeout: float = 600.0):
             time.sleep(2.0)
 
 
-def run(config, master: str | None = None, stop: threading.Event | None = None) -> None:
-    spark = spark_session(master)
-    queries, _ = start_queries(spark, config)
+def run(config, master: str | None = None, stop: threading.Event | None = None,
+        appliers: list | None = None) -> None:
+    """Run the queries until ``stop`` is set or one fails; ``appliers`` (if
+    given) receives each query's :class:`ShapeApplier` (for counters)."""
+    spark = _quiet(spark_session(master))
+    queries, started = start_queries(spark, config)
+    if appliers is not None:
+        appliers.extend(started)
     try:
         while not (stop and stop.is_set()):
             for q in queries:

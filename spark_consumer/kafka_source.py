@@ -339,6 +339,8 @@ class PartitionEnds:
         self._opts = opts
         self._timeout = timeout
         self._consumer = None
+        # partition -> (reported end, true end) of its last successful probe
+        self._probed: dict[int, tuple[int, int]] = {}
 
     def _client(self):
         if self._consumer is None:
@@ -382,7 +384,17 @@ class PartitionEnds:
         # Partitions ListOffsets calls empty are: Tansu's value is then 0 as
         # well. Probe the others from the last reported offset: that message
         # exists, so the Fetch answers at once and carries the high watermark.
-        probe = [p for p, (lo, hi) in reported.items() if hi > lo]
+        # A reported end unchanged since the last probe means no batch was
+        # appended since (Kafka: it is the true end; Tansu: a new batch's base
+        # is >= the old true end, so its report would exceed the old one), so
+        # the end probed then still holds and an idle topic costs no Fetch.
+        probe = []
+        for p, (lo, hi) in reported.items():
+            last = self._probed.get(p)
+            if last is not None and last[0] == hi:
+                ends[p] = max(ends[p], last[1])
+            elif hi > lo:
+                probe.append(p)
         if not probe:
             return lows, ends
         c = self._client()
@@ -405,8 +417,9 @@ class PartitionEnds:
                     log.warning("probing the end of %s[%d] timed out; using the reported end %d", topic, p, ends[p])
                     continue
                 _, hwm = c.get_watermark_offsets(TopicPartition(topic, p), cached=True)
-                if hwm > ends[p]:
-                    ends[p] = hwm
+                reported_end = ends[p]
+                ends[p] = max(reported_end, hwm)
+                self._probed[p] = (reported_end, ends[p])
         finally:
             c.unassign()
         return lows, ends

@@ -246,6 +246,12 @@ def test_tansu_low_end_offset_does_not_strand_the_tail(spark, kafka_broker, topi
         # The quirk this test is about (if it stops holding, Tansu was fixed).
         assert any(reported[p] < true_ends[p] for p in range(3)), (reported, true_ends)
         assert probe.lows_and_ends() == ({0: 0, 1: 0, 2: 0}, true_ends)
+        assert probe.lows_and_ends()[1] == true_ends  # unchanged report: the remembered probe
+        shape.changes(range(30000, 30100))  # a new batch is seen again
+        shape.flush()
+        expected = all_offsets(kafka_broker.bootstrap, shape.topic)
+        true_ends = {p: max(o for q, o in expected if q == p) + 1 for p in range(3)}
+        assert probe.lows_and_ends()[1] == true_ends
     finally:
         probe.close()
 
@@ -253,7 +259,7 @@ def test_tansu_low_end_offset_does_not_strand_the_tail(spark, kafka_broker, topi
                                 tmp_path / "ck", WHERE + ["id"])
     rows = [r for _, b in batches for r in b]
     assert Counter((p, o) for p, o, _ in rows) == expected
-    assert len({i for _, _, i in rows}) == 30000
+    assert len({i for _, _, i in rows}) == 30100
 
 
 def test_poison_messages_go_to_the_dlq_and_the_stream_goes_on(spark, kafka_broker, topic_prefix, tmp_path):
