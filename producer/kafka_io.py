@@ -194,6 +194,20 @@ def read_positions(conf: dict[str, Any], start_offsets: dict[Writer, int],
         consumer.close()
 
 
+def group_offsets(admin: AdminClient, groups: Iterable[str], writers: list[Writer],
+                  timeout: float = 10.0) -> dict[str, dict[Writer, int]]:
+    """Each group's committed offset (the next offset it will read) per
+    writer; 0 where the group has committed nothing."""
+    from confluent_kafka import ConsumerGroupTopicPartitions
+
+    result: dict[str, dict[Writer, int]] = {}
+    for group in groups:
+        req = [ConsumerGroupTopicPartitions(group, [TopicPartition(t, p) for t, p in writers])]
+        res = admin.list_consumer_group_offsets(req, request_timeout=timeout)[group].result()
+        result[group] = {(tp.topic, tp.partition): max(tp.offset, 0) for tp in res.topic_partitions}
+    return result
+
+
 _registry_clients: dict[str, Any] = {}
 _registry_lock = threading.Lock()
 

@@ -58,7 +58,7 @@ from producer.catalog import TableInfo
 from producer.config import Config, redact_dsn
 from producer.flush_tracker import FlushTracker, LogOffset, WriterAlignment
 from producer.kafka_io import (DeliveryLedger, SchemaPublisher, Tail, Writer, client_config, ensure_topics,
-                               partition_for, producer_config, read_tails)
+                               group_offsets, partition_for, producer_config, read_tails)
 from producer.pgoutput import Begin, Commit, Delete, Insert, Keepalive, Relation, Truncate, TypeMsg, Update
 from producer.pgtypes import column_codec
 from producer.replication import ReplicationConnection, ReplicationError, connect
@@ -394,16 +394,7 @@ class Pipeline:
         self.stats.confirmed_lsn = self._confirm_lsn
 
     def group_offsets(self, writers: list[Writer]) -> dict[str, dict[Writer, int]]:
-        """Each ack group's committed offset (next offset to read) per writer;
-        0 where the group has committed nothing."""
-        from confluent_kafka import ConsumerGroupTopicPartitions
-
-        result: dict[str, dict[Writer, int]] = {}
-        for group in self.ack_groups:
-            req = [ConsumerGroupTopicPartitions(group, [TopicPartition(t, p) for t, p in writers])]
-            fut = self.admin.list_consumer_group_offsets(req, request_timeout=10)[group]
-            result[group] = {(tp.topic, tp.partition): max(tp.offset, 0) for tp in fut.result().topic_partitions}
-        return result
+        return group_offsets(self.admin, self.ack_groups, writers)
 
     def committed_offsets(self, writers: list[Writer]) -> dict[Writer, int]:
         """Minimum over the ack groups of each writer's committed offset."""

@@ -22,7 +22,7 @@ from confluent_kafka.admin import AdminClient
 
 from producer import catalog
 from producer.config import Config
-from producer.kafka_io import client_config, read_tails
+from producer.kafka_io import client_config, group_offsets, read_tails
 from producer.replication import connect
 
 
@@ -64,14 +64,7 @@ def collect_status(config: Config) -> dict:
     writers = [(config.topic(s), p) for s in config.shapes if config.topic(s) in meta
                for p in sorted(meta[config.topic(s)].partitions)]
     tails = read_tails(conf, writers, timeout=15) if writers else {}
-    committed: dict[str, dict] = {}
-    if writers and config.ack_groups:
-        from confluent_kafka import ConsumerGroupTopicPartitions
-
-        for group in config.ack_groups:
-            req = [ConsumerGroupTopicPartitions(group, [TopicPartition(t, p) for t, p in writers])]
-            res = admin.list_consumer_group_offsets(req, request_timeout=10)[group].result()
-            committed[group] = {(tp.topic, tp.partition): max(tp.offset, 0) for tp in res.topic_partitions}
+    committed = group_offsets(admin, config.ack_groups, writers) if writers else {}
     producer_view = _last_record(conf, f"{config.kafka.topic_prefix}._status")
     if producer_view:
         producer_view["age_s"] = round(time.time() - producer_view.get("ts", 0), 1)
@@ -103,7 +96,7 @@ def render_status(status: dict):
         t.add_row("slot", f"{slot['name']} ({'active' if slot['active'] else 'inactive'})")
         t.add_row("confirmed_flush_lsn", slot["confirmed_flush_lsn"] or "-")
         t.add_row("current WAL", slot["current_wal_lsn"])
-        t.add_row("retained WAL", _bytes(slot["retained_wal_bytes"]))
+        t.add_row("retained WAL", human_bytes(slot["retained_wal_bytes"]))
     parts.append(t)
     w = Table(title="writers (topic-partitions)")
     w.add_column("writer")
@@ -133,7 +126,7 @@ def render_status(status: dict):
     return Group(*parts)
 
 
-def _bytes(n: int | None) -> str:
+def human_bytes(n: float | None) -> str:
     if n is None:
         return "-"
     for unit in ("B", "kB", "MB", "GB"):

@@ -32,7 +32,8 @@ from confluent_kafka.admin import AdminClient
 
 from producer import catalog
 from producer.config import Config, parse_config, redact_dsn
-from producer.kafka_io import client_config
+from producer.kafka_io import client_config, group_offsets
+from producer.status import human_bytes
 from producer.pgoutput import lsn_to_int
 
 log = logging.getLogger("walbridge.up")
@@ -147,7 +148,7 @@ def render_view(snap: dict):
     head = Table.grid(padding=(0, 2))
     slot = snap.get("slot") or {}
     head.add_row("uptime", f"{snap['uptime_s']}s", "slot confirmed", str(slot.get("confirmed_flush_lsn") or "-"),
-                 "retained WAL", _size(slot.get("retained_wal_bytes")))
+                 "retained WAL", human_bytes(slot.get("retained_wal_bytes")))
     head.add_row("workload tx", str(snap.get("workload_tx", 0)), "errors", str(snap.get("errors", 0)),
                  "DLQ", str(snap.get("dlq", 0)))
     if snap.get("stalled_groups"):
@@ -173,17 +174,6 @@ def render_view(snap: dict):
         writers.add_row(w["writer"], str(w["produced"]), "-" if w["committed"] is None else str(w["committed"]))
     parts.append(writers)
     return Group(*parts)
-
-
-def _size(n: Any) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
 
 
 class _ErrorCounter(logging.Handler):
@@ -383,21 +373,14 @@ def _slot(config: Config) -> dict | None:
 
 
 def _committed(admin: AdminClient, config: Config) -> dict[str, int]:
+    """Lowest committed offset over the ack groups, per ``topic[partition]``."""
     if not config.ack_groups:
         return {}
-    from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
-
-    out: dict[str, int] = {}
     try:
         meta = admin.list_topics(timeout=5).topics
-        tps = [TopicPartition(config.topic(s), p) for s in config.shapes if config.topic(s) in meta
-               for p in meta[config.topic(s)].partitions]
-        for group in config.ack_groups:
-            res = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group, tps)],
-                                                    request_timeout=5)[group].result()
-            for tp in res.topic_partitions:
-                key = f"{tp.topic}[{tp.partition}]"
-                out[key] = min(out.get(key, max(tp.offset, 0)), max(tp.offset, 0))
-    except Exception:
-        pass
-    return out
+        writers = [(config.topic(s), p) for s in config.shapes if config.topic(s) in meta
+                   for p in meta[config.topic(s)].partitions]
+        per_group = group_offsets(admin, config.ack_groups, writers, timeout=5)
+    except Exception:  # the view shows "-" until the broker answers
+        return {}
+    return {f"{t}[{p}]": min(offsets.get((t, p), 0) for offsets in per_group.values()) for t, p in writers}

@@ -53,25 +53,37 @@ Then walbridge's bookkeeping columns (``BOOKKEEPING``), all nullable unless note
   when there are none.
 - ``_wb_special`` map<string,string>: {column: PostgreSQL text} for special
   values (above); null when there are none.
-- ``_wb_control`` string: null for changes; the ``wb.control`` header of control
-  events (``snapshot_end``, ``backfill_end``, Kafka tombstones); ``dlq`` for a
-  message that could not be decoded and was sent to ``<topic>.dlq`` (its row
-  exists only so progress covers its offset: apply must skip it).
+- ``_wb_control`` string: null for changes; for a control event (on the wire a
+  tombstone) its ``wb.control`` header: ``snapshot_end``, ``backfill_end``;
+  ``dlq`` for a message that could not be decoded and was sent to
+  ``<topic>.dlq`` (its row exists only so progress covers its offset). Apply
+  must skip control names it does not handle.
 - ``_wb_control_info`` string: the ``wb.control.info`` header (JSON) of control
   events.
 - ``_wb_snapshot_id`` string: the ``wb.snapshot`` header (snapshot/backfill
   reads and their control events), else the envelope's ``source.snapshot_id``.
-- ``_wb_ts_ms`` long: the envelope's ``ts_ms`` (when the producer built it).
+- ``_wb_ts_ms`` long: the envelope's ``ts_ms`` (when the producer built it);
+  null on control rows.
 - ``_wb_error`` string: why a ``dlq`` row could not be decoded.
+
+Last, the old row of an UPDATE (``BEFORE_COLUMNS``), for keyless shapes and
+anything else that needs it:
+
+- ``_wb_before`` struct<the row columns, same names and types>: the envelope's
+  ``before`` of a ``u`` when the source sent one (REPLICA IDENTITY FULL); null
+  otherwise (for ``d`` the row columns already are the old row).
+- ``_wb_before_special`` map<string,string>: special values of ``_wb_before``
+  (their struct fields are null), as ``_wb_special``; null when there are none.
 
 Invariants:
 - The layout is derived from one value schema (the newest at stream start) and
   never changes during a query. Messages written with an older, known writer
-  schema are read against it by name (dropped columns ignored, added ones null).
-  A writer schema that appeared after the stream started and carries a column
-  the layout lacks or types one differently raises :class:`SchemaChangedError`:
-  the query must stop (and be restarted to pick the new layout up), never drop
-  data silently.
+  schema are read into it by name (columns dropped since are ignored, columns
+  added since are null). A writer schema that appeared after the stream
+  started and carries a column the layout lacks or types one differently
+  raises :class:`SchemaChangedError`: the query must stop (and be restarted to
+  pick the new layout up), never drop data silently. One that only lacks
+  columns is read (they are null).
 - A message whose bytes cannot be decoded (no walbridge wire prefix, a schema
   that cannot be found, a corrupt Avro body, a schema of another shape, a
   tombstone without ``wb.control``) raises :class:`UndecodableMessage`; the source
@@ -133,6 +145,7 @@ BOOKKEEPING: tuple[StructField, ...] = (
     StructField("_wb_error", StringType()),
 )
 BOOKKEEPING_NAMES = tuple(f.name for f in BOOKKEEPING)
+BEFORE_COLUMNS = ("_wb_before", "_wb_before_special")
 RESERVED_PREFIX = "_wb_"
 
 _PRIMITIVES: dict[str, DataType] = {
@@ -307,7 +320,11 @@ class ShapeLayout:
         return cls(full_name(value_schema), tuple(columns))
 
     def spark_schema(self) -> StructType:
-        return StructType([c.struct_field() for c in self.columns] + list(BOOKKEEPING))
+        """Row columns, ``BOOKKEEPING``, then ``BEFORE_COLUMNS``."""
+        row = [c.struct_field() for c in self.columns]
+        return StructType(row + list(BOOKKEEPING) + [
+            StructField(BEFORE_COLUMNS[0], StructType(row)),
+            StructField(BEFORE_COLUMNS[1], MapType(StringType(), StringType(), valueContainsNull=False))])
 
     @property
     def key_columns(self) -> tuple[str, ...]:
@@ -433,8 +450,12 @@ def parse_prefix(data: bytes) -> wire.SchemaRef:
 
 # --------------------------------------------------------------- row building
 class BatchBuilder:
-    """Accumulates decoded messages column by column and turns them into Arrow
-    record batches with exactly Spark's Arrow schema for the layout."""
+    """Accumulates decoded messages and turns them into Arrow record batches
+    with exactly Spark's Arrow schema for the layout.
+
+    Each message becomes one Python list (row values, then bookkeeping values
+    in ``BOOKKEEPING`` order, then ``BEFORE_COLUMNS``); a batch transposes them
+    into columns at once."""
 
     def __init__(self, layout: ShapeLayout, schemas: WriterSchemas, arrow_schema: Any = None):
         self.layout = layout
@@ -445,17 +466,30 @@ class BatchBuilder:
             arrow_schema = to_arrow_schema(layout.spark_schema(), timezone="UTC")
         self.arrow_schema = arrow_schema
         self._fields = [c.avro_field for c in layout.columns]
-        self._names = [c.name for c in layout.columns]
-        self._special = [c.type.has_special for c in layout.columns]
+        self._special = [(i, c.name) for i, c in enumerate(layout.columns) if c.type.has_special]
         self._converters = [c.type.convert for c in layout.columns]
         self._name_by_field = {c.avro_field: c.name for c in layout.columns}
-        self._key_fields = [(i, c.avro_field) for i, c in enumerate(layout.columns) if c.is_key]
-        self._reset()
+        self._key_fields = [c.avro_field for c in layout.columns if c.is_key]
+        self._field_names = [(c.avro_field, c.name) for c in layout.columns]
+        self._struct_converters = [(c.name, c.type.convert) for c in layout.columns if c.type.convert is not None]
+        self._empty_row = [None] * len(self._fields)
+        # wire prefix bytes -> (parsed writer schema, body offset), for schemas that decoded
+        self._by_prefix: dict[bytes, tuple[Any, int]] = {}
+        self._records: list[list] = []
 
-    def _reset(self) -> None:
-        self._rows: list[list] = [[] for _ in self._fields]
-        self._book: list[list] = [[] for _ in BOOKKEEPING]
-        self.count = 0
+    @property
+    def count(self) -> int:
+        return len(self._records)
+
+    def _writer(self, value: bytes) -> tuple[Any, int]:
+        head = value[:10] if value[:1] == b"\xc3" else value[:5]
+        found = self._by_prefix.get(head)
+        if found is None:
+            ref = parse_prefix(value)
+            found = (self.schemas.parsed(ref, value), ref.body_offset)
+            if len(head) == ref.body_offset:
+                self._by_prefix[head] = found
+        return found
 
     def add(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
             headers: list | None) -> None:
@@ -479,30 +513,62 @@ class BatchBuilder:
             except Exception:
                 raise UndecodableMessage(f"unreadable {wire.POSITION_HEADER} header {bytes(pos).hex()}") from None
         if control is not None:
-            self._append(None, None, lsn, op_index, topic, partition, offset, None, _text(control), _text(info),
-                         _text(snapshot), None, None)
+            self._records.append(self._empty_row + [
+                None, lsn, op_index, topic, partition, offset, None, None, _text(control), _text(info),
+                _text(snapshot), None, None, None, None])
             return
         if value is None:
             raise UndecodableMessage(f"tombstone without a {wire.CONTROL_HEADER} header")
-        ref = parse_prefix(value)
-        env = decode_body(value, ref.body_offset, self.schemas.parsed(ref, value))
+        parsed, body_offset = self._writer(value)
+        env = decode_body(value, body_offset, parsed)
         op = env.get("op")
         if op not in OPS:
             raise UndecodableMessage(f"envelope op {op!r} is not one of c, u, d, r, t")
-        source = env.get("source") or {}
-        if lsn is None:
-            lsn, op_index = source.get("lsn"), source.get("op_index")
-        if snapshot is None:
-            snapshot = source.get("snapshot_id")
-        row = env.get("before") if op == "d" else env.get("after")
+        if lsn is None or snapshot is None:
+            source = env.get("source") or {}
+            if lsn is None:
+                lsn, op_index = source.get("lsn"), source.get("op_index")
+            if snapshot is None:
+                snapshot = source.get("snapshot_id")
+        row = env["before"] if op == "d" else env["after"]
         if op == "d" and key is not None and self._key_fields and (
-                row is None or any(row.get(f) is None for _, f in self._key_fields)):
+                row is None or any(row.get(f) is None for f in self._key_fields)):
             row = self._fill_key(row, key)
+        special = None
+        if row is None:
+            values = list(self._empty_row)
+        else:
+            get = row.get
+            values = [get(f) for f in self._fields]
+            for i, name in self._special:
+                v = values[i]
+                if v.__class__ is str:
+                    if special is None:
+                        special = []
+                    special.append((name, v))
+                    values[i] = None
         unchanged = env.get("unchanged_toast")
         if unchanged:
             unchanged = [self._name_by_field.get(f, f) for f in unchanged]
-        self._append(row, op, lsn, op_index, topic, partition, offset, unchanged or None, None, None,
-                     _text(snapshot), env.get("ts_ms"), None)
+        before = before_special = None
+        if op == "u" and env["before"] is not None:
+            before, before_special = self._old_row(env["before"])
+        values += (op, lsn, op_index, topic, partition, offset, unchanged or None, special, None, None,
+                   _text(snapshot), env.get("ts_ms"), None, before, before_special)
+        self._records.append(values)
+
+    def _old_row(self, record: dict) -> tuple[dict, list | None]:
+        get = record.get
+        old = {name: get(f) for f, name in self._field_names}
+        special = None
+        for _, name in self._special:
+            v = old[name]
+            if v.__class__ is str:
+                if special is None:
+                    special = []
+                special.append((name, v))
+                old[name] = None
+        return old, special
 
     def add_dlq(self, topic: str, partition: int, offset: int, headers: list | None, error: str) -> None:
         """The row of a message sent to the DLQ (row columns null)."""
@@ -513,8 +579,9 @@ class BatchBuilder:
                 lsn, op_index = wire.parse_position(pos)
             except Exception:
                 pass
-        self._append(None, None, lsn, op_index, topic, partition, offset, None, DLQ_CONTROL, None, None, None,
-                     error)
+        self._records.append(self._empty_row + [
+            None, lsn, op_index, topic, partition, offset, None, None, DLQ_CONTROL, None, None, None, error,
+            None, None])
 
     def _fill_key(self, row: dict | None, key: bytes) -> dict | None:
         try:
@@ -524,63 +591,34 @@ class BatchBuilder:
         except (ValueError, UndecodableMessage):
             return row  # the value is what counts; an unreadable key adds nothing
         filled = dict(row or {})
-        for _, f in self._key_fields:
+        for f in self._key_fields:
             if filled.get(f) is None:
                 filled[f] = key_record.get(f)
         return filled
-
-    def _append(self, row: dict | None, op, lsn, op_index, topic, partition, offset, unchanged, control, info,
-                snapshot, ts_ms, error) -> None:
-        """One output row: the row record, then the bookkeeping values in
-        BOOKKEEPING's order except ``_wb_special``, computed here from the row."""
-        rows = self._rows
-        special = None
-        if row is None:
-            for col in rows:
-                col.append(None)
-        else:
-            get = row.get
-            for i, f in enumerate(self._fields):
-                v = get(f)
-                if v is not None and self._special[i] and type(v) is str:
-                    if special is None:
-                        special = []
-                    special.append((self._names[i], v))
-                    v = None
-                rows[i].append(v)
-        b = self._book
-        b[0].append(op)  # _wb_op
-        b[1].append(lsn)  # _wb_lsn
-        b[2].append(op_index)  # _wb_op_index
-        b[3].append(topic)  # _wb_topic
-        b[4].append(partition)  # _wb_partition
-        b[5].append(offset)  # _wb_offset
-        b[6].append(unchanged)  # _wb_unchanged
-        b[7].append(special)  # _wb_special
-        b[8].append(control)  # _wb_control
-        b[9].append(info)  # _wb_control_info
-        b[10].append(snapshot)  # _wb_snapshot_id
-        b[11].append(ts_ms)  # _wb_ts_ms
-        b[12].append(error)  # _wb_error
-        self.count += 1
 
     def to_record_batch(self):
         """The rows added since the last call, as one ``pyarrow.RecordBatch``."""
         import pyarrow as pa
 
-        arrays = []
         schema = self.arrow_schema
-        n = len(self._rows)
-        for i, values in enumerate(self._rows):
-            convert = self._converters[i]
+        records, self._records = self._records, []
+        if not records:
+            return pa.RecordBatch.from_pylist([], schema=schema)
+        arrays = []
+        n_row = len(self._fields)
+        before_index = n_row + len(BOOKKEEPING)
+        for i, values in enumerate(zip(*records)):
+            convert = self._converters[i] if i < n_row else None
             if convert is not None:
                 values = [None if v is None else convert(v) for v in values]
+            elif i == before_index and self._struct_converters:
+                for old in values:
+                    if old is not None:
+                        for name, conv in self._struct_converters:
+                            if old[name] is not None:
+                                old[name] = conv(old[name])
             arrays.append(pa.array(values, type=schema.field(i).type))
-        for j, values in enumerate(self._book):
-            arrays.append(pa.array(values, type=schema.field(n + j).type))
-        batch = pa.RecordBatch.from_arrays(arrays, schema=schema)
-        self._reset()
-        return batch
+        return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
     def rows(self) -> list[dict]:
         """The rows added since the last call as plain dicts (tests, debugging)."""

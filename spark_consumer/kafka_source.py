@@ -21,15 +21,22 @@ Options (all strings): ``topic``, ``bootstrap_servers``, ``topic_prefix`` (for
 ``<prefix>._schemas``), ``schema_registry_url`` (optional), ``kafka_client`` (JSON
 object of extra librdkafka settings), ``max_offsets_per_trigger`` (alias
 ``maxOffsetsPerTrigger``), ``starting_offsets`` (``earliest`` (default),
-``latest``, or JSON ``{"<partition>": offset}``, unlisted partitions earliest),
-``read_idle_timeout_s`` (default 120). Filled by discovery: ``value_schema``,
+``latest``, or JSON ``{"<partition>": next offset}``, unlisted partitions earliest;
+an offset outside [earliest, end] is an error, never silently moved),
+``max_offsets_per_task`` (cut a partition's range into tasks of at most this
+many offsets; default one task per partition and batch), ``read_idle_timeout_s``
+(default 120: a task that gets no message for that long fails). Filled by discovery: ``value_schema``,
 ``key_schema``, ``known_value_schemas``, ``writer_schemas``.
 
 Schema discovery: the newest ``<topic>-value`` schema (registry: the subject's
 latest version; without a registry: the last ``<prefix>._schemas`` record whose
 ``wb.subject`` header is ``<topic>-value``) defines the stream's columns, and
 ``<topic>-key`` marks the key columns. Every value schema version existing at
-that moment is "known" (older messages are read against the newest by name).
+that moment is "known" (older messages are read against the newest by name),
+and all value/key schemas found are handed to the executors with the options.
+A message written with a schema published later that adds or retypes a column
+fails its task with ``SchemaChangedError``: restart the query (call
+``read_shape_stream`` again) to pick the new layout up.
 
 Invariants:
 - Offsets are ``{"<partition>": next offset}`` (keys sorted numerically). Each
@@ -41,8 +48,10 @@ Invariants:
   its reported end - 1), never from ListOffsets alone, because Tansu's
   ListOffsets reports the last batch's base offset + 1. The probe's result is
   never below ListOffsets', so nothing is lost on brokers that report right, and
-  nothing is stranded on Tansu. An end below a batch's start (the broker lost
-  data) stops the query with an error.
+  nothing is stranded on Tansu. A partition whose reported end has not moved
+  since its last probe keeps that probe's end (no Fetch while idle). An end that stays below what was already read
+  (asked again 3 times, 1 s apart) means the broker lost data: the query stops
+  with an error rather than skip or re-read anything.
 - Read limits: ``ReadMaxRows`` (``max_offsets_per_trigger``) is shared across
   partitions in proportion to their backlog; ``Trigger.AvailableNow`` records the
   ends at its start and never reads beyond them. A partition added to the topic
@@ -64,6 +73,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -102,6 +112,7 @@ DLQ_PARTITION_HEADER = "wb.dlq.partition"
 DLQ_OFFSET_HEADER = "wb.dlq.offset"
 ARROW_BATCH_ROWS = 8192
 CONSUME_BATCH = 5000
+LOST_DATA_RETRIES = 3
 
 
 def dlq_topic(topic: str) -> str:
@@ -118,6 +129,7 @@ class SourceOptions:
     kafka_client: dict[str, Any] = field(default_factory=dict)
     max_offsets_per_trigger: int | None = None
     starting_offsets: str = "earliest"
+    max_offsets_per_task: int | None = None
     read_idle_timeout_s: float = 120.0
 
     @classmethod
@@ -135,9 +147,11 @@ class SourceOptions:
                    schema_registry_url=o.get("schema_registry_url") or None, kafka_client=client,
                    max_offsets_per_trigger=int(limit) if limit else None,
                    starting_offsets=o.get("starting_offsets") or "earliest",
+                   max_offsets_per_task=int(o["max_offsets_per_task"]) if o.get("max_offsets_per_task") else None,
                    read_idle_timeout_s=float(o.get("read_idle_timeout_s") or 120.0))
-        if opts.max_offsets_per_trigger is not None and opts.max_offsets_per_trigger < 1:
-            raise ValueError(f"{SOURCE_NAME}: max_offsets_per_trigger must be >= 1")
+        for name in ("max_offsets_per_trigger", "max_offsets_per_task"):
+            if getattr(opts, name) is not None and getattr(opts, name) < 1:
+                raise ValueError(f"{SOURCE_NAME}: {name} must be >= 1")
         return opts
 
     def to_options(self) -> dict[str, str]:
@@ -151,6 +165,8 @@ class SourceOptions:
             out["kafka_client"] = json.dumps(self.kafka_client)
         if self.max_offsets_per_trigger is not None:
             out["max_offsets_per_trigger"] = str(self.max_offsets_per_trigger)
+        if self.max_offsets_per_task is not None:
+            out["max_offsets_per_task"] = str(self.max_offsets_per_task)
         return out
 
     def client_conf(self) -> dict[str, Any]:
@@ -323,10 +339,20 @@ class OffsetRange(InputPartition):
         InputPartition.__init__(self, (self.topic, self.partition, self.start, self.end))
 
 
-def plan_ranges(topic: str, start: Offsets, end: Offsets) -> list[OffsetRange]:
-    """The non-empty ranges of a batch; a partition absent from ``start``
+def plan_ranges(topic: str, start: Offsets, end: Offsets, max_per_task: int | None = None) -> list[OffsetRange]:
+    """The tasks of a batch: each partition's non-empty range, cut into
+    consecutive near-equal pieces of at most ``max_per_task`` offsets when set
+    (default: one task per partition). A partition absent from ``start``
     (added to the topic in this batch) has an empty range by construction."""
-    return [OffsetRange(topic, p, start[p], end[p]) for p in sorted(end) if p in start and end[p] > start[p]]
+    tasks = []
+    for p in sorted(end):
+        if p not in start or end[p] <= start[p]:
+            continue
+        s, e = start[p], end[p]
+        pieces = 1 if not max_per_task else -(-(e - s) // max_per_task)
+        bounds = [s + (e - s) * i // pieces for i in range(pieces)] + [e]
+        tasks += [OffsetRange(topic, p, a, b) for a, b in zip(bounds, bounds[1:])]
+    return tasks
 
 
 # ------------------------------------------------------------- driver side
@@ -454,7 +480,13 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             start = ends
         else:
             given = offsets_from_json(json.loads(how))
-            start = {p: min(max(given.get(p, lows[p]), lows[p]), ends[p]) for p in lows}
+            start = {p: given.get(p, lows[p]) for p in lows}
+            outside = {p: o for p, o in start.items() if not lows[p] <= o <= ends[p]}
+            if outside:
+                raise ValueError(
+                    f"{self._opts.topic}: starting offsets outside what the broker holds: "
+                    + ", ".join(f"[{p}] {o} not in [{lows[p]}, {ends[p]}]" for p, o in sorted(outside.items()))
+                    + " (messages were deleted, or the broker lost data)")
         log.info("%s starts at %s", self._opts.topic, start)
         return offsets_to_json(start)
 
@@ -467,18 +499,30 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target = self._probe().lows_and_ends()[1]
         log.info("%s: availableNow reads up to %s", self._opts.topic, self._target)
 
+    def _ends_at_least(self, begin: Offsets) -> tuple[Offsets, Offsets]:
+        """(earliest, end) offsets, where every end is at least ``begin``'s.
+        An end below it is asked again a few times (a new partition leader may
+        briefly report a lower high watermark); if it stays, the broker lost
+        data and the query stops."""
+        for attempt in range(LOST_DATA_RETRIES + 1):
+            lows, ends = self._probe().lows_and_ends()
+            lost = {p: (begin[p], ends[p]) for p in begin if p in ends and ends[p] < begin[p]}
+            if not lost:
+                return lows, ends
+            if attempt < LOST_DATA_RETRIES:
+                log.warning("%s: end offsets %s below what was read; asking again", self._opts.topic, lost)
+                time.sleep(1.0)
+        raise RuntimeError(
+            f"{self._opts.topic}: the broker holds fewer messages than already read "
+            + ", ".join(f"[{p}] end {e} < read {s}" for p, (s, e) in sorted(lost.items()))
+            + " (the broker lost data); not continuing")
+
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         begin = offsets_from_json(start)
-        lows, ends = self._probe().lows_and_ends()
+        lows, ends = self._ends_at_least(begin)
         if self._target is not None:
             ends = {p: min(e, self._target[p]) for p, e in ends.items() if p in self._target}
         self._last_ends = ends
-        lost = {p: (begin[p], ends[p]) for p in begin if p in ends and ends[p] < begin[p]}
-        if lost:
-            raise RuntimeError(
-                f"{self._opts.topic}: the broker holds fewer messages than already read "
-                + ", ".join(f"[{p}] end {e} < read {s}" for p, (s, e) in sorted(lost.items()))
-                + " (the broker lost data); not continuing")
         available = {p: ends.get(p, s) for p, s in begin.items()}
         max_rows = None
         if isinstance(limit, ReadMaxRows):
@@ -497,7 +541,8 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return offsets_to_json(self._last_ends) if self._last_ends is not None else None
 
     def partitions(self, start: dict, end: dict) -> list[OffsetRange]:
-        return plan_ranges(self._opts.topic, offsets_from_json(start), offsets_from_json(end))
+        return plan_ranges(self._opts.topic, offsets_from_json(start), offsets_from_json(end),
+                           self._opts.max_offsets_per_task)
 
     def commit(self, end: dict) -> None:
         """Nothing to do: the apply step commits group offsets after its target commits."""
@@ -545,14 +590,18 @@ class ShapeTopicDataSource(DataSource):
 def read_shape_stream(spark, topic: str, bootstrap_servers: str, topic_prefix: str | None = None,
                       schema_registry_url: str | None = None, kafka_client: dict[str, Any] | None = None,
                       max_offsets_per_trigger: int | None = None, starting_offsets: str | dict = "earliest",
-                      schemas: ShapeSchemas | None = None):
+                      max_offsets_per_task: int | None = None, schemas: ShapeSchemas | None = None):
     """The streaming DataFrame of one shape topic (schemas discovered here,
-    in the calling process, unless given)."""
+    in the calling process, unless given). Spark's Python workers must be
+    able to import walbridge: start the session with ``PYSPARK_PYTHON`` set to
+    this environment's interpreter (the data source planner reads that
+    variable, not ``spark.pyspark.python``)."""
     if isinstance(starting_offsets, dict):
         starting_offsets = json.dumps(offsets_to_json(offsets_from_json(starting_offsets)))
     opts = SourceOptions(topic=topic, bootstrap_servers=bootstrap_servers, topic_prefix=topic_prefix,
                          schema_registry_url=schema_registry_url, kafka_client=dict(kafka_client or {}),
-                         max_offsets_per_trigger=max_offsets_per_trigger, starting_offsets=starting_offsets)
+                         max_offsets_per_trigger=max_offsets_per_trigger, starting_offsets=starting_offsets,
+                         max_offsets_per_task=max_offsets_per_task)
     schemas = schemas or discover_schemas(opts)
     schemas.layout()  # fail here, not in a worker, on an unmappable schema
     spark.dataSource.register(ShapeTopicDataSource)
@@ -627,8 +676,7 @@ def schema_lookup(opts: SourceOptions, preloaded: dict[str, dict]):
 
 
 def _writer_schemas_for(opts: SourceOptions, schemas: ShapeSchemas) -> WriterSchemas:
-    key = _conf_key({"opts": asdict(opts), "value": schemas.value_schema, "key": schemas.key_schema,
-                     "known": schemas.known_value_refs})
+    key = hashlib.sha256(_conf_key({"opts": asdict(opts), "schemas": asdict(schemas)}).encode()).hexdigest()
     ws = _writer_schemas.get(key)
     if ws is None:
         ws = _writer_schemas[key] = WriterSchemas(schemas.layout(), schema_lookup(opts, schemas.writer_schemas),

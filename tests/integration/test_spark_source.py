@@ -10,7 +10,6 @@ virtualenv's interpreter, so PYSPARK_PYTHON is set while the session starts
 from __future__ import annotations
 
 import datetime as dt
-import os
 import sys
 import threading
 import uuid
@@ -30,8 +29,10 @@ from schemas import wire
 from spark_consumer.kafka_source import (
     SOURCE_NAME,
     PartitionEnds,
+    ShapeSchemas,
     ShapeTopicDataSource,
     SourceOptions,
+    discover_schemas,
     read_dead_letters,
     read_shape_stream,
 )
@@ -68,23 +69,32 @@ class ShapeTopic:
 
     def __init__(self, bootstrap: str, prefix: str, registry_url: str | None = None, partitions: int = 3):
         self.bootstrap, self.prefix, self.partitions = bootstrap, prefix, partitions
-        columns = [_col("id", 20, "bigint", key=True), _col("v", 25, "text"),
-                   _col("amount", 1700, "numeric(10,2)", ((10 << 16) | 2) + 4),
-                   _col("at", 1184, "timestamp with time zone")]
-        self.codec = ShapeCodec("public.t", prefix, "db", "public", "t", columns, [0, 1, 2, 3])
+        self.columns = [_col("id", 20, "bigint", key=True), _col("v", 25, "text"),
+                        _col("amount", 1700, "numeric(10,2)", ((10 << 16) | 2) + 4),
+                        _col("at", 1184, "timestamp with time zone")]
         self.topic = f"{prefix}.public.t"
         admin = AdminClient({"bootstrap.servers": bootstrap})
         ensure_topics(admin, [self.topic], partitions, 1)
         ensure_topics(admin, [prefix + wire.SCHEMAS_TOPIC_SUFFIX], 1, 1)
         self.producer = Producer(producer_config({"bootstrap.servers": bootstrap}))
-        publisher = SchemaPublisher(self.producer, prefix, registry_url)
-        self.codec.value_prefix = publisher.prefix(f"{self.topic}-value", self.codec.value_schema)
-        self.codec.key_prefix = publisher.prefix(f"{self.topic}-key", self.codec.key_schema)
+        self.publisher = SchemaPublisher(self.producer, prefix, registry_url)
+        self._new_codec()
         self.lsn = 1000
 
-    @staticmethod
-    def row(i: int) -> tuple:
-        return (i, f"row {i}", Decimal(i) / 100, dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc) + dt.timedelta(seconds=i))
+    def _new_codec(self) -> None:
+        self.codec = ShapeCodec("public.t", self.prefix, "db", "public", "t", self.columns,
+                                list(range(len(self.columns))))
+        self.codec.value_prefix = self.publisher.prefix(f"{self.topic}-value", self.codec.value_schema)
+        self.codec.key_prefix = self.publisher.prefix(f"{self.topic}-key", self.codec.key_schema)
+
+    def add_column(self, name: str) -> None:
+        """ALTER TABLE ADD COLUMN <name> text: a new writer schema, published."""
+        self.columns = self.columns + [_col(name, 25, "text")]
+        self._new_codec()
+
+    def row(self, i: int) -> tuple:
+        base = (i, f"row {i}", Decimal(i) / 100, dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc) + dt.timedelta(seconds=i))
+        return base + tuple(f"{c.name} {i}" for c in self.columns[4:])
 
     def _produce(self, partition: int, key: bytes | None, value: bytes | None, headers: list) -> None:
         while True:
@@ -307,6 +317,69 @@ def test_poison_messages_go_to_the_dlq_and_the_stream_goes_on(spark, kafka_broke
     assert letters[0].headers["origin"] == b"plain client"  # original headers are kept
 
 
+def test_a_newer_schema_stops_the_stream_and_a_restart_reads_it(spark, kafka_broker, topic_prefix, tmp_path):
+    shape = ShapeTopic(kafka_broker.bootstrap, topic_prefix)
+    shape.changes(range(100))
+    shape.flush()
+    checkpoint = tmp_path / "ck"
+    query = RunningQuery(read_shape_stream(spark, shape.topic, kafka_broker.bootstrap, topic_prefix),
+                         checkpoint, WHERE + ["id"])
+    try:
+        wait_for(lambda: len(query.snapshot()) == 100, timeout=120, what="the first 100 rows")
+        shape.add_column("note")
+        shape.changes(range(100, 150))
+        shape.flush()
+        wait_for(lambda: query.query.exception() is not None, timeout=120, what="the query to stop")
+        assert "adds column 'note'" in str(query.query.exception())
+        before = list(query.rows)
+    finally:
+        query.stop()
+    assert sorted(i for _, _, i in before) == list(range(100))  # nothing of the new schema was let through
+
+    df = read_shape_stream(spark, shape.topic, kafka_broker.bootstrap, topic_prefix)
+    assert df.columns[:5] == ["id", "v", "amount", "at", "note"]
+    after = [r for _, b in run_available_now(df, checkpoint, WHERE + ["id", "note"]) for r in b]
+    assert Counter((p, o) for p, o, _ in before) + Counter((p, o) for p, o, *_ in after) == \
+        all_offsets(kafka_broker.bootstrap, shape.topic)
+    assert sorted((i, note) for _, _, i, note in after) == [(i, f"note {i}") for i in range(100, 150)]
+
+
+def test_real_producer_keyless_update_carries_the_old_row(spark, source_db, kafka_broker, topic_prefix, tmp_path):
+    with psycopg.connect(source_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE log (a int, day date, note text)")
+        conn.execute("ALTER TABLE log REPLICA IDENTITY FULL")
+        conn.execute("INSERT INTO log VALUES (1, '2024-01-01', 'first')")
+    cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix, [{"table": "public.log"}])
+    topic = f"{topic_prefix}.public.log"
+    with ProducerThread(cfg):
+        wait_for(lambda: len([r for r in read_topic(kafka_broker.bootstrap, topic, topic_prefix)
+                              if r.control]) == 3, what="snapshot_end on every partition")
+        with psycopg.connect(source_db, autocommit=True) as conn:
+            conn.execute("UPDATE log SET day = 'infinity', note = 'second'")
+            conn.execute("UPDATE log SET day = '2024-02-02'")
+            conn.execute("DELETE FROM log")
+        wait_for(lambda: len(read_topic(kafka_broker.bootstrap, topic, topic_prefix)) == 7,
+                 what="4 changes and 3 control events")
+    df = read_shape_stream(spark, topic, kafka_broker.bootstrap, topic_prefix)
+    assert df.schema["a"].metadata["wb.key"] is False
+    columns = ["a", "day", "note", "_wb_op", "_wb_lsn", "_wb_special", "_wb_before", "_wb_before_special"]
+    rows = [dict(zip(columns, r)) for _, b in run_available_now(df, tmp_path / "ck", columns) for r in b
+            if r[3] is not None]
+    rows.sort(key=lambda r: r["_wb_lsn"])
+    day = dt.date
+    assert [(r["_wb_op"], r["a"], r["day"], r["note"]) for r in rows] == [
+        ("r", 1, day(2024, 1, 1), "first"), ("u", 1, None, "second"), ("u", 1, day(2024, 2, 2), "second"),
+        ("d", 1, day(2024, 2, 2), "second")]
+    _, to_infinity, from_infinity, delete = rows
+    assert to_infinity["_wb_special"] == {"day": "infinity"}
+    assert to_infinity["_wb_before"].asDict() == {"a": 1, "day": day(2024, 1, 1), "note": "first"}
+    assert to_infinity["_wb_before_special"] is None
+    assert from_infinity["_wb_before"].asDict() == {"a": 1, "day": None, "note": "second"}
+    assert from_infinity["_wb_before_special"] == {"day": "infinity"}
+    assert delete["_wb_special"] is None
+    assert delete["_wb_before"] is None  # a delete's row columns are its old row
+
+
 TYPED_DDL = """
 CREATE TABLE typed (
     id bigint PRIMARY KEY, amount numeric(10,2), day date, at time, local_ts timestamp,
@@ -342,13 +415,23 @@ def test_real_producer_topic_typed_rows(spark, source_db, kafka_broker, topic_pr
 
     if registry:
         # A mock:// registry is per process: Spark's Python workers cannot see
-        # it, so discovery there fails; read_shape_stream discovers in this
-        # process and hands the schemas over, which is what makes it work.
+        # it. Discovery in the planner worker fails, and executors given no
+        # writer schemas cannot resolve a single id (every message goes to the
+        # DLQ). read_shape_stream discovers in this process and hands every
+        # version over, which is what makes registry mode work here.
         spark.dataSource.register(ShapeTopicDataSource)
         with pytest.raises(Exception, match="no schema under subject"):
             (spark.readStream.format(SOURCE_NAME).option("topic", topic)
              .option("bootstrap_servers", kafka_broker.bootstrap)
              .option("schema_registry_url", registry).load())
+        found = discover_schemas(SourceOptions(topic=topic, bootstrap_servers=kafka_broker.bootstrap,
+                                               schema_registry_url=registry))
+        blind = ShapeSchemas(found.value_schema, found.key_schema, found.known_value_refs, writer_schemas={})
+        df = read_shape_stream(spark, topic, kafka_broker.bootstrap, topic_prefix, schema_registry_url=registry,
+                               schemas=blind)
+        rows = [r for _, b in run_available_now(df, tmp_path / "ck-blind", ["_wb_control", "_wb_error"]) for r in b]
+        assert Counter(c for c, _ in rows) == {"dlq": 7, "snapshot_end": 3}
+        assert all("mock:// registry lives in one process" in e for c, e in rows if c == "dlq")
 
     df = read_shape_stream(spark, topic, kafka_broker.bootstrap, topic_prefix, schema_registry_url=registry)
     schema = df.schema

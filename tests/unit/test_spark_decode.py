@@ -34,6 +34,7 @@ from producer.envelope import ShapeCodec, ShapeColumn
 from producer.pgtypes import PgTypeInfo, column_codec
 from schemas import wire
 from spark_consumer.decode import (
+    BEFORE_COLUMNS,
     BOOKKEEPING_NAMES,
     BatchBuilder,
     SchemaChangedError,
@@ -190,10 +191,13 @@ def test_layout_columns_names_and_metadata():
     schema = shape.layout.spark_schema()
     names = schema.fieldNames()
     assert names[:len(COLUMNS)] == [c.name for c in COLUMNS]  # PostgreSQL names, shape order
-    assert tuple(names[len(COLUMNS):]) == BOOKKEEPING_NAMES
-    assert names[-len(BOOKKEEPING_NAMES):] == [
+    assert tuple(names[len(COLUMNS):]) == BOOKKEEPING_NAMES + BEFORE_COLUMNS
+    assert names[len(COLUMNS):] == [
         "_wb_op", "_wb_lsn", "_wb_op_index", "_wb_topic", "_wb_partition", "_wb_offset", "_wb_unchanged",
-        "_wb_special", "_wb_control", "_wb_control_info", "_wb_snapshot_id", "_wb_ts_ms", "_wb_error"]
+        "_wb_special", "_wb_control", "_wb_control_info", "_wb_snapshot_id", "_wb_ts_ms", "_wb_error",
+        "_wb_before", "_wb_before_special"]
+    assert schema["_wb_before"].dataType.fieldNames() == [c.name for c in COLUMNS]
+    assert schema["_wb_before"].dataType["amount"].dataType == DecimalType(10, 2)
     mixed = schema["Mixed Case"]
     assert mixed.metadata == {"avro.field": "Mixed_Case", "wb.key": False, "pg.type": "text"}
     assert schema["id"].metadata["wb.key"] is True and shape.layout.key_columns == ("id",)
@@ -281,6 +285,26 @@ def test_update_with_unchanged_toast_names_the_columns():
     assert row["_wb_unchanged"] == ["body", "Mixed Case"]
 
 
+def test_update_with_the_old_row_carries_it_in_wb_before():
+    shape = Shape()
+    b = shape.builder()
+    b.add(TOPIC, 0, 1, None, shape.value("u", before=SPECIAL_ROW, after=ROW), pos(101))
+    b.add(TOPIC, 0, 2, None, shape.value("u", after=ROW), pos(102))  # default replica identity: no old row
+    full, default = b.rows()
+    assert full["id"] == 7 and full["_wb_special"] is None
+    old = full["_wb_before"]
+    assert old["id"] == 8 and old["real4"] == float("inf") and old["amount"] is None and old["at"] is None
+    assert old["free"] == "NaN" and old["Mixed Case"] is None
+    assert dict(full["_wb_before_special"])["at"] == "24:00:00"
+    assert len(dict(full["_wb_before_special"])) == 8
+    assert default["_wb_before"] is None and default["_wb_before_special"] is None
+    b.add(TOPIC, 0, 3, None, shape.value("u", before=ROW, after=ROW), pos(103))
+    [again] = b.rows()
+    assert again["_wb_before"]["at"] == "13:14:15.123456"  # same conversions as the row columns
+    assert again["_wb_before"]["huge"] == "-123456789012345678901234567890.123"
+    assert again["_wb_before_special"] is None
+
+
 def test_delete_reads_before_and_fills_the_key_from_the_message_key():
     shape = Shape()
     key_only = (9,) + (None,) * (len(COLUMNS) - 1)
@@ -301,6 +325,7 @@ def test_snapshot_read_truncate_and_control_rows():
     b.add(TOPIC, 1, 2, None, shape.value("t", lsn=60, op_index=1), pos(60, 1))
     r, ctrl, trunc = b.rows()
     assert (r["_wb_op"], r["_wb_snapshot_id"], r["id"]) == ("r", "slot@0/1", 7)
+    assert r["_wb_before"] is None and ctrl["_wb_before"] is None
     assert ctrl["_wb_op"] is None and ctrl["_wb_control"] == "snapshot_end"
     assert ctrl["_wb_control_info"] == '{"rows": 1}' and ctrl["_wb_snapshot_id"] == "slot@0/1"
     assert (ctrl["_wb_lsn"], ctrl["_wb_op_index"], ctrl["_wb_offset"]) == (50, 0, 1)
@@ -444,6 +469,15 @@ def test_plan_ranges_skips_empty_and_new_partitions():
     assert pickle.loads(pickle.dumps(ranges[0])) == ranges[0]
 
 
+def test_plan_ranges_cuts_long_ranges_into_tasks():
+    ranges = plan_ranges(TOPIC, {0: 10, 1: 0}, {0: 35, 1: 4}, max_per_task=10)
+    assert [(r.partition, r.start, r.end) for r in ranges] == [(0, 10, 18), (0, 18, 26), (0, 26, 35), (1, 0, 4)]
+    for limit in (1, 3, 7, 100):
+        cut = plan_ranges(TOPIC, {0: 5}, {0: 47}, max_per_task=limit)
+        assert cut[0].start == 5 and cut[-1].end == 47 and all(r.end - r.start <= limit for r in cut)
+        assert all(a.end == b.start for a, b in zip(cut, cut[1:]))
+
+
 class FakeEnds:
     def __init__(self, lows, ends):
         self.lows, self.ends, self.closed = lows, ends, False
@@ -476,7 +510,9 @@ def test_reader_offsets_and_limits():
     assert r.reportLatestOffset() == {"0": 100, "1": 50}
     assert r.partitions({"0": 0, "1": 10}, {"0": 20, "1": 10}) == [OffsetRange(TOPIC, 0, 0, 20)]
     assert _reader(starting="latest").initialOffset() == {"0": 100, "1": 50}
-    assert _reader(starting='{"1": 7, "0": 500}').initialOffset() == {"0": 100, "1": 7}
+    assert _reader(starting='{"1": 7}').initialOffset() == {"0": 0, "1": 7}
+    with pytest.raises(ValueError, match=r"\[0\] 500 not in \[0, 100\]"):
+        _reader(starting='{"1": 7, "0": 500}').initialOffset()
 
 
 def test_reader_available_now_stops_at_the_ends_seen_at_its_start():
@@ -502,10 +538,19 @@ def test_reader_new_partition_joins_empty_then_is_read():
     assert r.latestOffset(end, ReadAllAvailable()) == {"0": 10, "1": 10, "2": 9}
 
 
-def test_reader_refuses_to_go_on_when_the_broker_lost_data():
+def test_reader_refuses_to_go_on_when_the_broker_lost_data(monkeypatch):
+    monkeypatch.setattr("spark_consumer.kafka_source.time.sleep", lambda s: None)
     r = _reader(ends={0: 5, 1: 50})
     with pytest.raises(RuntimeError, match="lost data"):
         r.latestOffset({"0": 20, "1": 0}, ReadAllAvailable())
+
+
+def test_reader_asks_again_when_an_end_looks_low(monkeypatch):
+    monkeypatch.setattr("spark_consumer.kafka_source.time.sleep", lambda s: None)
+    r = _reader(ends={0: 5, 1: 50})
+    answers = iter([({0: 0, 1: 0}, {0: 5, 1: 50}), ({0: 0, 1: 0}, {0: 30, 1: 50})])
+    r._ends.lows_and_ends = lambda: next(answers)
+    assert r.latestOffset({"0": 20, "1": 0}, ReadAllAvailable()) == {"0": 30, "1": 50}
 
 
 def test_reader_pickles_without_its_clients():

@@ -1,0 +1,169 @@
+"""Consumer benchmark: end-to-end apply rows/s (topic → target committed) against
+references measured in the same run on the same rows.
+
+    .venv/bin/python bench/consumer.py [--rows 300000] [--batch 50000]
+
+- The producer fills one shape topic (snapshot of ``--rows`` rows, Avro,
+  registry-less) on an embedded Tansu broker, then stops.
+- (a) reference: a plain confluent-kafka + fastavro loop reads and decodes the
+  same topic, without Spark.
+- (b) reference: raw ``COPY`` of the same rows into a plain table in the same
+  target database.
+- walbridge: the Spark consumer (local[*]) applies the topic to the target with
+  ``max_offsets_per_trigger = --batch``. It is measured once warm: from the
+  commit of its first micro-batch to the commit of the last (rows applied in
+  between / time), so JVM start-up and the first batch's planning are excluded;
+  the cold total is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from producer.config import parse_config  # noqa: E402
+from producer.embedded import PostgresCluster, TansuBroker  # noqa: E402
+from producer.pipeline import run_producer  # noqa: E402
+
+
+def plain_loop(bootstrap: str, topic: str, prefix: str, expected: int) -> float:
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from fastavro import schemaless_reader
+
+    from schemas import wire
+    from schemas.reader import SchemaResolver
+
+    conf = {"bootstrap.servers": bootstrap}
+    resolver = SchemaResolver(conf, prefix)
+    c = Consumer({**conf, "group.id": f"bench-plain-{time.monotonic_ns()}", "enable.partition.eof": True,
+                  "auto.offset.reset": "earliest"})
+    parts = c.list_topics(topic).topics[topic].partitions
+    c.assign([TopicPartition(topic, p, 0) for p in parts])
+    n = eof = 0
+    t0 = time.monotonic()
+    while eof < len(parts):
+        for msg in c.consume(1000, 1.0):
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    eof += 1
+                continue
+            value = msg.value()
+            if value is None:
+                continue
+            ref = wire.parse_prefix(value)
+            schemaless_reader(io.BytesIO(value[ref.body_offset:]), resolver.writer_schema(ref), None)
+            n += 1
+    elapsed = time.monotonic() - t0
+    c.close()
+    assert n == expected, (n, expected)
+    return elapsed
+
+
+def raw_copy(source_dsn: str, target_dsn: str) -> float:
+    with psycopg.connect(target_dsn, autocommit=True) as t:
+        t.execute("DROP TABLE IF EXISTS bench_copy")
+        t.execute("CREATE TABLE bench_copy (id int PRIMARY KEY, a int, b text, c numeric(12,2), d timestamptz)")
+    buf = io.BytesIO()
+    with psycopg.connect(source_dsn) as s, s.cursor().copy("COPY bench_rows TO STDOUT") as out:
+        for block in out:
+            buf.write(block)
+    data = buf.getvalue()
+    t0 = time.monotonic()
+    with psycopg.connect(target_dsn, autocommit=True) as t, t.cursor().copy("COPY bench_copy FROM STDIN") as into:
+        into.write(data)
+    return time.monotonic() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=300_000)
+    ap.add_argument("--batch", type=int, default=50_000)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "consumer.json")
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="wb-bench-consumer-"))
+    results: dict = {"rows": args.rows, "batch": args.batch}
+    with PostgresCluster(base / "pg") as pg, TansuBroker(base / "kafka") as broker:
+        with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
+            conn.execute("CREATE DATABASE target")
+            conn.execute("CREATE TABLE bench_rows (id int PRIMARY KEY, a int, b text, c numeric(12,2), d timestamptz)")
+            conn.execute(f"INSERT INTO bench_rows SELECT g, g, md5(g::text), g / 7.0, now()"
+                         f" FROM generate_series(1, {args.rows}) g")
+        data = {
+            "source": {"dsn": pg.dsn("postgres"), "slot": "bench", "publication": "bench"},
+            "kafka": {"bootstrap_servers": broker.bootstrap, "topic_prefix": "bench", "partitions": 4},
+            "shapes": [{"table": "public.bench_rows"}],
+            "consumer": {"group": "bench-spark", "target_dsn": pg.dsn("target"),
+                         "checkpoint_dir": str(base / "checkpoints"), "trigger_interval": 0.2,
+                         "max_offsets_per_trigger": args.batch},
+            "ack": {"consumer_groups": []},
+        }
+        config = parse_config(data)
+        stop = threading.Event()
+        views: dict = {}
+        producer = threading.Thread(target=run_producer, args=(config, stop, lambda v: views.update(v)))
+        producer.start()
+        while not (views.get("snapshot") or {}).get("done"):
+            time.sleep(0.2)
+        stop.set()
+        producer.join()
+        topic = "bench.public.bench_rows"
+
+        t_plain = plain_loop(broker.bootstrap, topic, "bench", args.rows)
+        t_copy = raw_copy(pg.dsn("postgres"), pg.dsn("target"))
+        results["plain_loop_rows_per_s"] = round(args.rows / t_plain)
+        results["raw_copy_rows_per_s"] = round(args.rows / t_copy)
+        print(json.dumps(results), flush=True)
+
+        from spark_consumer.job import run
+
+        appliers: list = []
+        stop = threading.Event()
+        marks: list[tuple[float, int]] = []
+        t0 = time.monotonic()
+        consumer = threading.Thread(target=run, args=(config, "local[*]", stop, appliers))
+        consumer.start()
+        total = args.rows + 4  # + the snapshot_end control event on each partition
+        while True:
+            rows = sum(a.rows for a in appliers)
+            if not marks or rows != marks[-1][1]:
+                marks.append((time.monotonic(), rows))
+            if rows >= total:
+                break
+            if not consumer.is_alive():
+                raise RuntimeError("consumer stopped")
+            time.sleep(0.05)
+        cold = time.monotonic() - t0
+        stop.set()
+        consumer.join(60)
+        first = next(m for m in marks if m[1] > 0)
+        warm_rows = total - first[1]
+        warm_s = marks[-1][0] - first[0]
+        results.update({
+            "walbridge_cold_total_s": round(cold, 2),
+            "walbridge_warm_rows_per_s": round(warm_rows / warm_s) if warm_s > 0 else None,
+            "walbridge_batches": sum(a.batches for a in appliers),
+        })
+        results["ratio_vs_plain_loop"] = round(results["walbridge_warm_rows_per_s"] / results["plain_loop_rows_per_s"], 3)
+        results["ratio_vs_raw_copy"] = round(results["walbridge_warm_rows_per_s"] / results["raw_copy_rows_per_s"], 3)
+        with psycopg.connect(pg.dsn("target")) as conn:
+            assert conn.execute("SELECT count(*) FROM public.bench_rows").fetchone()[0] == args.rows
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
