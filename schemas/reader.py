@@ -72,14 +72,19 @@ class SchemaResolver:
         consumer = Consumer({**self._kafka_conf, "group.id": f"walbridge-schemas-{uuid.uuid4().hex}",
                              "enable.auto.commit": False, "enable.partition.eof": True})
         try:
-            consumer.assign([TopicPartition(self._schemas_topic, 0, OFFSET_BEGINNING)])
-            while True:
+            # Every partition (the producer creates one; an auto-created topic may have more).
+            meta = consumer.list_topics(self._schemas_topic, timeout=10).topics[self._schemas_topic]
+            partitions = sorted(meta.partitions) or [0]
+            consumer.assign([TopicPartition(self._schemas_topic, p, OFFSET_BEGINNING) for p in partitions])
+            at_end: set[int] = set()
+            while len(at_end) < len(partitions):
                 msg = consumer.poll(10)
                 if msg is None:
                     raise TimeoutError(f"reading {self._schemas_topic} timed out")
                 if msg.error():
                     if msg.error().code() == KafkaError._PARTITION_EOF:
-                        break
+                        at_end.add(msg.partition())
+                        continue
                     raise KafkaException(msg.error())
                 fp = bytes.fromhex(msg.key().decode())
                 if fp not in self._by_fp:
