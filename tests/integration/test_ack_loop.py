@@ -209,3 +209,32 @@ def test_stalled_group_is_reported_and_held_then_dropped_on_request(source_db, k
                  what="drop log line")
         last = current_lsn(conn)
         wait_for(lambda: slot_lsns(source_db, slot)[0] >= last, timeout=20, what="WAL released after drop")
+
+
+def test_keepalives_answered_while_the_group_stalls(source_db, kafka_broker, topic_prefix, pg_cluster, caplog):
+    """With wal_sender_timeout at 2 s and a group that never commits, the
+    replication connection survives (same walsender, no reconnect) for many
+    timeouts, and the slot stays held."""
+    _setup(source_db)
+    group = f"{topic_prefix}-never"
+    cfg = _config(source_db, kafka_broker.bootstrap, topic_prefix, [group])
+    slot = cfg["source"]["slot"]
+    admin_dsn = pg_cluster.dsn("postgres")
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        admin.execute("ALTER SYSTEM SET wal_sender_timeout = '2s'")
+        admin.execute("SELECT pg_reload_conf()")
+    try:
+        with ProducerThread(cfg), psycopg.connect(source_db, autocommit=True) as conn:
+            pid = wait_for(lambda: conn.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s"
+                                                " AND active", (slot,)).fetchone(), what="slot active")[0]
+            conn.execute("UPDATE watched SET v = 1 WHERE id = 1")
+            before = slot_lsns(source_db, slot)[0]
+            time.sleep(8)  # four wal_sender_timeouts
+            assert conn.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s",
+                                (slot,)).fetchone()[0] == pid
+            assert slot_lsns(source_db, slot)[0] == before
+        assert "connection lost" not in caplog.text
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as admin:
+            admin.execute("ALTER SYSTEM RESET wal_sender_timeout")
+            admin.execute("SELECT pg_reload_conf()")
