@@ -168,7 +168,8 @@ class AckConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    port: Annotated[int, Field(ge=0, le=65535)] | None = None
+    port: Annotated[int, Field(ge=0, le=65535)] | None = None  # producer
+    consumer_port: Annotated[int, Field(ge=0, le=65535)] | None = None  # Spark consumer (driver)
 
 
 class Config(_Section):

@@ -21,6 +21,17 @@ STALLED_WRITERS = Gauge("walbridge_stalled_writers", "Writers with no flush prog
 STALLED_GROUPS = Gauge("walbridge_stalled_groups", "Consumer groups holding WAL with no commit progress")
 PRODUCE_LATENCY = Gauge("walbridge_produce_latency_seconds",
                         "Source commit time to Kafka acknowledgement, last transaction")
+SNAPSHOT_PROGRESS = Gauge("walbridge_snapshot_rows_read", "Rows read by the running (or last) snapshot")
+SNAPSHOT_TOTAL = Gauge("walbridge_snapshot_rows_estimate", "Rows the running (or last) snapshot expects")
+
+# Consumer side (the Spark driver process).
+APPLIED_ROWS = Counter("walbridge_apply_rows", "Changes applied to the target, by shape", ["shape"])
+APPLY_SKIPPED = Counter("walbridge_apply_replayed_skipped", "Replayed changes skipped by progress", ["shape"])
+APPLY_BATCHES = Counter("walbridge_apply_batches", "Micro-batches committed to the target", ["shape"])
+APPLY_LATENCY = Gauge("walbridge_apply_latency_seconds",
+                      "Time from the producer reading a change to its target commit, newest change of the last "
+                      "batch", ["shape"])
+DLQ_MESSAGES = Counter("walbridge_dlq_messages", "Undecodable messages sent to the dead-letter topic", ["shape"])
 
 _started_port: int | None = None
 

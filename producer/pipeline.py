@@ -126,6 +126,7 @@ class Pipeline:
         self.status_topic = f"{config.kafka.topic_prefix}._status"
         self._metric_events: dict[tuple[str, str], int] = {}
         self._metric_tx = 0
+        self._last_slot_read = 0.0
         self._last_status = 0.0
         self._last_ack_poll = 0.0
         self.db_name = ""
@@ -417,6 +418,9 @@ class Pipeline:
                 self._group_progress[group] = now
         for writer in pending:
             c = min(offsets.get(writer, 0) for offsets in per_group.values())
+            produced = self.ledger.last_offset.get(writer)
+            if produced is not None:
+                metrics.WRITER_LAG.labels(*writer).set(max(produced + 1 - c, 0))
             if c > 0:
                 flushed = self.alignments[writer].aligned(c - 1)
                 if flushed is not None:
@@ -598,6 +602,18 @@ class Pipeline:
         metrics.CONFIRMED_LSN.set(self._confirm_lsn)
         metrics.STALLED_WRITERS.set(len(self.stalled_writers))
         metrics.STALLED_GROUPS.set(len(self.stalled_groups))
+        if self.snapshot_progress:
+            metrics.SNAPSHOT_PROGRESS.set(self.snapshot_progress.get("rows", 0))
+            metrics.SNAPSHOT_TOTAL.set(self.snapshot_progress.get("total_estimate", 0))
+        now = time.monotonic()
+        if now - self._last_slot_read >= 10:  # retained WAL: a cheap catalog read, not every second
+            self._last_slot_read = now
+            try:
+                state = catalog.slot_state(self.catalog_conn, self.config.source.slot)
+                if state and state["retained_wal_bytes"] is not None:
+                    metrics.RETAINED_WAL.set(state["retained_wal_bytes"])
+            except psycopg.Error:
+                pass
 
     def _row_estimate(self, table: TableInfo) -> int:
         """Rows to expect: the planner's estimate, or a count for small

@@ -95,9 +95,24 @@ class ShapeApplier:
         self.batches += 1
         self.rows += len(rows)
         self.dlq += result.total("dlq")
+        self._metrics(rows, result)
         log.info("shape %s batch %d: %d rows (%d applied, %d replayed skipped, %d dead-lettered) in %.2fs",
                  self.shape.shape_name, batch_id, len(rows), result.total("applied"),
                  result.total("skipped_replayed"), result.total("dlq"), time.monotonic() - started)
+
+
+    def _metrics(self, rows: list[dict], result) -> None:
+        from producer import metrics
+
+        name = self.shape.shape_name
+        metrics.APPLY_BATCHES.labels(name).inc()
+        metrics.APPLIED_ROWS.labels(name).inc(result.total("applied"))
+        metrics.APPLY_SKIPPED.labels(name).inc(result.total("skipped_replayed"))
+        if result.total("dlq"):
+            metrics.DLQ_MESSAGES.labels(name).inc(result.total("dlq"))
+        newest = max((r["_wb_ts_ms"] for r in rows if r.get("_wb_ts_ms")), default=None)
+        if newest:
+            metrics.APPLY_LATENCY.labels(name).set(max(time.time() - newest / 1000, 0))
 
 
 def spark_session(master: str | None = None):
@@ -176,6 +191,9 @@ def run(config, master: str | None = None, stop: threading.Event | None = None,
         appliers: list | None = None) -> None:
     """Run the queries until ``stop`` is set or one fails; ``appliers`` (if
     given) receives each query's :class:`ShapeApplier` (for counters)."""
+    from producer import metrics
+
+    metrics.serve(config.metrics.consumer_port)
     spark = _quiet(spark_session(master))
     queries, started = start_queries(spark, config)
     if appliers is not None:

@@ -84,6 +84,10 @@ def test_pgbench_end_to_end_equal_and_slot_released(source_db, target_db, kafka_
             stop.set()
             spark.join(60)
     assert not errors
+    from prometheus_client import REGISTRY
+
+    applied = REGISTRY.get_sample_value("walbridge_apply_rows_total", {"shape": "public.pgbench_accounts"})
+    assert applied and applied >= 100000  # consumer metrics: the snapshot alone is 100k rows
     with psycopg.connect(target_db) as conn:
         # Bookkeeping: every live row carries the position and Kafka origin of its last change.
         assert conn.execute("SELECT count(*) FROM public.pgbench_accounts WHERE _wb_lsn IS NULL").fetchone()[0] == 0
