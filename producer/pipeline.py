@@ -117,6 +117,7 @@ class Pipeline:
         self._tx_done_writers: set[Writer] = set()
         self._tx_sources: dict[str, Any] = {}
         self._tx_seen_ms = 0
+        self._commit_times: dict[int, int] = {}  # commit LSN → commit time (ms), until acknowledged
         self._confirm_lsn = 0
         self._group_seen: dict[str, dict[Writer, int]] = {}
         self._group_progress: dict[str, float] = {}
@@ -376,6 +377,8 @@ class Pipeline:
                 replayed[w] = offset
                 writers.add(w)
         self.tracker.handle_transaction(last, writers)
+        if self._tx_writers:
+            self._commit_times[commit.commit_lsn] = self._tx_ts_ms
         for w in self._tx_writers:
             self.ledger.end_transaction(w, last)
         for w, offset in replayed.items():
@@ -385,6 +388,15 @@ class Pipeline:
 
     # ------------------------------------------------------------------ acks
     def _on_boundary(self, writer: Writer, offset: int, tx_last: LogOffset) -> None:
+        # Produce latency: source commit → Kafka acknowledgement of the
+        # transaction's last message on a writer (boundaries arrive in order).
+        while self._commit_times:
+            lsn, ts_ms = next(iter(self._commit_times.items()))
+            if lsn > tx_last.tx_offset:
+                break
+            del self._commit_times[lsn]
+            if lsn == tx_last.tx_offset:
+                metrics.PRODUCE_LATENCY.set(max(time.time() - ts_ms / 1000, 0))
         if not self.ack_groups:
             self.tracker.handle_flush_notification(writer, tx_last)
         else:

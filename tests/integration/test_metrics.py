@@ -40,3 +40,4 @@ def test_producer_metrics_show_events_snapshot_and_confirmed_lsn(source_db, kafk
     assert _value(text, "walbridge_confirmed_lsn") > 0
     assert _value(text, "walbridge_snapshot_rows_read") >= 50
     assert "walbridge_stalled_groups" in text
+    assert 0 < _value(text, "walbridge_produce_latency_seconds") < 30
