@@ -151,6 +151,9 @@ class ConsumerConfig(_Section):
     checkpoint_dir: str = ".walbridge/checkpoints"
     max_offsets_per_trigger: Annotated[int, Field(ge=1)] | None = None
     trigger_interval: Annotated[float, Field(ge=0)] = 1.0
+    # Stage each partition's part from the executors in parallel and commit them
+    # in one driver transaction (true), or apply each micro-batch from the driver.
+    staged_apply: bool = True
 
     @field_validator("target_dsn")
     @classmethod

@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 import threading
@@ -80,24 +81,41 @@ class ShapeApplier:
         return self._conn
 
     def __call__(self, batch_df, batch_id: int) -> None:
-        from spark_consumer.target import apply_batch, parts_from_rows
+        from spark_consumer.target import Part, apply_batch, commit_batch, parts_from_rows
 
         started = time.monotonic()
-        # Arrow: fast, and timestamps arrive timezone-aware (collect() would give
-        # naive datetimes in the driver's local zone).
-        rows = batch_df.toArrow().to_pylist()
-        if not rows:
-            return
-        result = apply_batch(self._connection(), self.config.consumer.group, self.target, parts_from_rows(rows))
+        conn = self._connection()
+        group = self.config.consumer.group
+        if self.config.consumer.staged_apply:
+            # Seed 004: each executor task plans and stages its partition's part
+            # (in parallel, each on its own connection); the commit of all the
+            # staged parts, with progress, is one decision on the driver.
+            staged = batch_df.mapInArrow(
+                functools.partial(_stage_partitions, self.config.consumer.target_dsn, group, self.target),
+                _STAGED_SCHEMA).collect()
+            if not staged:
+                return
+            parts = [Part(r.topic, r.partition, r.start, r.end) for r in staged]
+            result = commit_batch(conn, group, [(self.target, parts)])
+            rows = [{"_wb_ts_ms": max((r.newest_ts_ms or 0) for r in staged)}]
+            n_rows = sum(r.rows for r in staged)
+        else:
+            # Arrow: fast, and timestamps arrive timezone-aware (collect() would
+            # give naive datetimes in the driver's local zone).
+            rows = batch_df.toArrow().to_pylist()
+            if not rows:
+                return
+            result = apply_batch(conn, group, self.target, parts_from_rows(rows))
+            n_rows = len(rows)
         if self._committer is None:
             self._committer = OffsetCommitter(self.kafka_conf, self.config.consumer.group)
         self._committer.commit(result.offsets)
         self.batches += 1
-        self.rows += len(rows)
+        self.rows += n_rows
         self.dlq += result.total("dlq")
         self._metrics(rows, result)
         log.info("shape %s batch %d: %d rows (%d applied, %d replayed skipped, %d dead-lettered) in %.2fs",
-                 self.shape.shape_name, batch_id, len(rows), result.total("applied"),
+                 self.shape.shape_name, batch_id, n_rows, result.total("applied"),
                  result.total("skipped_replayed"), result.total("dlq"), time.monotonic() - started)
 
 
@@ -113,6 +131,36 @@ class ShapeApplier:
         newest = max((r["_wb_ts_ms"] for r in rows if r.get("_wb_ts_ms")), default=None)
         if newest:
             metrics.APPLY_LATENCY.labels(name).set(max(time.time() - newest / 1000, 0))
+
+
+_STAGED_SCHEMA = "topic string, partition int, start long, end long, rows long, newest_ts_ms long"
+_stage_connections: dict[str, Any] = {}  # per Python worker process, reused across tasks
+
+
+def _stage_partitions(dsn: str, group: str, target, batches):
+    """Executor side: stage this task's rows, one part per Kafka partition."""
+    import psycopg
+    import pyarrow as pa
+
+    from spark_consumer.target import ensure_progress, parts_from_rows, stage_part
+
+    rows = [r for b in batches for r in b.to_pylist()]
+    if not rows:
+        return
+    conn = _stage_connections.get(dsn)
+    if conn is None or conn.closed:
+        conn = _stage_connections[dsn] = psycopg.connect(dsn, autocommit=True)
+        ensure_progress(conn)
+    out = {k: [] for k in ("topic", "partition", "start", "end", "rows", "newest_ts_ms")}
+    for part in parts_from_rows(rows):
+        stage_part(conn, group, target, part)
+        for k, v in (("topic", part.topic), ("partition", part.partition), ("start", part.start),
+                     ("end", part.end), ("rows", len(part.rows)),
+                     ("newest_ts_ms", max((r.get("_wb_ts_ms") or 0 for r in part.rows), default=0))):
+            out[k].append(v)
+    yield pa.RecordBatch.from_pydict(out, schema=pa.schema([
+        ("topic", pa.string()), ("partition", pa.int32()), ("start", pa.int64()), ("end", pa.int64()),
+        ("rows", pa.int64()), ("newest_ts_ms", pa.int64())]))
 
 
 def spark_session(master: str | None = None):
