@@ -90,10 +90,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=300_000)
     ap.add_argument("--batch", type=int, default=50_000)
+    ap.add_argument("--apply", choices=["staged", "driver"], default="driver",
+                    help="staged: executors stage partitions in parallel; driver: one apply from the driver")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "consumer.json")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="wb-bench-consumer-"))
-    results: dict = {"rows": args.rows, "batch": args.batch}
+    results: dict = {"rows": args.rows, "batch": args.batch, "apply": args.apply}
     with PostgresCluster(base / "pg") as pg, TansuBroker(base / "kafka") as broker:
         with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
             conn.execute("CREATE DATABASE target")
@@ -106,7 +108,7 @@ def main() -> None:
             "shapes": [{"table": "public.bench_rows"}],
             "consumer": {"group": "bench-spark", "target_dsn": pg.dsn("target"),
                          "checkpoint_dir": str(base / "checkpoints"), "trigger_interval": 0.2,
-                         "max_offsets_per_trigger": args.batch},
+                         "max_offsets_per_trigger": args.batch, "staged_apply": args.apply == "staged"},
             "ack": {"consumer_groups": []},
         }
         config = parse_config(data)

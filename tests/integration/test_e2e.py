@@ -132,6 +132,7 @@ def test_consumer_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sourc
     _prepare_source(source_db)
     cfg = e2e_config(source_db, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
     cfg["consumer"]["max_offsets_per_trigger"] = 3000  # many small batches: kills land mid-stream
+    cfg["consumer"]["staged_apply"] = True  # executors stage, the driver commits: crash between the two
     path = write_toml(cfg, tmp_path / "wb.toml")
     log = tmp_path / "consumer.log"
     load_done = threading.Event()
