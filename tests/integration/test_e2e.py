@@ -168,4 +168,39 @@ def test_consumer_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sourc
         stale = conn.execute("SELECT count(*) FROM public.pgbench_accounts a JOIN public.pgbench_accounts b"
                              " ON a.aid = b.aid AND a.ctid <> b.ctid").fetchone()[0]
         assert stale == 0
-    assert "skipped" in log.read_text() or True
+
+
+def test_spark_submit_entry_point_applies_a_shape(source_db, target_db, kafka_broker, topic_prefix, tmp_path):
+    """The production entry point: ``spark-submit spark_consumer/job.py -c FILE``."""
+    import os
+    import signal
+    import sys
+    from pathlib import Path
+
+    with psycopg.connect(source_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text, price numeric(8,2))")
+        conn.execute("INSERT INTO items SELECT g, 'item ' || g, g * 1.25 FROM generate_series(1, 500) g")
+    group = f"{topic_prefix}-submit"
+    cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix, [{"table": "public.items"}],
+                      consumer={"group": group, "target_dsn": str(target_db),
+                                "checkpoint_dir": str(tmp_path / "ck"), "trigger_interval": 0.5},
+                      ack={"consumer_groups": [group], "interval": 0.5})
+    path = write_toml(cfg, tmp_path / "wb.toml")
+    root = Path(__file__).resolve().parent.parent.parent
+    spark_submit = Path(sys.executable).parent / "spark-submit"
+    log = open(tmp_path / "spark-submit.log", "wb")
+    with ProducerThread(cfg):
+        proc = subprocess.Popen([str(spark_submit), "--master", "local[2]", str(root / "spark_consumer" / "job.py"),
+                                 "-c", str(path)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+        try:
+            with psycopg.connect(source_db, autocommit=True) as conn:
+                conn.execute("UPDATE items SET price = price + 1 WHERE id <= 10")
+                conn.execute("DELETE FROM items WHERE id > 490")
+            ok = wait_for(lambda: _verify_ok(cfg)[0] or proc.poll() is not None, timeout=180, interval=2,
+                          what="target == source via spark-submit")
+            assert ok is True and proc.poll() is None, (tmp_path / "spark-submit.log").read_text()[-3000:]
+            wait_for(lambda: _caught_up(cfg), timeout=60, what="slot released by the group's commits")
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
