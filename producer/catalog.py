@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from producer.config import Config, ShapeConfig
+from producer.config import Config
 from producer.pgtypes import PgTypeInfo
 
 
@@ -231,6 +231,3 @@ def slot_state(conn: psycopg.Connection, slot: str) -> dict | None:
             "restart_lsn", "current_wal_lsn", "retained_wal_bytes")
     return dict(zip(keys, row))
 
-
-def shape_table(config_shape: ShapeConfig, tables: dict[str, TableInfo]) -> TableInfo:
-    return tables[config_shape.table]

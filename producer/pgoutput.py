@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
 from typing import Union
 
-PG_EPOCH = datetime(2000, 1, 1, tzinfo=timezone.utc)
 # Microseconds between the Unix epoch and PostgreSQL's epoch (2000-01-01).
 PG_EPOCH_UNIX_US = 946_684_800_000_000
 
@@ -45,10 +43,6 @@ def lsn_to_str(lsn: int) -> str:
 
 def pg_us_to_unix_ms(pg_us: int) -> int:
     return (pg_us + PG_EPOCH_UNIX_US) // 1000
-
-
-def pg_us_to_datetime(pg_us: int) -> datetime:
-    return PG_EPOCH + timedelta(microseconds=pg_us)
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import psycopg
 from psycopg import sql
-from confluent_kafka import KafkaException, Producer, TopicPartition
+from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
 from producer import catalog, metrics, pgoutput

@@ -21,7 +21,7 @@ import time
 import psycopg
 from psycopg import pq
 
-from producer.pgoutput import lsn_to_int, lsn_to_str, standby_status
+from producer.pgoutput import PG_EPOCH_UNIX_US, lsn_to_int, lsn_to_str, standby_status
 
 SESSION_OPTIONS = "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3"
 
@@ -31,7 +31,7 @@ def connect(dsn: str, **kwargs) -> psycopg.Connection:
 
 
 def _now_pg_us() -> int:
-    return int(time.time() * 1_000_000) - 946_684_800_000_000
+    return int(time.time() * 1_000_000) - PG_EPOCH_UNIX_US
 
 
 class ReplicationError(RuntimeError):

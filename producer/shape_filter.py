@@ -830,7 +830,6 @@ class _Compiler:
 
     def is_(self, node: exp.Is) -> _P:
         target = node.expression
-        f = self.frag(node)
         if isinstance(target, exp.Null):
             operand = self.operand(node.this)
             if isinstance(operand, _Col):

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import psycopg
 from confluent_kafka.admin import AdminClient

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import subprocess
 import threading
-import time
 
 import psycopg
-import pytest
 
 from producer.config import parse_config
 from producer.embedded import find_pg_bin
