@@ -51,6 +51,13 @@ def producer_config(base: dict[str, Any]) -> dict[str, Any]:
     conf.setdefault("queue.buffering.max.messages", 200000)
     conf.setdefault("queue.buffering.max.kbytes", 262144)
     conf.setdefault("compression.type", "lz4")
+    # A message not acknowledged in 30 s fails, and a failed delivery restarts the
+    # pipeline from the slot and the partition tails: that is also how a broker
+    # that lost its data (its idempotence state gone with it) is noticed.
+    conf.setdefault("message.timeout.ms", 30000)
+    # Topics are created by walbridge, with the configured partition count; a
+    # producer retrying into a wiped broker must not auto-create them.
+    conf.setdefault("allow.auto.create.topics", False)
     return conf
 
 

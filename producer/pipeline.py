@@ -128,6 +128,7 @@ class Pipeline:
         self._metric_events: dict[tuple[str, str], int] = {}
         self._metric_tx = 0
         self._last_slot_read = 0.0
+        self._streaming = False
         self._last_status = 0.0
         self._last_ack_poll = 0.0
         self.db_name = ""
@@ -203,6 +204,7 @@ class Pipeline:
             self._rebuild_ack_state()
         self._confirm_lsn = 0
         self.repl.start(self.publications, start)
+        self._streaming = True
         log.info("streaming from slot %s (publications %s) to %s", cfg.source.slot, ", ".join(self.publications),
                  cfg.kafka.bootstrap_servers)
         self._loop()
@@ -498,7 +500,9 @@ class Pipeline:
             self._send_status()
 
     def _keep_stream_alive(self) -> None:
-        if time.monotonic() - self._last_status >= STATUS_INTERVAL:
+        # Before START_REPLICATION (during the snapshot) there is no stream to
+        # keep alive, and the connection must stay idle for the exported snapshot.
+        if self._streaming and time.monotonic() - self._last_status >= STATUS_INTERVAL:
             self._send_status()
 
     def _send_status(self) -> None:
@@ -640,8 +644,12 @@ class Pipeline:
         return size // 100
 
     def _flush_all(self) -> None:
+        """Wait for every produced message's delivery report. Bounded: a message
+        is delivered or fails within ``message.timeout.ms``; a failure raises."""
         while self.kafka.flush(1.0):
-            pass
+            if self.ledger.error is not None:
+                break
+            self._keep_stream_alive()
         if self.ledger.error is not None:
             raise KafkaException(self.ledger.error)
 
