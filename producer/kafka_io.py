@@ -146,6 +146,19 @@ def _scan(consumer: Consumer, ranges: dict[Writer, tuple[int, int | None]], time
         consumer.unassign()
 
 
+def read_to_end(conf: dict[str, Any], topic: str, purpose: str = "read", timeout: float = 30.0):
+    """Every message of every partition of ``topic``, from the beginning to
+    end-of-partition (as Fetch reports it); nothing if the topic does not exist."""
+    consumer = _consumer(conf, purpose)
+    try:
+        meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            return
+        yield from _scan(consumer, {(topic, p): (0, None) for p in sorted(meta.partitions)}, timeout)
+    finally:
+        consumer.close()
+
+
 def _tail_of(msg: Any) -> Tail | None:
     headers = msg.headers()
     pos = wire.header(headers, wire.POSITION_HEADER)

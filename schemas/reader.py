@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import json
 import threading
-import uuid
 from typing import Any
 
 from fastavro import parse_schema, schemaless_reader
@@ -67,32 +66,14 @@ class SchemaResolver:
     def _load_schemas_topic(self) -> None:
         if not self._schemas_topic or self._kafka_conf is None:
             raise ValueError("single-object encoded message but no schemas topic is configured")
-        from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+        from producer.kafka_io import read_to_end
 
-        consumer = Consumer({**self._kafka_conf, "group.id": f"walbridge-schemas-{uuid.uuid4().hex}",
-                             "enable.auto.commit": False, "enable.partition.eof": True})
-        try:
-            # Every partition (the producer creates one; an auto-created topic may have more).
-            meta = consumer.list_topics(self._schemas_topic, timeout=10).topics[self._schemas_topic]
-            partitions = sorted(meta.partitions) or [0]
-            consumer.assign([TopicPartition(self._schemas_topic, p, OFFSET_BEGINNING) for p in partitions])
-            at_end: set[int] = set()
-            while len(at_end) < len(partitions):
-                msg = consumer.poll(10)
-                if msg is None:
-                    raise TimeoutError(f"reading {self._schemas_topic} timed out")
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
-                        at_end.add(msg.partition())
-                        continue
-                    raise KafkaException(msg.error())
-                fp = bytes.fromhex(msg.key().decode())
-                if fp not in self._by_fp:
-                    raw = json.loads(msg.value())
-                    self._raw_by_fp[fp] = raw
-                    self._by_fp[fp] = parse_schema(raw)
-        finally:
-            consumer.close()
+        for msg in read_to_end(self._kafka_conf, self._schemas_topic, "schemas"):
+            fp = bytes.fromhex(msg.key().decode())
+            if fp not in self._by_fp:
+                raw = json.loads(msg.value())
+                self._raw_by_fp[fp] = raw
+                self._by_fp[fp] = parse_schema(raw)
 
     def decode(self, data: bytes | None) -> Any:
         """Decode a key or value; None stays None (keyless keys, control events)."""

@@ -262,37 +262,16 @@ def read_schemas_topic(conf: dict[str, Any], schemas_topic: str, timeout: float 
     """``(subject, fingerprint hex, schema)`` of every record of the schemas
     topic, in publication order (read to end-of-partition, as it is reported
     by Fetch)."""
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+    from producer.kafka_io import read_to_end
 
-    consumer = Consumer({**conf, "group.id": f"walbridge-discover-{uuid.uuid4().hex}",
-                         "enable.auto.commit": False, "enable.partition.eof": True})
-    try:
-        meta = consumer.list_topics(schemas_topic, timeout=timeout).topics.get(schemas_topic)
-        if meta is None or meta.error is not None or not meta.partitions:
-            return []
-        consumer.assign([TopicPartition(schemas_topic, p, OFFSET_BEGINNING) for p in sorted(meta.partitions)])
-        pending = set(meta.partitions)
-        out: list[tuple[int, int, str, str, dict]] = []
-        deadline = time.monotonic() + timeout
-        while pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {schemas_topic} timed out")
-            msg = consumer.poll(1.0)
-            if msg is None:
-                continue
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    pending.discard(msg.partition())
-                    continue
-                raise KafkaException(msg.error())
-            subject = wire.header(msg.headers(), SUBJECT_HEADER)
-            if subject is None or msg.key() is None or msg.value() is None:
-                continue
-            out.append((msg.partition(), msg.offset(), subject.decode(), msg.key().decode(), json.loads(msg.value())))
-        out.sort(key=lambda r: (r[0], r[1]))
-        return [(subject, fp, schema) for _, _, subject, fp, schema in out]
-    finally:
-        consumer.close()
+    out: list[tuple[int, int, str, str, dict]] = []
+    for msg in read_to_end(conf, schemas_topic, "discover", timeout):
+        subject = wire.header(msg.headers(), SUBJECT_HEADER)
+        if subject is None or msg.key() is None or msg.value() is None:
+            continue
+        out.append((msg.partition(), msg.offset(), subject.decode(), msg.key().decode(), json.loads(msg.value())))
+    out.sort(key=lambda r: (r[0], r[1]))
+    return [(subject, fp, schema) for _, _, subject, fp, schema in out]
 
 
 # ---------------------------------------------------------- offset planning
@@ -811,35 +790,13 @@ class DeadLetter:
 def read_dead_letters(bootstrap_servers: str, topic: str, kafka_client: dict[str, Any] | None = None,
                       timeout: float = 30.0) -> list[DeadLetter]:
     """Every message in ``<topic>.dlq`` (empty when it does not exist)."""
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+    from producer.kafka_io import read_to_end
 
-    name = dlq_topic(topic)
-    consumer = Consumer({"bootstrap.servers": bootstrap_servers, **(kafka_client or {}),
-                         "group.id": f"walbridge-dlq-{uuid.uuid4().hex}", "enable.auto.commit": False,
-                         "enable.partition.eof": True})
-    try:
-        meta = consumer.list_topics(name, timeout=timeout).topics.get(name)
-        if meta is None or meta.error is not None or not meta.partitions:
-            return []
-        consumer.assign([TopicPartition(name, p, OFFSET_BEGINNING) for p in meta.partitions])
-        pending = set(meta.partitions)
-        out = []
-        deadline = time.monotonic() + timeout
-        while pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {name} timed out")
-            msg = consumer.poll(1.0)
-            if msg is None:
-                continue
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    pending.discard(msg.partition())
-                    continue
-                raise KafkaException(msg.error())
-            h = dict(msg.headers() or [])
-            out.append(DeadLetter(msg.offset(), msg.key(), msg.value(), h.get(DLQ_ERROR_HEADER, b"").decode(),
-                                  (h.get(DLQ_TOPIC_HEADER, b"").decode(), int(h.get(DLQ_PARTITION_HEADER, b"-1")),
-                                   int(h.get(DLQ_OFFSET_HEADER, b"-1"))), h))
-        return sorted(out, key=lambda d: d.offset)
-    finally:
-        consumer.close()
+    out = []
+    for msg in read_to_end({"bootstrap.servers": bootstrap_servers, **(kafka_client or {})}, dlq_topic(topic),
+                           "dlq", timeout):
+        h = dict(msg.headers() or [])
+        out.append(DeadLetter(msg.offset(), msg.key(), msg.value(), h.get(DLQ_ERROR_HEADER, b"").decode(),
+                              (h.get(DLQ_TOPIC_HEADER, b"").decode(), int(h.get(DLQ_PARTITION_HEADER, b"-1")),
+                               int(h.get(DLQ_OFFSET_HEADER, b"-1"))), h))
+    return sorted(out, key=lambda d: d.offset)
