@@ -486,11 +486,7 @@ def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier
         "DELETE FROM {tb} AS tb USING {s} AS s WHERE s._wb_kind = 'u' AND {eq} AND {lt}"
     ).format(tb=tb, s=stage, eq=_key_eq(target, "tb", "s"), lt=_pos_lt("tb", "s")))
     names = target.names
-    all_cols = sql.SQL(", ").join(_ident(c) for c in (*names, "_wb_lsn", "_wb_op_index", "_wb_partition",
-                                                       "_wb_offset", "_wb_applied_at", "_wb_snapshot_id"))
-    s_cols = sql.SQL(", ").join([sql.SQL("s.{}").format(_ident(c)) for c in names]
-                                + [sql.SQL(x) for x in ("s._wb_lsn", "s._wb_op_index", "s._wb_partition",
-                                                        "s._wb_offset", "now()", "s._wb_snapshot_id")])
+    all_cols, s_cols = _insert_columns(target)
     # Keys the target holds: update where the change is newer. A statement per
     # set of kept (unchanged TOAST) columns, which it leaves alone.
     upserted = Counter()
@@ -523,14 +519,22 @@ def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier
     return out
 
 
-def _apply_keyless(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier) -> dict[str, Counter]:
-    t = _table(target)
+def _insert_columns(target: ShapeTarget) -> tuple[sql.Composable, sql.Composable]:
+    """The target table's column list for an INSERT, and the matching select
+    list from the stage aliased ``s`` (bookkeeping columns included)."""
     names = target.names
     all_cols = sql.SQL(", ").join(_ident(c) for c in (*names, "_wb_lsn", "_wb_op_index", "_wb_partition",
                                                        "_wb_offset", "_wb_applied_at", "_wb_snapshot_id"))
     s_cols = sql.SQL(", ").join([sql.SQL("s.{}").format(_ident(c)) for c in names]
                                 + [sql.SQL(x) for x in ("s._wb_lsn", "s._wb_op_index", "s._wb_partition",
                                                         "s._wb_offset", "now()", "s._wb_snapshot_id")])
+    return all_cols, s_cols
+
+
+def _apply_keyless(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier) -> dict[str, Counter]:
+    t = _table(target)
+    names = target.names
+    all_cols, s_cols = _insert_columns(target)
     out: dict[str, Counter] = {}
     # Appends first: a removal later in the batch (on any partition) may target them.
     out["appended"] = _counts(cur, sql.SQL(
