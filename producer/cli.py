@@ -113,6 +113,41 @@ def cmd_consumer(args) -> int:
     return 0
 
 
+def cmd_backfill(args) -> int:
+    from producer.backfill import request_backfill
+    from producer.reconcile import wait_for
+
+    config = load_config(args.config)
+    try:
+        rid = request_backfill(config, args.shape)
+    except ValueError as e:
+        print(f"walbridge: {e}", file=sys.stderr)
+        return 2
+    print(f"backfill of shape {args.shape} requested: {rid}")
+    if args.wait:
+        wait_for(config, [rid], args.timeout)
+    return 0
+
+
+def cmd_reconcile(args) -> int:
+    from rich.console import Console
+
+    from producer.reconcile import reconcile
+    from producer.verify import render
+
+    config = load_config(args.config)
+    unknown = [s for s in args.shape or () if s not in {c.shape_name for c in config.shapes}]
+    if unknown:
+        print(f"walbridge: no shape named {', '.join(unknown)} in the config", file=sys.stderr)
+        return 2
+    console = Console()
+    before, after = reconcile(config, args.shape or None, wait=not args.no_wait, timeout=args.timeout,
+                              on_progress=console.print)
+    console.print(render(after if after is not None else before))
+    final = after if after is not None else before
+    return 0 if all(d.ok for d in final) or (after is None and args.no_wait) else 1
+
+
 def cmd_check(args) -> int:
     config = load_config(args.config)
     print(f"config ok: {len(config.shapes)} shape(s): " + ", ".join(s.shape_name for s in config.shapes))
@@ -147,6 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-c", "--config", required=True)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("backfill", help="re-read a shape from a fresh snapshot while streaming goes on")
+    p.add_argument("-c", "--config", required=True)
+    p.add_argument("--shape", required=True, help="the shape's name")
+    p.add_argument("--wait", action="store_true", help="follow it until the consumer has applied it")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.set_defaults(func=cmd_backfill)
+    p = sub.add_parser("reconcile", help="verify, backfill the key buckets that differ, verify again")
+    p.add_argument("-c", "--config", required=True)
+    p.add_argument("--shape", action="append", help="only this shape (repeatable)")
+    p.add_argument("--no-wait", action="store_true", help="request the backfills and exit")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.set_defaults(func=cmd_reconcile)
     p = sub.add_parser("check-config", help="validate a config file and exit")
     p.add_argument("-c", "--config", required=True)
     p.set_defaults(func=cmd_check)

@@ -155,6 +155,10 @@ class ConsumerConfig(_Section):
     # in one driver transaction (true: pays with several executor cores), or
     # apply each micro-batch from the driver (false: faster on a 2-core box).
     staged_apply: bool = False
+    # Kafka lost data (topics recreated): "follow" re-reads the new topics from
+    # their start and applies by position (the producer re-snapshots); "stop"
+    # stops the consumer with an error.
+    on_data_loss: Literal["follow", "stop"] = "follow"
 
     @field_validator("target_dsn")
     @classmethod
@@ -171,6 +175,18 @@ class AckConfig(_Section):
     on_stall: Literal["hold", "drop"] = "hold"
 
 
+class BackfillConfig(_Section):
+    # Rows per chunk: the most the producer encodes between two looks at the
+    # replication stream, so live changes wait at most one chunk.
+    chunk_rows: Annotated[int, Field(ge=1, le=100_000)] = 1000
+    # A chunk goes out whenever the stream is idle, and at least this often (s)
+    # when it never is, so a busy database cannot starve a backfill.
+    force_after: Annotated[float, Field(gt=0)] = 0.1
+    # Shapes whose topics are empty when the producer starts on an existing
+    # slot (added to the config) are backfilled automatically.
+    new_shapes: Literal["backfill", "ignore"] = "backfill"
+
+
 class MetricsConfig(_Section):
     port: Annotated[int, Field(ge=0, le=65535)] | None = None  # producer
     consumer_port: Annotated[int, Field(ge=0, le=65535)] | None = None  # Spark consumer (driver)
@@ -182,6 +198,7 @@ class Config(_Section):
     shapes: list[ShapeConfig] = Field(min_length=1)
     consumer: ConsumerConfig = ConsumerConfig()
     ack: AckConfig = AckConfig()
+    backfill: BackfillConfig = BackfillConfig()
     metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")

@@ -214,17 +214,21 @@ class ShapeCodec:
             avro_string_array(names),
         ))
 
-    def source_bytes(self, lsn: int, xid: int | None, ts_ms: int, snapshot: bool = False,
+    def source_bytes(self, lsn: int, xid: int | None, ts_ms: int, snapshot: bool | str = False,
                      snapshot_id: str | None = None) -> SourceBytes:
         """The ``source`` block around ``op_index``, once per transaction."""
         src = self.source(lsn, 0, xid, ts_ms, snapshot, snapshot_id)
         return SourceBytes(self._encode(_SOURCE_HEAD, b"", src), self._encode(_SOURCE_TAIL, b"", src))
 
     def source(self, lsn: int, op_index: int, xid: int | None, ts_ms: int,
-               snapshot: bool = False, snapshot_id: str | None = None) -> dict:
+               snapshot: bool | str = False, snapshot_id: str | None = None) -> dict:
+        """``snapshot``: True (initial snapshot), False (streamed), or Debezium's
+        string for the kind of read (``"incremental"`` for backfills)."""
+        if not isinstance(snapshot, str):
+            snapshot = "true" if snapshot else "false"
         return {
             "version": ENVELOPE_VERSION, "connector": "walbridge", "name": self.topic_prefix,
-            "ts_ms": ts_ms, "snapshot": "true" if snapshot else "false", "db": self.db,
+            "ts_ms": ts_ms, "snapshot": snapshot, "db": self.db,
             "schema": self.schema, "table": self.table, "shape": self.shape, "txId": xid,
             "lsn": lsn, "op_index": op_index, "snapshot_id": snapshot_id,
         }

@@ -107,7 +107,7 @@ class Tail:
     snapshot_id: str | None  # set on snapshot reads
 
 
-def _consumer(conf: dict[str, Any], purpose: str) -> Consumer:
+def scan_consumer(conf: dict[str, Any], purpose: str) -> Consumer:
     return Consumer({**conf, "group.id": f"walbridge-{purpose}-{uuid.uuid4().hex}", "enable.auto.commit": False,
                      "enable.partition.eof": True, "auto.offset.reset": "earliest"})
 
@@ -149,7 +149,7 @@ def _scan(consumer: Consumer, ranges: dict[Writer, tuple[int, int | None]], time
 def read_to_end(conf: dict[str, Any], topic: str, purpose: str = "read", timeout: float = 30.0):
     """Every message of every partition of ``topic``, from the beginning to
     end-of-partition (as Fetch reports it); nothing if the topic does not exist."""
-    consumer = _consumer(conf, purpose)
+    consumer = scan_consumer(conf, purpose)
     try:
         meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
         if meta is None or meta.error is not None or not meta.partitions:
@@ -164,19 +164,22 @@ def _tail_of(msg: Any) -> Tail | None:
     pos = wire.header(headers, wire.POSITION_HEADER)
     if pos is None:
         return None  # not ours (a foreign producer's message)
+    if wire.header(headers, wire.BACKFILL_HEADER) is not None:
+        return None  # a backfill's position says nothing about what the stream produced
     control = wire.header(headers, wire.CONTROL_HEADER)
-    snap = wire.header(headers, "wb.snapshot")
+    snap = wire.header(headers, wire.SNAPSHOT_HEADER)
     return Tail(msg.offset(), wire.parse_position(pos), control.decode() if control else None,
                 snap.decode() if snap else None)
 
 
 def read_tails(conf: dict[str, Any], writers: Iterable[Writer], timeout: float = 30.0) -> dict[Writer, Tail | None]:
-    """The last walbridge message of each partition (None for partitions holding
-    none). Reads all partitions together, from a little before the reported end
+    """The last streamed (or initial-snapshot) walbridge message of each
+    partition (None for partitions holding none); backfill messages are
+    skipped. Reads all partitions together, from a little before the reported end
     (which may be too low) to end-of-partition, widening the window backwards
     where only foreign messages were found."""
     writers = list(writers)
-    consumer = _consumer(conf, "tail")
+    consumer = scan_consumer(conf, "tail")
     try:
         bounds = {}
         for w in writers:
@@ -202,7 +205,7 @@ def read_positions(conf: dict[str, Any], start_offsets: dict[Writer, int],
                    timeout: float = 60.0) -> dict[Writer, dict[int, int]]:
     """For each writer, read from ``start_offsets[writer]`` to the end and map
     each transaction (commit LSN) to the offset of its last message there."""
-    consumer = _consumer(conf, "replay")
+    consumer = scan_consumer(conf, "replay")
     result: dict[Writer, dict[int, int]] = defaultdict(dict)
     try:
         for msg in _scan(consumer, {w: (o, None) for w, o in start_offsets.items()}, timeout):

@@ -35,7 +35,11 @@ Invariants:
   lost its data), it drops the slot and *redoes* the snapshot at a new consistent
   point. The partial rows already in the topics are older (lower position) than
   the redone ones, so apply converges; the ``snapshot_end`` event tells the
-  consumer which snapshot is complete.
+  consumer which snapshot is complete. Exception: shapes whose topics hold
+  nothing at all while the others are complete were added to the config; they
+  are backfilled (``backfill.py``) while the others stream on.
+- Backfills run one at a time, in request order, between live traffic
+  (``_backfill_tick``); see :mod:`producer.backfill`.
 """
 
 from __future__ import annotations
@@ -53,12 +57,13 @@ from psycopg import sql
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
-from producer import catalog, metrics, pgoutput
+from producer import backfill, catalog, metrics, pgoutput
 from producer.catalog import TableInfo
 from producer.config import Config, redact_dsn
 from producer.flush_tracker import FlushTracker, LogOffset, WriterAlignment
+from confluent_kafka import Consumer, TopicPartition
 from producer.kafka_io import (DeliveryLedger, SchemaPublisher, Tail, Writer, client_config, ensure_topics,
-                               group_offsets, partition_for, producer_config, read_tails)
+                               group_offsets, partition_for, producer_config, read_tails, scan_consumer)
 from producer.pgoutput import Begin, Commit, Delete, Insert, Keepalive, Relation, Truncate, TypeMsg, Update
 from producer.pgtypes import column_codec
 from producer.replication import ReplicationConnection, ReplicationError, connect
@@ -125,6 +130,13 @@ class Pipeline:
         self.stalled_groups: list[str] = []
         self.snapshot_progress: dict[str, Any] = {}
         self.status_topic = f"{config.kafka.topic_prefix}._status"
+        self.backfills_topic = backfill.requests_topic(config.kafka.topic_prefix)
+        self.backfill_requests: dict[str, dict] = {}  # request id -> latest state record
+        self._backfill_queue: list[dict] = []
+        self._backfill: backfill.Backfill | None = None
+        self.backfills_done: list[dict] = []  # the last few finished, for status
+        self._requests_consumer: Consumer | None = None
+        self._backfill_busy = False
         self._metric_events: dict[tuple[str, str], int] = {}
         self._metric_tx = 0
         self._last_slot_read = 0.0
@@ -160,14 +172,26 @@ class Pipeline:
                           row_filter))
         topics = [cfg.topic(s) for s in cfg.shapes]
         self.partitions = ensure_topics(self.admin, topics, cfg.kafka.partitions, cfg.kafka.replication_factor)
-        internal = [self.status_topic] + ([self.schemas.schemas_topic] if self.schemas.schemas_topic else [])
+        internal = [self.status_topic, self.backfills_topic] + (
+            [self.schemas.schemas_topic] if self.schemas.schemas_topic else [])
         ensure_topics(self.admin, internal, 1, cfg.kafka.replication_factor)
 
     def writers(self) -> list[Writer]:
         return [(t, p) for t, n in self.partitions.items() for p in range(n)]
 
-    def _snapshot_complete(self) -> bool:
+    def _new_topics(self) -> set[str]:
+        """Topics none of whose partitions holds a streamed or snapshot message:
+        shapes added to the config since the snapshot (or a broker that lost
+        everything, when that is every topic)."""
+        tails_of: dict[str, list] = defaultdict(list)
+        for w in self.writers():
+            tails_of[w[0]].append(self.tails.get(w))
+        return {t for t, tails in tails_of.items() if all(x is None for x in tails)}
+
+    def _snapshot_complete(self, ignore: set[str] = frozenset()) -> bool:
         for writer in self.writers():
+            if writer[0] in ignore:
+                continue
             tail = self.tails.get(writer)
             if tail is None or (tail.snapshot_id is not None and tail.control is None):
                 log.info("partition %s[%d] holds no complete snapshot", *writer)
@@ -188,7 +212,8 @@ class Pipeline:
                 raise ReplicationError(f"slot {cfg.source.slot} is in use by another process "
                                        f"(pid {slot['active_pid']}); is another producer running?")
             self.tails = read_tails(self._kafka_conf, self.writers())
-            if not self._snapshot_complete():
+            new_topics = self._new_topics()
+            if new_topics == set(self.partitions) or not self._snapshot_complete(ignore=new_topics):
                 log.warning("slot %s exists but the snapshot in Kafka is incomplete: dropping the slot and "
                             "redoing the snapshot", cfg.source.slot)
                 self.catalog_conn.execute("SELECT pg_drop_replication_slot(%s)", (cfg.source.slot,))
@@ -203,6 +228,7 @@ class Pipeline:
             start = pgoutput.lsn_to_int(slot["confirmed_flush_lsn"])
             self._rebuild_ack_state()
         self._confirm_lsn = 0
+        self._load_backfill_requests(new_topics=self._new_topics() if slot is not None else set())
         self.repl.start(self.publications, start)
         self._streaming = True
         log.info("streaming from slot %s (publications %s) to %s", cfg.source.slot, ", ".join(self.publications),
@@ -212,6 +238,10 @@ class Pipeline:
         self._publish_status()  # the final numbers, for whoever watches
 
     def close(self) -> None:
+        if self._backfill is not None:
+            self._backfill.reader.close()
+        if self._requests_consumer is not None:
+            self._requests_consumer.close()
         try:
             self.kafka.flush(10)
         except Exception:
@@ -230,15 +260,20 @@ class Pipeline:
         while not self._stop.is_set():
             # A burst of frames between housekeeping rounds: delivery reports,
             # acks and status are served every 256 frames or when the stream idles.
+            # With a backfill running, an idle stream is its turn: do not wait.
+            wait = 0.0 if self._backfill_busy else 0.05
+            idle = False
             for _ in range(256):
-                frame = repl.read(0.05)
+                frame = repl.read(wait)
                 if frame is None:
+                    idle = True
                     break
                 msg = decode_frame(frame)
                 if isinstance(msg, Keepalive):
                     keepalive(msg)
                 else:
                     handle(decode(msg.payload))
+            self._backfill_busy = self._backfill is not None and self._backfill_tick(idle)
             self.kafka.poll(0)
             if self.ledger.error is not None:
                 raise KafkaException(self.ledger.error)
@@ -249,6 +284,7 @@ class Pipeline:
             if now - self._last_status >= STATUS_INTERVAL:
                 self._send_status()
                 self._publish_status()
+                self._poll_backfill_requests()
 
     # --------------------------------------------------------------- changes
     def _handle(self, msg: pgoutput.Message) -> None:
@@ -530,7 +566,7 @@ class Pipeline:
                                   "done": False}
         sources = {route.name: route.codec.source_bytes(lsn, None, now_ms, True, snapshot_id)
                    for plan in plans.values() for route in plan.routes}
-        snap_header = ("wb.snapshot", snapshot_id.encode())
+        snap_header = (wire.SNAPSHOT_HEADER, snapshot_id.encode())
         pos_header = (wire.POSITION_HEADER, wire.position_header(lsn, 0))
         started = time.monotonic()
 
@@ -540,16 +576,9 @@ class Pipeline:
                 values, _ = plan.load(raw)
                 row = plan.as_row(values) if plan.filtered else None
                 for route in plan.routes:
-                    if route.row_filter is not None and not route.row_filter.matches(row):
-                        continue
-                    codec = route.codec
-                    key_body = codec.encode_key(b"", values)
-                    partition = partition_for(key_body, self.stats.snapshot_rows, self.partitions[route.topic])
-                    value = codec.encode_change(codec.value_prefix, "r", None, values, sources[route.name], 0,
-                                                now_ms)
-                    key = codec.key_prefix + key_body if key_body is not None else None
-                    self._send((route.topic, partition), key, value, [pos_header, snap_header])
-                    self.stats.events[(route.name, "r")] += 1
+                    if route.row_filter is None or route.row_filter.matches(row):
+                        self._send_read(route, values, sources[route.name], now_ms, [pos_header, snap_header],
+                                        self.stats.snapshot_rows)
                 self.stats.snapshot_rows += 1
             self.snapshot_progress["rows"] = self.stats.snapshot_rows
             self.kafka.poll(0)
@@ -569,6 +598,149 @@ class Pipeline:
         self._flush_all()
         self.snapshot_progress.update(rows=rows, done=True, finished=time.time())
         log.info("snapshot %s done: %d rows in %.1fs", snapshot_id, rows, time.monotonic() - started)
+
+    def _send_read(self, route, values: tuple, source, now_ms: int, headers: list, seq: int) -> None:
+        """One snapshot or backfill read (op ``r``) on its key's partition;
+        keyless rows are spread by ``seq``."""
+        codec = route.codec
+        key_body = codec.encode_key(b"", values)
+        partition = partition_for(key_body, seq, self.partitions[route.topic])
+        value = codec.encode_change(codec.value_prefix, "r", None, values, source, 0, now_ms)
+        key = codec.key_prefix + key_body if key_body is not None else None
+        self._send((route.topic, partition), key, value, headers)
+        self.stats.events[(route.name, "r")] += 1
+
+    # ------------------------------------------------------------- backfills
+    def _load_backfill_requests(self, new_topics: set[str]) -> None:
+        """Requests not done yet are (re)started; shapes whose topics are new get one."""
+        states, end = backfill.read_states(self._kafka_conf, self.backfills_topic)
+        self.backfill_requests = states
+        shapes = {s.shape_name: s for s in self.config.shapes}
+        for record in sorted(states.values(), key=lambda r: r.get("requested_at", 0)):
+            if record["state"] in ("requested", "running"):
+                if record["shape"] not in shapes:
+                    self._set_state(record, "failed", error=f"shape {record['shape']!r} is not in the config")
+                    continue
+                self._backfill_queue.append(record)
+        if self.config.backfill.new_shapes == "backfill":
+            requested = {r["shape"] for r in states.values()}
+            for shape in self.config.shapes:
+                if self.config.topic(shape) in new_topics and shape.shape_name not in requested:
+                    log.info("shape %s is new (its topic holds nothing): backfilling it", shape.shape_name)
+                    record = {"request_id": f"new-shape-{shape.shape_name}-{int(time.time())}",
+                              "shape": shape.shape_name, "scope": None, "reason": "new shape",
+                              "state": "requested", "requested_at": time.time()}
+                    self._set_state(record, "requested")
+                    self._backfill_queue.append(record)
+        consumer = scan_consumer(self._kafka_conf, "backfill-requests")
+        consumer.assign([TopicPartition(self.backfills_topic, 0, end)])
+        self._requests_consumer = consumer
+
+    def _poll_backfill_requests(self) -> None:
+        """New requests (``walbridge backfill``/``reconcile``) from the requests topic."""
+        while self._requests_consumer is not None:
+            msg = self._requests_consumer.poll(0)
+            if msg is None or msg.error():
+                break
+            try:
+                record = json.loads(msg.value())
+                rid = record["request_id"]
+            except (TypeError, ValueError, KeyError):
+                continue
+            known = rid in self.backfill_requests
+            self.backfill_requests[rid] = record
+            if record.get("state") == "requested" and not known:
+                log.info("backfill of shape %s requested (%s)", record["shape"], rid)
+                self._backfill_queue.append(record)
+        if self._backfill is None and self._backfill_queue:
+            self._start_backfill(self._backfill_queue.pop(0))
+
+    def _set_state(self, record: dict, state: str, **extra) -> None:
+        record = {**record, **extra, "state": state, "updated_at": time.time()}
+        self.backfill_requests[record["request_id"]] = record
+        backfill.publish_state(self.kafka, self.backfills_topic, record)
+
+    def _start_backfill(self, request: dict) -> None:
+        shape = next((s for s in self.config.shapes if s.shape_name == request["shape"]), None)
+        if shape is None:
+            self._set_state(request, "failed", error=f"shape {request['shape']!r} is not in the config")
+            return
+        table = self.tables[shape.table]
+        rel = Relation(table.oid, table.schema, table.name, table.replica_identity, tuple(
+            pgoutput.Column(c.name, c.type_oid, c.typmod, c.name in table.primary_key) for c in table.columns))
+        plan = self._plan_relation(rel)
+        route = next(r for r in plan.routes if r.name == shape.shape_name)
+        scope = request.get("scope")
+        reader = backfill.SnapshotReader(self.config.source.dsn, backfill.temp_slot_name(self.config.source.slot),
+                                         backfill.backfill_query(table, tuple(plan.names), scope),
+                                         self.config.backfill.chunk_rows)
+        estimate = self._row_estimate(table)
+        if scope:
+            estimate = estimate * len(scope["buckets"]) // max(int(scope["bucket_count"]), 1)
+        self._backfill = backfill.Backfill(request, table, route, plan, reader, estimate)
+        reader.start()
+        self._set_state(request, "running", started_at=time.time())
+        log.info("backfill of shape %s started (%s, %s)", shape.shape_name, request["request_id"],
+                 f"{len(scope['buckets'])} of {scope['bucket_count']} key buckets" if scope else "whole shape")
+
+    def _backfill_tick(self, idle: bool) -> bool:
+        """One step of the running backfill, if it is its turn: a chunk of rows,
+        or its ``backfill_end`` events, or noticing they were delivered.
+        Returns whether there is more to do at once."""
+        bf = self._backfill
+        now = time.monotonic()
+        if bf.end_counts:
+            delivered = all(self.ledger.delivered.get(w, 0) >= n for w, n in bf.end_counts.items())
+            if delivered:
+                self._finish_backfill(bf)
+            return False
+        if not idle and now - bf.last_chunk < self.config.backfill.force_after:
+            return False
+        chunk = bf.reader.take()
+        if chunk is None and not bf.reader.finished:
+            return False  # the reader is behind (or still creating its slot)
+        lsn = bf.reader.lsn
+        if not bf.backfill_id:
+            bf.backfill_id = f"bf:{bf.request['request_id']}@{pgoutput.lsn_to_str(lsn)}"
+            bf.source = bf.route.codec.source_bytes(lsn, None, int(time.time() * 1000), "incremental",
+                                                    bf.backfill_id)
+            bf.headers = [(wire.POSITION_HEADER, wire.position_header(lsn, 0)),
+                          (wire.SNAPSHOT_HEADER, bf.backfill_id.encode()),
+                          (wire.BACKFILL_HEADER, bf.backfill_id.encode())]
+        bf.last_chunk = now
+        if chunk is not None:
+            plan, route = bf.plan, bf.route
+            now_ms = int(time.time() * 1000)
+            for raw in chunk:
+                values, _ = plan.load(raw)
+                if route.row_filter is None or route.row_filter.matches(plan.as_row(values)):
+                    self._send_read(route, values, bf.source, now_ms, bf.headers, bf.sent)
+                    bf.sent += 1
+            bf.rows += len(chunk)
+            return True
+        # Every read is produced: end the backfill on every partition, after its reads.
+        topic = bf.route.topic
+        info = json.dumps({"backfill_id": bf.backfill_id, "shape": bf.shape, "lsn": lsn,
+                           "partitions": self.partitions[topic], "rows": bf.sent,
+                           "scope": bf.request.get("scope")}).encode()
+        headers = bf.headers + [(wire.CONTROL_HEADER, b"backfill_end"), (wire.CONTROL_INFO_HEADER, info)]
+        for p in range(self.partitions[topic]):
+            self._send((topic, p), None, None, headers)
+        bf.end_counts = {(topic, p): self.ledger.produced[(topic, p)] for p in range(self.partitions[topic])}
+        return False
+
+    def _finish_backfill(self, bf: backfill.Backfill) -> None:
+        bf.finished = time.time()
+        bf.reader.close()
+        done = {**bf.progress(), "state": "done", "finished": bf.finished}
+        self.backfills_done = (self.backfills_done + [done])[-10:]
+        self._set_state(bf.request, "done", backfill_id=bf.backfill_id, lsn=bf.reader.lsn, rows=bf.sent,
+                        read=bf.rows, finished_at=bf.finished)
+        log.info("backfill %s of shape %s done: %d rows read, %d produced in %.1fs", bf.backfill_id, bf.shape,
+                 bf.rows, bf.sent, bf.finished - bf.started)
+        self._backfill = None
+        if self._backfill_queue:
+            self._start_backfill(self._backfill_queue.pop(0))
 
     # ---------------------------------------------------------------- status
     def status_view(self) -> dict:
@@ -595,6 +767,9 @@ class Pipeline:
             "transactions": self.stats.transactions,
             "skipped_replayed": self.stats.skipped_replayed,
             "snapshot": dict(self.snapshot_progress),
+            "backfill": self._backfill.progress() if self._backfill is not None else None,
+            "backfills_queued": [{"request_id": r["request_id"], "shape": r["shape"]} for r in self._backfill_queue],
+            "backfills_done": list(self.backfills_done),
         }
 
     def _publish_status(self) -> None:

@@ -47,10 +47,12 @@ class ReplicationConnection:
         self.flushed = 0
         self.written = 0
 
-    def create_slot(self) -> tuple[int, str]:
-        """Create the slot, exporting its snapshot; returns (consistent LSN, snapshot name)."""
+    def create_slot(self, temporary: bool = False) -> tuple[int, str]:
+        """Create the slot, exporting its snapshot; returns (consistent LSN, snapshot
+        name). A temporary slot goes away with this connection."""
+        kind = "TEMPORARY LOGICAL" if temporary else "LOGICAL"
         row = self.conn.execute(
-            f'CREATE_REPLICATION_SLOT "{self.slot}" LOGICAL pgoutput (SNAPSHOT \'export\')').fetchone()
+            f'CREATE_REPLICATION_SLOT "{self.slot}" {kind} pgoutput (SNAPSHOT \'export\')').fetchone()
         return lsn_to_int(row[1]), row[2]
 
     def start(self, publications: list[str], start_lsn: int = 0) -> None:

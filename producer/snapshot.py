@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from psycopg import sql
 
@@ -63,6 +63,20 @@ def plan_pieces(tables: list[tuple[TableInfo, tuple[str, ...], int]], workers: i
     return pieces
 
 
+def copy_chunks(conn, copy_sql: sql.Composable, chunk_rows: int) -> Iterator[list[tuple[bytes | None, ...]]]:
+    """The rows of a ``COPY ... TO STDOUT`` as lists of at most ``chunk_rows``
+    raw rows (text bytes or None per column), the form the loaders take."""
+    with conn.cursor().copy(copy_sql) as copy:
+        chunk = []
+        for row in copy.rows():
+            chunk.append(tuple(None if v is None else v.encode() for v in row))
+            if len(chunk) >= chunk_rows:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+
+
 def relpages(conn, table: TableInfo) -> int:
     # pg_relation_size is exact where relpages may be stale (never analysed).
     size = conn.execute("SELECT pg_relation_size(%s)", (table.oid,)).fetchone()[0]
@@ -94,15 +108,8 @@ def run_snapshot(dsn: str, snapshot_name: str, pieces: list[Piece], workers: int
                         piece = work.get_nowait()
                     except queue.Empty:
                         break
-                    with conn.cursor().copy(piece.query()) as copy:
-                        chunk = []
-                        for row in copy.rows():
-                            chunk.append(tuple(None if v is None else v.encode() for v in row))
-                            if len(chunk) >= CHUNK_ROWS:
-                                out.put((piece.table, chunk))
-                                chunk = []
-                        if chunk:
-                            out.put((piece.table, chunk))
+                    for chunk in copy_chunks(conn, piece.query(), CHUNK_ROWS):
+                        out.put((piece.table, chunk))
                 conn.rollback()
         except BaseException as e:  # reported to the caller
             errors.append(e)

@@ -13,6 +13,8 @@ Invariants:
   settings on both sides (UTC, ISO dates, full float precision); the target
   holds the same types as the source (enums as text, which print the same).
 - Keyless shapes are compared as multisets of rows (the bucket is the row hash).
+- Buckets are :mod:`schemas.buckets`' (``ShapeDiff.differing``), the very
+  scope ``reconcile`` backfills and the consumer garbage-collects.
 - Read-only on both sides.
 """
 
@@ -26,6 +28,7 @@ from psycopg import sql
 from producer.catalog import TableInfo, table_info
 from producer.config import Config, ShapeConfig
 from producer.replication import connect
+from schemas import buckets
 
 MAX_KEYS_SHOWN = 20
 
@@ -39,6 +42,9 @@ class ShapeDiff:
     target_rows: int = 0
     buckets: int = 0
     differing_buckets: int = 0
+    keyed: bool = True
+    bucket_columns: list = field(default_factory=list)  # what a bucket hashes (schemas.buckets)
+    differing: list = field(default_factory=list)  # the differing bucket numbers
     missing: list = field(default_factory=list)  # keys at the source, not in the target
     extra: list = field(default_factory=list)  # keys in the target, not at the source
     changed: list = field(default_factory=list)  # keys whose rows differ
@@ -64,21 +70,16 @@ def _select(schema: str, table: str, columns: list[str], where: str | None) -> s
     return q
 
 
-def _bucket_query(rows: sql.Composable, columns: list[str], keys: list[str], buckets: int) -> sql.Composable:
-    key_expr = (sql.SQL("ROW({})::text").format(sql.SQL(", ").join(sql.Identifier(k) for k in keys))
-                if keys else sql.SQL("r::text"))
+def _bucket_query(rows: sql.Composable, bucket_columns: list[str], n: int) -> sql.Composable:
     return sql.SQL(
-        "SELECT abs(hashtextextended({key}, 0) % {n}) AS b, count(*), sum(hashtextextended(r::text, 0)::numeric)"
-        " FROM ({rows}) r GROUP BY 1").format(key=key_expr, n=sql.Literal(buckets), rows=rows)
+        "SELECT {b} AS b, count(*), sum(hashtextextended(r::text, 0)::numeric) FROM ({rows}) r GROUP BY 1"
+    ).format(b=buckets.bucket_of(bucket_columns, n, "r"), rows=rows)
 
 
-def _keys_query(rows: sql.Composable, keys: list[str], buckets: int, which: list[int]) -> sql.Composable:
-    key_expr = (sql.SQL("ROW({})::text").format(sql.SQL(", ").join(sql.Identifier(k) for k in keys))
-                if keys else sql.SQL("r::text"))
-    return sql.SQL(
-        "SELECT {key}, hashtextextended(r::text, 0) FROM ({rows}) r"
-        " WHERE abs(hashtextextended({key}, 0) % {n}) = ANY({which})").format(
-        key=key_expr, rows=rows, n=sql.Literal(buckets), which=sql.Literal(which))
+def _keys_query(rows: sql.Composable, bucket_columns: list[str], n: int, which: list[int]) -> sql.Composable:
+    scope = {"columns": bucket_columns, "bucket_count": n, "buckets": which}
+    return sql.SQL("SELECT {key}, hashtextextended(r::text, 0) FROM ({rows}) r WHERE {cond}").format(
+        key=buckets.row_text(bucket_columns, "r"), rows=rows, cond=buckets.in_scope(scope, "r"))
 
 
 def verify_shape(source: psycopg.Connection, target: psycopg.Connection, shape: ShapeConfig,
@@ -87,6 +88,9 @@ def verify_shape(source: psycopg.Connection, target: psycopg.Connection, shape: 
     diff = ShapeDiff(shape.shape_name, shape.table, f"{t_schema}.{t_table}")
     columns = list(shape.columns) if shape.columns else [c.name for c in info.columns]
     keys = list(info.primary_key)
+    # Keyless shapes are multisets: a row's bucket is its whole content.
+    diff.bucket_columns = bucket_columns = keys or columns
+    diff.keyed = bool(keys)
     if table_info(target, t_schema, t_table) is None:
         diff.error = f"target table {t_schema}.{t_table} does not exist"
         return diff
@@ -95,14 +99,15 @@ def verify_shape(source: psycopg.Connection, target: psycopg.Connection, shape: 
     diff.source_rows = source.execute(sql.SQL("SELECT count(*) FROM ({}) r").format(src_rows)).fetchone()[0]
     diff.target_rows = target.execute(sql.SQL("SELECT count(*) FROM ({}) r").format(tgt_rows)).fetchone()[0]
     diff.buckets = n = max(64, min(65536, max(diff.source_rows, diff.target_rows) // 2000))
-    src_b = {b: (c, h) for b, c, h in source.execute(_bucket_query(src_rows, columns, keys, n))}
-    tgt_b = {b: (c, h) for b, c, h in target.execute(_bucket_query(tgt_rows, columns, keys, n))}
+    src_b = {b: (c, h) for b, c, h in source.execute(_bucket_query(src_rows, bucket_columns, n))}
+    tgt_b = {b: (c, h) for b, c, h in target.execute(_bucket_query(tgt_rows, bucket_columns, n))}
     differing = sorted(b for b in set(src_b) | set(tgt_b) if src_b.get(b) != tgt_b.get(b))
     diff.differing_buckets = len(differing)
+    diff.differing = differing
     for i in range(0, len(differing), 256):
         which = differing[i:i + 256]
-        src_k = dict(source.execute(_keys_query(src_rows, keys, n, which)).fetchall()) if keys else None
-        tgt_k = dict(target.execute(_keys_query(tgt_rows, keys, n, which)).fetchall()) if keys else None
+        src_k = dict(source.execute(_keys_query(src_rows, bucket_columns, n, which)).fetchall()) if keys else None
+        tgt_k = dict(target.execute(_keys_query(tgt_rows, bucket_columns, n, which)).fetchall()) if keys else None
         if keys:
             diff.missing += sorted(set(src_k) - set(tgt_k))
             diff.extra += sorted(set(tgt_k) - set(src_k))
@@ -110,8 +115,8 @@ def verify_shape(source: psycopg.Connection, target: psycopg.Connection, shape: 
         else:
             from collections import Counter
 
-            s = Counter(r[1] for r in source.execute(_keys_query(src_rows, keys, n, which)))
-            t = Counter(r[1] for r in target.execute(_keys_query(tgt_rows, keys, n, which)))
+            s = Counter(r[1] for r in source.execute(_keys_query(src_rows, bucket_columns, n, which)))
+            t = Counter(r[1] for r in target.execute(_keys_query(tgt_rows, bucket_columns, n, which)))
             diff.missing += [f"row hash {h} ×{c}" for h, c in (s - t).items()]
             diff.extra += [f"row hash {h} ×{c}" for h, c in (t - s).items()]
     return diff

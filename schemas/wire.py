@@ -10,8 +10,13 @@ Invariants:
     schema itself is published, keyed by its fingerprint (hex), to the topic
     ``<topic_prefix>._schemas`` before any message uses it.
 - Every message carries the header ``wb.pos``: its position as two big-endian
-  unsigned 64-bit integers (commit LSN, op index). Within a partition positions
-  never decrease.
+  unsigned 64-bit integers (commit LSN, op index). Within a partition the
+  positions of streamed changes never decrease. Snapshot and backfill reads
+  carry their snapshot's position and the header ``wb.snapshot`` (the
+  snapshot's or backfill's id); backfill reads and ``backfill_end`` also carry
+  ``wb.backfill`` (the backfill id). A backfill runs while the stream goes on, so
+  its messages sit among streamed changes of higher *and* lower positions: they
+  never count as a partition's streamed position.
 - Control events (``snapshot_end``, ``backfill_end``) are Kafka tombstones (null
   key, null value) with a ``wb.control`` header naming the event and a
   ``wb.control.info`` header holding a small JSON object. Debezium-envelope
@@ -32,6 +37,8 @@ SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 POSITION_HEADER = "wb.pos"
 CONTROL_HEADER = "wb.control"
 CONTROL_INFO_HEADER = "wb.control.info"
+SNAPSHOT_HEADER = "wb.snapshot"
+BACKFILL_HEADER = "wb.backfill"
 SCHEMAS_TOPIC_SUFFIX = "._schemas"
 
 _POS = struct.Struct(">QQ")

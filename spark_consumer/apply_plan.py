@@ -33,6 +33,19 @@ Invariants:
   below the partition's *floor* (the highest cut applied by earlier batches,
   which the shell keeps in its progress table). Cuts are per partition, never
   applied to another partition's rows.
+- Scoped cuts: a ``backfill_end`` whose info (``_wb_control_info``, JSON:
+  ``backfill_id, shape, lsn, partitions, rows, scope``) has a ``scope`` (key
+  buckets, :mod:`schemas.buckets`) cuts only the target rows (and tombstones)
+  of p in its buckets. Which rows those are only PostgreSQL can say, so a
+  scoped cut is in ``scoped_cuts``, never in ``cuts``: it erases nothing of
+  the batch and never raises the floor (other keys' changes below it are
+  live). The shell runs it after the batch's writes, which is also right for
+  in-scope changes of the batch below it. Malformed info or a scope naming a
+  non-column is a :class:`PlanError` (a misread scope must not become a cut of
+  the whole partition); a ``backfill_end`` without info is an unscoped cut.
+- Every ``backfill_end`` with a ``backfill_id`` (scoped or not) is also in
+  ``backfill_ends``: the shell records its partition and, once all the
+  backfill's ``partitions`` have applied it, collects what it did not rewrite.
 - Keyless shapes are a multiset of rows: ``c``/``r`` append (the shell dedupes
   live appends by position); ``d`` removes one row equal to the old row
   (``_wb_before`` if given, else the row columns, which the decoder fills from
@@ -61,6 +74,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Iterable, Mapping, Sequence
@@ -244,17 +258,83 @@ class PlannedRow:
 @dataclass(frozen=True, slots=True)
 class Cut:
     """Target rows from ``partition`` below ``position`` are gone (TRUNCATE or
-    a GC control event)."""
+    a GC control event); with a ``scope``, only those in the scope's buckets."""
 
     partition: int
     lsn: int
     op_index: int
     offset: int
     reason: str  # "t" or the control event's name
+    scope: Mapping | None = None  # scoped backfill_end: {"columns", "bucket_count", "buckets"}
+    info: Mapping | None = None  # backfill_end: its parsed info (backfill_id, shape, lsn, partitions, rows, scope)
 
     @property
     def position(self) -> Position:
         return (self.lsn, self.op_index)
+
+    @property
+    def backfill_id(self) -> str | None:
+        return self.info.get("backfill_id") if self.info else None
+
+
+BACKFILL_END = "backfill_end"
+
+
+def make_cut(partition: int, lsn: int, op_index: int, offset: int, reason: str,
+             info: Mapping | None = None) -> Cut:
+    """A cut; a ``backfill_end``'s (already validated) info gives its scope."""
+    if reason != BACKFILL_END or not info:
+        return Cut(partition, lsn, op_index, offset, reason)
+    return Cut(partition, lsn, op_index, offset, reason, info.get("scope") or None, dict(info))
+
+
+def backfill_info(target: ShapeTarget, raw: Any, where: str = "") -> dict | None:
+    """Parse and check a ``backfill_end``'s ``_wb_control_info`` (None if absent)."""
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, Mapping):
+        info = dict(raw)
+    else:
+        try:
+            info = json.loads(raw)
+        except ValueError as e:
+            raise PlanError(f"{where}: backfill_end info is not JSON: {e}") from None
+    if not isinstance(info, dict):
+        raise PlanError(f"{where}: backfill_end info is not a JSON object")
+    scope = info.get("scope")
+    if scope is not None:
+        ok = (isinstance(scope, Mapping) and isinstance(scope.get("columns"), list) and scope["columns"]
+              and isinstance(scope.get("bucket_count"), int) and scope["bucket_count"] > 0
+              and isinstance(scope.get("buckets"), list) and all(isinstance(b, int) for b in scope["buckets"]))
+        if not ok:
+            raise PlanError(f"{where}: backfill_end scope {scope!r} is not "
+                            "{columns: [...], bucket_count: n, buckets: [...]}")
+        allowed = target.names if target.keyless else target.key_columns  # tombstones hold the key only
+        unknown = [c for c in scope["columns"] if c not in allowed]
+        if unknown:
+            raise PlanError(f"{where}: backfill_end scope names {unknown}, not "
+                            f"{'columns' if target.keyless else 'key columns'} of shape {target.shape!r}")
+    if info.get("backfill_id") is not None:
+        n = info.get("partitions")
+        if not isinstance(n, int) or n < 1:
+            raise PlanError(f"{where}: backfill_end of {info['backfill_id']!r} has no partition count")
+    return info
+
+
+def classify_cuts(events: Iterable[Cut]) -> tuple[dict[int, Cut], list[Cut], list[Cut]]:
+    """A batch's cut events → (the highest unscoped cut per partition, the
+    scoped cuts, the backfill_ends with a backfill id)."""
+    cuts: dict[int, Cut] = {}
+    scoped: list[Cut] = []
+    backfills: list[Cut] = []
+    for c in events:
+        if c.scope:
+            scoped.append(c)
+        else:
+            _add_cut(cuts, c)
+        if c.backfill_id is not None:
+            backfills.append(c)
+    return cuts, scoped, backfills
 
 
 @dataclass
@@ -285,6 +365,17 @@ class ApplyPlan:
     controls: list[Mapping]
     stats: dict[tuple[str, int], PlanStats]
     keep_sets: list[tuple[str, ...]] = field(default_factory=list)  # distinct ``keep`` of upserts
+    scoped_cuts: list[Cut] = field(default_factory=list)  # scoped backfill_ends: run by the shell only
+    backfill_ends: list[Cut] = field(default_factory=list)  # backfill_ends with a backfill id (scoped or not)
+
+    @property
+    def cut_events(self) -> list[Cut]:
+        """Every cut the shell must know of (floor cuts, scoped cuts, backfill
+        ends), each once."""
+        out: dict[tuple[int, int], Cut] = {}
+        for c in (*self.cuts.values(), *self.scoped_cuts, *self.backfill_ends):
+            out.setdefault((c.partition, c.offset), c)
+        return list(out.values())
 
     @property
     def rows(self) -> list[PlannedRow]:
@@ -381,7 +472,7 @@ def plan_batch(target: ShapeTarget, rows: Iterable[Mapping], *,
     keyless = target.keyless
     stats: dict[tuple[str, int], PlanStats] = {}
     topic_of: dict[int, str] = {}
-    cuts: dict[int, Cut] = {}
+    events: list[Cut] = []
     controls: list[Mapping] = []
     data: list[tuple] = []
     append = data.append
@@ -419,14 +510,20 @@ def plan_batch(target: ShapeTarget, rows: Iterable[Mapping], *,
                 raise PlanError(f"row at {topic}[{p}]@{off} has neither _wb_op nor _wb_control")
             st.control += 1
             controls.append(row)
-            if control in gc and lsn is not None and opi is not None:
-                _add_cut(cuts, Cut(p, lsn, opi, off, control))
+            if control in gc:
+                info = None
+                if control == BACKFILL_END:
+                    info = backfill_info(target, row.get("_wb_control_info"), f"{topic}[{p}]@{off}")
+                    if (lsn is None or opi is None) and info and info.get("lsn") is not None:
+                        lsn, opi = int(info["lsn"]), 0  # a backfill_end's position is (S, 0)
+                if lsn is not None and opi is not None:
+                    events.append(make_cut(p, lsn, opi, off, control, info))
             continue
         if lsn is None or opi is None:
             raise PlanError(f"row at {topic}[{p}]@{off} has no position (_wb_lsn, _wb_op_index)")
         if op == "t":
             st.truncates += 1
-            _add_cut(cuts, Cut(p, lsn, opi, off, "t"))
+            events.append(Cut(p, lsn, opi, off, "t"))
             continue
         values = cols.values(row)
         special = row.get("_wb_special")
@@ -468,7 +565,9 @@ def plan_batch(target: ShapeTarget, rows: Iterable[Mapping], *,
                 values = tuple(new)
             append(values + ("a", None, lsn, opi, p, off, snap))
 
-    # Cuts and floors erase what lies below them on their partition.
+    # Cuts and floors erase what lies below them on their partition (scoped
+    # cuts do not: which rows they cover only the target can tell).
+    cuts, scoped_cuts, backfill_ends = classify_cuts(events)
     limits = dict(floor_of)
     for p, c in cuts.items():
         if p not in limits or c.position > limits[p]:
@@ -500,7 +599,7 @@ def plan_batch(target: ShapeTarget, rows: Iterable[Mapping], *,
     else:
         out = _plan_keyed(target, data, n, stat)
     keep_sets = sorted({tuple(t[n + _KEEP] or ()) for t in out if t[n + _KIND] == UPSERT})
-    return ApplyPlan(target, out, cuts, controls, stats, keep_sets)
+    return ApplyPlan(target, out, cuts, controls, stats, keep_sets, scoped_cuts, backfill_ends)
 
 
 def _add_cut(cuts: dict[int, Cut], cut: Cut) -> None:

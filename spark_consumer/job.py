@@ -91,7 +91,8 @@ class ShapeApplier:
             # (in parallel, each on its own connection); the commit of all the
             # staged parts, with progress, is one decision on the driver.
             staged = batch_df.mapInArrow(
-                functools.partial(_stage_partitions, self.config.consumer.target_dsn, group, self.target),
+                functools.partial(_stage_partitions, self.config.consumer.target_dsn, group, self.target,
+                                  _OFFSET_RESET[self.config.consumer.on_data_loss]),
                 _STAGED_SCHEMA).collect()
             if not staged:
                 return
@@ -105,11 +106,15 @@ class ShapeApplier:
             rows = batch_df.toArrow().to_pylist()
             if not rows:
                 return
-            result = apply_batch(conn, group, self.target, parts_from_rows(rows))
+            result = apply_batch(conn, group, self.target, parts_from_rows(rows),
+                                 on_offset_reset=_OFFSET_RESET[self.config.consumer.on_data_loss])
             n_rows = len(rows)
         if self._committer is None:
             self._committer = OffsetCommitter(self.kafka_conf, self.config.consumer.group)
         self._committer.commit(result.offsets)
+        for b in result.backfills_completed:
+            log.info("backfill %s of shape %s complete: GC deleted %d rows, %d tombstones",
+                     b.backfill_id, b.shape, b.gc_deleted, b.gc_tombstones)
         self.batches += 1
         self.rows += n_rows
         self.dlq += result.total("dlq")
@@ -133,11 +138,12 @@ class ShapeApplier:
             metrics.APPLY_LATENCY.labels(name).set(max(time.time() - newest / 1000, 0))
 
 
+_OFFSET_RESET = {"follow": "follow", "stop": "raise"}  # [consumer] on_data_loss -> apply's on_offset_reset
 _STAGED_SCHEMA = "topic string, partition int, start long, end long, rows long, newest_ts_ms long"
 _stage_connections: dict[str, Any] = {}  # per Python worker process, reused across tasks
 
 
-def _stage_partitions(dsn: str, group: str, target, batches):
+def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, batches):
     """Executor side: stage this task's rows, one part per Kafka partition."""
     import psycopg
     import pyarrow as pa
@@ -153,7 +159,7 @@ def _stage_partitions(dsn: str, group: str, target, batches):
         ensure_progress(conn)
     out = {k: [] for k in ("topic", "partition", "start", "end", "rows", "newest_ts_ms")}
     for part in parts_from_rows(rows):
-        stage_part(conn, group, target, part)
+        stage_part(conn, group, target, part, on_offset_reset=on_offset_reset)
         for k, v in (("topic", part.topic), ("partition", part.partition), ("start", part.start),
                      ("end", part.end), ("rows", len(part.rows)),
                      ("newest_ts_ms", max((r.get("_wb_ts_ms") or 0 for r in part.rows), default=0))):
@@ -210,7 +216,8 @@ def start_queries(spark, config) -> tuple[list, list[ShapeApplier]]:
         applier = ShapeApplier(config, shape, target, kafka_conf)
         df = read_shape_stream(spark, topic, config.kafka.bootstrap_servers, config.kafka.topic_prefix,
                                config.kafka.schema_registry_url, dict(config.kafka.client),
-                               config.consumer.max_offsets_per_trigger, schemas=schemas)
+                               config.consumer.max_offsets_per_trigger, schemas=schemas,
+                               on_data_loss=config.consumer.on_data_loss)
         checkpoint = Path(config.consumer.checkpoint_dir) / shape.shape_name
         query = (df.writeStream.queryName(f"walbridge:{shape.shape_name}").foreachBatch(applier)
                  .option("checkpointLocation", str(checkpoint))

@@ -25,7 +25,8 @@ object of extra librdkafka settings), ``max_offsets_per_trigger`` (alias
 an offset outside [earliest, end] is an error, never silently moved),
 ``max_offsets_per_task`` (cut a partition's range into tasks of at most this
 many offsets; default one task per partition and batch), ``read_idle_timeout_s``
-(default 120: a task that gets no message for that long fails). Filled by discovery: ``value_schema``,
+(default 120: a task that gets no message for that long fails), ``on_data_loss``
+(``fail`` (default) or ``follow``, see below). Filled by discovery: ``value_schema``,
 ``key_schema``, ``known_value_schemas``, ``writer_schemas``.
 
 Schema discovery: the newest ``<topic>-value`` schema (registry: the subject's
@@ -50,8 +51,15 @@ Invariants:
   never below ListOffsets', so nothing is lost on brokers that report right, and
   nothing is stranded on Tansu. A partition whose reported end has not moved
   since its last probe keeps that probe's end (no Fetch while idle). An end that stays below what was already read
-  (asked again 3 times, 1 s apart) means the broker lost data: the query stops
-  with an error rather than skip or re-read anything.
+  (asked again 3 times, 1 s apart) means the broker lost data (the topic was
+  recreated): with ``on_data_loss=fail`` the query stops with an error; with
+  ``follow`` the next batch reads those partitions again from offset 0 (its
+  range has end < start, which marks the reset), for an apply that writes by
+  position (walbridge's does) and so takes the new incarnation as it comes. A
+  topic that is briefly missing (being recreated) yields no new data with
+  ``follow``. A new incarnation that outgrew the read offsets before the first
+  look cannot be told from the old one by offsets: ``walbridge reconcile``
+  finds what that skipped.
 - Read limits: ``ReadMaxRows`` (``max_offsets_per_trigger``) is shared across
   partitions in proportion to their backlog; ``Trigger.AvailableNow`` records the
   ends at its start and never reads beyond them. A partition added to the topic
@@ -131,6 +139,7 @@ class SourceOptions:
     starting_offsets: str = "earliest"
     max_offsets_per_task: int | None = None
     read_idle_timeout_s: float = 120.0
+    on_data_loss: str = "fail"  # or "follow"
 
     @classmethod
     def from_options(cls, options: dict[str, str]) -> SourceOptions:
@@ -148,7 +157,10 @@ class SourceOptions:
                    max_offsets_per_trigger=int(limit) if limit else None,
                    starting_offsets=o.get("starting_offsets") or "earliest",
                    max_offsets_per_task=int(o["max_offsets_per_task"]) if o.get("max_offsets_per_task") else None,
-                   read_idle_timeout_s=float(o.get("read_idle_timeout_s") or 120.0))
+                   read_idle_timeout_s=float(o.get("read_idle_timeout_s") or 120.0),
+                   on_data_loss=o.get("on_data_loss") or "fail")
+        if opts.on_data_loss not in ("fail", "follow"):
+            raise ValueError(f"{SOURCE_NAME}: on_data_loss must be 'fail' or 'follow', not {opts.on_data_loss!r}")
         for name in ("max_offsets_per_trigger", "max_offsets_per_task"):
             if getattr(opts, name) is not None and getattr(opts, name) < 1:
                 raise ValueError(f"{SOURCE_NAME}: {name} must be >= 1")
@@ -156,7 +168,8 @@ class SourceOptions:
 
     def to_options(self) -> dict[str, str]:
         out = {"topic": self.topic, "bootstrap_servers": self.bootstrap_servers,
-               "starting_offsets": self.starting_offsets, "read_idle_timeout_s": str(self.read_idle_timeout_s)}
+               "starting_offsets": self.starting_offsets, "read_idle_timeout_s": str(self.read_idle_timeout_s),
+               "on_data_loss": self.on_data_loss}
         if self.topic_prefix:
             out["topic_prefix"] = self.topic_prefix
         if self.schema_registry_url:
@@ -322,12 +335,16 @@ def plan_ranges(topic: str, start: Offsets, end: Offsets, max_per_task: int | No
     """The tasks of a batch: each partition's non-empty range, cut into
     consecutive near-equal pieces of at most ``max_per_task`` offsets when set
     (default: one task per partition). A partition absent from ``start``
-    (added to the topic in this batch) has an empty range by construction."""
+    (added to the topic in this batch) has an empty range by construction. An
+    end below the start marks a partition the broker lost and recreated: it is
+    read from offset 0."""
     tasks = []
     for p in sorted(end):
-        if p not in start or end[p] <= start[p]:
+        if p not in start or end[p] == start[p]:
             continue
-        s, e = start[p], end[p]
+        s, e = (start[p], end[p]) if end[p] > start[p] else (0, end[p])
+        if e == s:
+            continue
         pieces = 1 if not max_per_task else -(-(e - s) // max_per_task)
         bounds = [s + (e - s) * i // pieces for i in range(pieces)] + [e]
         tasks += [OffsetRange(topic, p, a, b) for a, b in zip(bounds, bounds[1:])]
@@ -361,6 +378,10 @@ class PartitionEnds:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+
+    def forget(self) -> None:
+        """Drop remembered probes (the topic was recreated)."""
+        self._probed.clear()
 
     def partitions(self) -> list[int]:
         topic = self._opts.topic
@@ -491,6 +512,11 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if attempt < LOST_DATA_RETRIES:
                 log.warning("%s: end offsets %s below what was read; asking again", self._opts.topic, lost)
                 time.sleep(1.0)
+        if self._opts.on_data_loss == "follow":
+            log.warning("%s: the broker lost data (partition: (read, end) %s); reading those partitions again "
+                        "from offset 0, applied by position", self._opts.topic, lost)
+            self._probe().forget()
+            return lows, ends
         raise RuntimeError(
             f"{self._opts.topic}: the broker holds fewer messages than already read "
             + ", ".join(f"[{p}] end {e} < read {s}" for p, (s, e) in sorted(lost.items()))
@@ -498,7 +524,13 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         begin = offsets_from_json(start)
-        lows, ends = self._ends_at_least(begin)
+        try:
+            lows, ends = self._ends_at_least(begin)
+        except LookupError:
+            if self._opts.on_data_loss != "follow":
+                raise
+            log.warning("%s is missing (being recreated?): no new data", self._opts.topic)
+            return offsets_to_json(begin)
         if self._target is not None:
             ends = {p: min(e, self._target[p]) for p, e in ends.items() if p in self._target}
         self._last_ends = ends
@@ -510,6 +542,9 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if sum(max(0, available[p] - s) for p, s in begin.items()) < limit.min_rows:
                 return offsets_to_json(begin)
         end = plan_end_offsets(begin, available, max_rows)
+        for p, e in ends.items():
+            if p in begin and e < begin[p]:  # lost and recreated (on_data_loss=follow): [0, e) next
+                end[p] = min(e, max_rows) if max_rows else e
         for p in ends:
             if p not in begin:  # a new partition: joins empty, read from the next batch on
                 end[p] = lows[p]
@@ -569,7 +604,8 @@ class ShapeTopicDataSource(DataSource):
 def read_shape_stream(spark, topic: str, bootstrap_servers: str, topic_prefix: str | None = None,
                       schema_registry_url: str | None = None, kafka_client: dict[str, Any] | None = None,
                       max_offsets_per_trigger: int | None = None, starting_offsets: str | dict = "earliest",
-                      max_offsets_per_task: int | None = None, schemas: ShapeSchemas | None = None):
+                      max_offsets_per_task: int | None = None, schemas: ShapeSchemas | None = None,
+                      on_data_loss: str = "fail"):
     """The streaming DataFrame of one shape topic (schemas discovered here,
     in the calling process, unless given). Spark's Python workers must be
     able to import walbridge: start the session with ``PYSPARK_PYTHON`` set to
@@ -580,7 +616,7 @@ def read_shape_stream(spark, topic: str, bootstrap_servers: str, topic_prefix: s
     opts = SourceOptions(topic=topic, bootstrap_servers=bootstrap_servers, topic_prefix=topic_prefix,
                          schema_registry_url=schema_registry_url, kafka_client=dict(kafka_client or {}),
                          max_offsets_per_trigger=max_offsets_per_trigger, starting_offsets=starting_offsets,
-                         max_offsets_per_task=max_offsets_per_task)
+                         max_offsets_per_task=max_offsets_per_task, on_data_loss=on_data_loss)
     schemas = schemas or discover_schemas(opts)
     schemas.layout()  # fail here, not in a worker, on an unmappable schema
     spark.dataSource.register(ShapeTopicDataSource)

@@ -11,8 +11,9 @@ Layout in the target database
   (the position of the change that wrote the row), ``_wb_partition int``,
   ``_wb_offset bigint`` (where that change was in Kafka), ``_wb_applied_at
   timestamptz`` (the applying transaction's start) and ``_wb_snapshot_id text``.
-  It holds exactly the live rows. Keyless shapes have no primary key but a
-  unique index on ``(_wb_lsn, _wb_op_index) WHERE _wb_snapshot_id IS NULL``:
+  It holds exactly the live rows. The position columns are nullable: a row
+  written behind walbridge's back has none. Keyless shapes have no primary
+  key but a unique index on ``(_wb_lsn, _wb_op_index) WHERE _wb_snapshot_id IS NULL``:
   one change position yields at most one message per shape, so a live append is
   applied once whatever the replays (snapshot rows all share the snapshot's
   position, so they are de-duplicated by progress alone).
@@ -21,12 +22,19 @@ Layout in the target database
   its tombstones, never both, and what is recorded there is the highest position
   applied for that key, so an older change for a deleted key is ignored.
   Tombstones of a partition below a cut (TRUNCATE, ``snapshot_end``,
-  ``backfill_end``) go with the cut; :func:`gc_tombstones` drops others.
+  ``backfill_end``; a scoped one: only in its scope) go with the cut;
+  :func:`gc_tombstones` drops others.
 - ``_walbridge.progress(consumer_group, topic, partition, next_offset,
   applied_lsn, applied_op_index, floor_lsn, floor_op_index, updated_at)``:
   per consumer group and topic-partition, the next Kafka offset to apply, the
   highest position applied and the highest cut applied. Written in the same
   transaction as the rows it covers.
+- ``_walbridge.backfills(consumer_group, topic, backfill_id, shape, start_lsn,
+  partitions, partitions_done, scope, rows, started_at, updated_at,
+  completed_at, gc_deleted, gc_tombstones)``: per backfill, the partitions
+  whose ``backfill_end`` is applied (written in the batch's transaction; a
+  replay adds nothing) and, once all are, when its final GC ran and what it
+  removed (:func:`read_backfills`).
 - Staged apply only: ``_walbridge.staged_parts`` (UNLOGGED, one row per staged
   part) and ``_walbridge."stage_<hash>"`` (UNLOGGED, one per staged part).
 
@@ -42,6 +50,18 @@ Invariants:
   its partition below it. So apply is idempotent and order-independent per key
   even when progress cannot help (offset reset with ``on_offset_reset="follow"``,
   keys that moved between partitions).
+- A NULL position (a target row written behind walbridge's back) is lower
+  than every position: any change or backfill row overwrites (or deletes) it.
+- Cuts run after the batch's writes. A scoped ``backfill_end`` (see
+  :mod:`spark_consumer.apply_plan`) deletes rows and tombstones of its
+  partition in its key buckets (:func:`schemas.buckets.in_scope`, under
+  ``SESSION_SETTINGS``) below its position, and leaves the floor alone.
+- Final GC: the transaction that applies a backfill's ``backfill_end`` on the
+  last of its ``partitions`` also deletes every target row in its scope (any
+  ``_wb_partition``, NULL included) whose position is below the backfill's
+  start ``(S, 0)`` or NULL, and the tombstones in scope below it, and sets
+  ``completed_at`` (once: a completed backfill is never collected again).
+  ``BatchResult.backfills_completed`` reports it.
 - Values are staged in PostgreSQL's text COPY format; special values (``_wb_special``)
   are written as the PostgreSQL text they are. Naive datetimes for
   ``timestamptz`` columns are read as UTC (the apply sets ``TimeZone`` to UTC
@@ -67,6 +87,7 @@ superuser (or explicit grants) on the target.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import zlib
 from collections import Counter, defaultdict
@@ -75,30 +96,42 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from schemas.buckets import SESSION_SETTINGS, in_scope
 from spark_consumer.apply_plan import (
     APPEND, DEFAULT_GC_CONTROLS, DELETE, REMOVE, STAGE_EXTRA, UPSERT, ApplyPlan, Cut, OffsetResetError, PlanError, Position,
-    Progress, ShapeTarget, TargetColumn, plan_batch, split_replayed,
+    Progress, ShapeTarget, TargetColumn, classify_cuts, make_cut, plan_batch, split_replayed,
 )
 
 __all__ = [
-    "ShapeTarget", "TargetColumn", "Part", "PartResult", "BatchResult", "Progress", "StagedPart",
+    "ShapeTarget", "TargetColumn", "Part", "PartResult", "BatchResult", "BackfillGC", "Progress", "StagedPart",
     "ProgressGapError", "OffsetResetError", "StagingMissingError", "PlanError",
-    "ensure_progress", "ensure_table", "read_progress", "apply_batch", "apply_shapes", "stage_part",
-    "commit_batch", "drop_stale_staging", "gc_tombstones", "parts_from_rows", "staging_table_name",
+    "ensure_progress", "ensure_table", "read_progress", "read_backfills", "apply_batch", "apply_shapes",
+    "stage_part", "commit_batch", "drop_stale_staging", "gc_tombstones", "parts_from_rows", "staging_table_name",
 ]
 
 log = logging.getLogger(__name__)
 
 META_SCHEMA = "_walbridge"
+# Positions are nullable in the target table: rows written behind walbridge's
+# back (or there before it) have none, and count as the lowest position.
 BOOKKEEPING_DDL = (
+    ("_wb_lsn", "bigint"),
+    ("_wb_op_index", "bigint"),
+    ("_wb_partition", "integer"),
+    ("_wb_offset", "bigint"),
+    ("_wb_applied_at", "timestamptz NOT NULL DEFAULT now()"),
+    ("_wb_snapshot_id", "text"),
+)
+POSITION_COLUMNS = ("_wb_lsn", "_wb_op_index", "_wb_partition", "_wb_offset")
+TOMBSTONE_DDL = (  # tombstones are only ever written by walbridge
     ("_wb_lsn", "bigint NOT NULL"),
     ("_wb_op_index", "bigint NOT NULL"),
     ("_wb_partition", "integer NOT NULL"),
     ("_wb_offset", "bigint NOT NULL"),
     ("_wb_applied_at", "timestamptz NOT NULL DEFAULT now()"),
-    ("_wb_snapshot_id", "text"),
 )
 CUT_KIND = "t"
 
@@ -127,6 +160,23 @@ CREATE UNLOGGED TABLE IF NOT EXISTS {META_SCHEMA}.staged_parts (
     info jsonb NOT NULL,
     staged_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer_group, topic, partition, end_offset)
+);
+CREATE TABLE IF NOT EXISTS {META_SCHEMA}.backfills (
+    consumer_group text NOT NULL,
+    topic text NOT NULL,
+    backfill_id text NOT NULL,
+    shape text NOT NULL,
+    start_lsn bigint NOT NULL,
+    partitions integer NOT NULL,
+    partitions_done integer[] NOT NULL DEFAULT '{{}}',
+    scope jsonb,
+    rows bigint,
+    started_at timestamptz NOT NULL DEFAULT now(),
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    completed_at timestamptz,
+    gc_deleted bigint,
+    gc_tombstones bigint,
+    PRIMARY KEY (consumer_group, topic, backfill_id)
 );
 """
 
@@ -198,7 +248,7 @@ class PartResult:
     deleted: int = 0  # live rows removed by deletes (keyed) or removals (keyless)
     tombstoned: int = 0
     stale: int = 0  # changes not applied: the target had the key at an equal or newer position
-    truncated: int = 0  # rows removed by this partition's cuts
+    truncated: int = 0  # rows removed by this partition's cuts (scoped ones included)
     tombstones_dropped: int = 0
     offset_reset: bool = False
     next_offset: int = 0  # progress after this batch
@@ -208,10 +258,23 @@ class PartResult:
         return self.upserted + self.appended + self.deleted + self.tombstoned + self.truncated
 
 
+@dataclass(frozen=True)
+class BackfillGC:
+    """A backfill this batch completed (its ``backfill_end`` applied on every
+    partition) and what its final GC removed."""
+
+    topic: str
+    backfill_id: str
+    shape: str
+    gc_deleted: int  # target rows in scope below the backfill's start or without a position
+    gc_tombstones: int
+
+
 @dataclass
 class BatchResult:
     parts: dict[tuple[str, int], PartResult] = field(default_factory=dict)
     controls: list[Mapping] = field(default_factory=list)
+    backfills_completed: list[BackfillGC] = field(default_factory=list)
 
     @property
     def offsets(self) -> dict[tuple[str, int], int]:
@@ -245,7 +308,8 @@ def _short_name(base: str, suffix: str) -> str:
 
 
 def ensure_progress(conn: psycopg.Connection) -> None:
-    """Create ``_walbridge.progress`` and ``_walbridge.staged_parts`` if missing."""
+    """Create ``_walbridge.progress``, ``_walbridge.staged_parts`` and
+    ``_walbridge.backfills`` if missing."""
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtext('walbridge.ddl'))")
         conn.execute(_META_DDL)
@@ -291,6 +355,13 @@ def ensure_table(conn: psycopg.Connection, target: ShapeTarget) -> None:
         else:
             for d in col_defs + book_defs:
                 conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {}").format(_table(target), d))
+            # Tables of earlier versions had NOT NULL positions: relax them (once).
+            for (col,) in conn.execute(
+                    "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attname = ANY(%s) "
+                    "AND attnotnull", (sql.Identifier(target.schema, target.table).as_string(conn),
+                                       list(POSITION_COLUMNS))).fetchall():
+                conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP NOT NULL").format(
+                    _table(target), _ident(col)))
         if target.keyless:
             conn.execute(sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} (_wb_lsn, _wb_op_index) "
                                  "WHERE _wb_snapshot_id IS NULL").format(
@@ -298,8 +369,7 @@ def ensure_table(conn: psycopg.Connection, target: ShapeTarget) -> None:
         else:
             key_defs = [sql.SQL("{} {} NOT NULL").format(_ident(c.name), sql.SQL(t))
                         for c, t in zip(target.columns, types) if c.is_key]
-            defs = key_defs + [sql.SQL("{} {}").format(_ident(n), sql.SQL(d)) for n, d in BOOKKEEPING_DDL
-                               if n != "_wb_snapshot_id"]
+            defs = key_defs + [sql.SQL("{} {}").format(_ident(n), sql.SQL(d)) for n, d in TOMBSTONE_DDL]
             defs.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(keys)))
             conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
                 _tombstones(target), sql.SQL(", ").join(defs)))
@@ -317,6 +387,22 @@ def read_progress(conn: psycopg.Connection, group: str, topic: str | None = None
         q += " AND topic = %s"
         params.append(topic)
     return {(r[0], r[1]): _progress(r[2:]) for r in conn.execute(q, params)}
+
+
+def read_backfills(conn: psycopg.Connection, group: str | None = None) -> list[dict]:
+    """The ``_walbridge.backfills`` rows (of ``group``, or all) as dicts, oldest
+    first; ``[]`` if the table does not exist yet."""
+    if not conn.execute(f"SELECT to_regclass('{META_SCHEMA}.backfills') IS NOT NULL").fetchone()[0]:
+        return []
+    q = ("SELECT consumer_group, topic, backfill_id, shape, start_lsn, partitions, partitions_done, scope, rows, "
+         "started_at, updated_at, completed_at, gc_deleted, gc_tombstones "
+         f"FROM {META_SCHEMA}.backfills")
+    params: list[Any] = []
+    if group is not None:
+        q += " WHERE consumer_group = %s"
+        params.append(group)
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(q + " ORDER BY consumer_group, topic, started_at, backfill_id", params).fetchall()
 
 
 def _progress(r: Sequence) -> Progress:
@@ -411,12 +497,14 @@ def _copy_rows(conn: psycopg.Connection, target: ShapeTarget, stage: sql.Composa
 
 
 def _plan_rows(plan: ApplyPlan, with_cuts: bool = False) -> Iterable[tuple]:
-    """The plan's staged rows, plus (staged path) one row per cut."""
+    """The plan's staged rows, plus (staged path) one row per cut event:
+    ``_wb_keep`` = [reason] or, for a backfill_end, [reason, info JSON]."""
     yield from plan.stage_rows
     if with_cuts:
         nulls = (None,) * len(plan.target.columns)
-        for c in plan.cuts.values():
-            yield (*nulls, CUT_KIND, [c.reason], c.lsn, c.op_index, c.partition, c.offset, None)
+        for c in plan.cut_events:
+            keep = [c.reason, json.dumps(c.info)] if c.info else [c.reason]
+            yield (*nulls, CUT_KIND, keep, c.lsn, c.op_index, c.partition, c.offset, c.backfill_id)
 
 
 def _staged_kinds(plan: ApplyPlan) -> dict[int, Counter]:
@@ -440,9 +528,15 @@ def _key_eq(target: ShapeTarget, a: str, b: str) -> sql.Composable:
                                  for k in target.key_columns)
 
 
+def _pos(a: str) -> sql.Composable:
+    """The position of a target (or tombstone) row; none (NULL: written behind
+    walbridge's back) is lower than every real position."""
+    return sql.SQL("(coalesce({a}._wb_lsn, -1), coalesce({a}._wb_op_index, -1))").format(a=_ident(a))
+
+
 def _pos_lt(a: str, b: str) -> sql.Composable:
-    return sql.SQL("({a}._wb_lsn, {a}._wb_op_index) < ({b}._wb_lsn, {b}._wb_op_index)").format(
-        a=_ident(a), b=_ident(b))
+    """Target/tombstone row ``a`` is older than staged row ``b``."""
+    return sql.SQL("{} < ({b}._wb_lsn, {b}._wb_op_index)").format(_pos(a), b=_ident(b))
 
 
 def _apply_cuts(cur: psycopg.Cursor, target: ShapeTarget, cuts: Iterable[Cut]) -> tuple[Counter, Counter]:
@@ -451,7 +545,7 @@ def _apply_cuts(cur: psycopg.Cursor, target: ShapeTarget, cuts: Iterable[Cut]) -
         return Counter(), Counter()
     params = ([c.partition for c in cuts], [c.lsn for c in cuts], [c.op_index for c in cuts])
     src = sql.SQL("unnest(%s::int[], %s::bigint[], %s::bigint[]) AS c(p, l, o)")
-    cond = sql.SQL("t._wb_partition = c.p AND (t._wb_lsn, t._wb_op_index) < (c.l, c.o)")
+    cond = sql.SQL("t._wb_partition = c.p AND {} < (c.l, c.o)").format(_pos("t"))
     truncated = _counts(cur, sql.SQL("DELETE FROM {} AS t USING {} WHERE {} RETURNING c.p").format(
         _table(target), src, cond), params)
     dropped = Counter()
@@ -459,6 +553,74 @@ def _apply_cuts(cur: psycopg.Cursor, target: ShapeTarget, cuts: Iterable[Cut]) -
         dropped = _counts(cur, sql.SQL("DELETE FROM {} AS t USING {} WHERE {} RETURNING c.p").format(
             _tombstones(target), src, cond), params)
     return truncated, dropped
+
+
+def _bucket_session(cur: psycopg.Cursor) -> None:
+    """The settings under which bucket hashes match the source's (for this
+    transaction only)."""
+    for name, value in SESSION_SETTINGS:
+        cur.execute("SELECT set_config(%s, %s, true)", (name, value))
+
+
+def _apply_scoped_cuts(cur: psycopg.Cursor, target: ShapeTarget, cuts: Iterable[Cut]) -> tuple[Counter, Counter]:
+    """Scoped backfill_ends: rows (and tombstones) of the cut's partition, in
+    its buckets, below it. One statement per cut: each has its own scope."""
+    truncated, dropped = Counter(), Counter()
+    cuts = list(cuts)
+    if cuts:
+        _bucket_session(cur)
+    for c in cuts:
+        tables = [(_table(target), truncated)] + ([] if target.keyless else [(_tombstones(target), dropped)])
+        for table, counter in tables:
+            # Literals, no parameters: the bucket expression holds a bare '%'.
+            n = cur.execute(sql.SQL("DELETE FROM {} AS t WHERE t._wb_partition = {} AND {} < ({}, {}) AND {}").format(
+                table, sql.Literal(c.partition), _pos("t"), sql.Literal(c.lsn), sql.Literal(c.op_index),
+                in_scope(c.scope, "t"))).rowcount
+            counter[c.partition] += n
+    return truncated, dropped
+
+
+def _record_backfills(cur: psycopg.Cursor, group: str, topic: str, target: ShapeTarget,
+                      ends: Iterable[Cut]) -> list[BackfillGC]:
+    """Record the partitions on which backfill_ends were applied (idempotent:
+    a set union). The batch that completes a backfill (every partition done)
+    also collects, whatever their partition, the target rows in its scope with
+    a position below its start or none, and the tombstones below its start:
+    every row the backfill saw was rewritten at its start or later."""
+    by_id: dict[str, tuple[Cut, set[int]]] = {}
+    for c in ends:
+        by_id.setdefault(c.backfill_id, (c, set()))[1].add(c.partition)
+    done: list[BackfillGC] = []
+    for bid, (cut, partitions) in sorted(by_id.items()):
+        info = cut.info
+        start = int(info["lsn"]) if info.get("lsn") is not None else cut.lsn
+        # The first record's shape, start and scope are the backfill's.
+        shape, start, n, done_parts, scope, completed = cur.execute(
+            f"INSERT INTO {META_SCHEMA}.backfills AS b (consumer_group, topic, backfill_id, shape, start_lsn, "
+            "partitions, partitions_done, scope, rows) VALUES (%s, %s, %s, %s, %s, %s, %s::int[], %s, %s) "
+            "ON CONFLICT (consumer_group, topic, backfill_id) DO UPDATE SET partitions_done = "
+            "ARRAY(SELECT DISTINCT x FROM unnest(b.partitions_done || EXCLUDED.partitions_done) AS u(x) ORDER BY x), "
+            "updated_at = now() "
+            "RETURNING shape, start_lsn, partitions, partitions_done, scope, completed_at IS NOT NULL",
+            (group, topic, bid, info.get("shape") or target.shape, start, int(info["partitions"]),
+             sorted(partitions), Jsonb(cut.scope) if cut.scope else None, info.get("rows"))).fetchone()
+        if completed or not set(range(n)) <= set(done_parts):
+            continue
+        if scope:
+            _bucket_session(cur)
+        # Literals, no parameters: the bucket expression holds a bare '%'.
+        deleted = cur.execute(sql.SQL("DELETE FROM {} AS t WHERE {} < ({}, 0) AND {}").format(
+            _table(target), _pos("t"), sql.Literal(start), in_scope(scope, "t"))).rowcount
+        tombstones = 0
+        if not target.keyless:
+            tombstones = cur.execute(sql.SQL("DELETE FROM {} AS t WHERE (t._wb_lsn, t._wb_op_index) < ({}, 0) "
+                                             "AND {}").format(_tombstones(target), sql.Literal(start),
+                                                              in_scope(scope, "t"))).rowcount
+        cur.execute(f"UPDATE {META_SCHEMA}.backfills SET completed_at = now(), updated_at = now(), gc_deleted = %s, "
+                    "gc_tombstones = %s WHERE consumer_group = %s AND topic = %s AND backfill_id = %s",
+                    (deleted, tombstones, group, topic, bid))
+        done.append(BackfillGC(topic, bid, shape, deleted, tombstones))
+    return done
 
 
 def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier,
@@ -478,9 +640,9 @@ def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier
         "ON CONFLICT ({keys}) DO UPDATE SET _wb_lsn = EXCLUDED._wb_lsn, _wb_op_index = EXCLUDED._wb_op_index, "
         "_wb_partition = EXCLUDED._wb_partition, _wb_offset = EXCLUDED._wb_offset, "
         "_wb_applied_at = EXCLUDED._wb_applied_at "
-        "WHERE (tb._wb_lsn, tb._wb_op_index) < (EXCLUDED._wb_lsn, EXCLUDED._wb_op_index) "
+        "WHERE {tbpos} < (EXCLUDED._wb_lsn, EXCLUDED._wb_op_index) "
         "RETURNING tb._wb_partition"
-    ).format(tb=tb, keys=keys, s_keys=s_keys, s=stage, t=t, eq=_key_eq(target, "t", "s")))
+    ).format(tb=tb, keys=keys, s_keys=s_keys, s=stage, t=t, eq=_key_eq(target, "t", "s"), tbpos=_pos("tb")))
     # Upserts: a newer upsert lifts an older tombstone; an equal or newer one wins.
     cur.execute(sql.SQL(
         "DELETE FROM {tb} AS tb USING {s} AS s WHERE s._wb_kind = 'u' AND {eq} AND {lt}"
@@ -552,18 +714,19 @@ def _apply_keyless(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifi
         "WITH r AS (SELECT {sc} AS c, s._wb_lsn, s._wb_op_index, s._wb_partition, "
         "  row_number() OVER (PARTITION BY {sc} ORDER BY s._wb_lsn, s._wb_op_index, s._wb_partition, s._wb_offset) AS rn "
         "  FROM {s} AS s WHERE s._wb_kind = 'x'), "
-        "cand AS (SELECT t.ctid AS tid, {tc} AS c, t._wb_lsn, t._wb_op_index, "
-        "  row_number() OVER (PARTITION BY {tc} ORDER BY t._wb_lsn, t._wb_op_index, t._wb_partition, t._wb_offset) AS rn "
+        "cand AS (SELECT t.ctid AS tid, {tc} AS c, {tpos} AS pos, "
+        "  row_number() OVER (PARTITION BY {tc} ORDER BY {tpos}, t._wb_partition, t._wb_offset) AS rn "
         "  FROM {t} AS t WHERE {tc} IN (SELECT c FROM r)), "
         "m AS (SELECT cand.tid, r._wb_partition FROM r JOIN cand ON cand.c = r.c AND cand.rn = r.rn "
-        "  WHERE (cand._wb_lsn, cand._wb_op_index) < (r._wb_lsn, r._wb_op_index)) "
+        "  WHERE cand.pos < (r._wb_lsn, r._wb_op_index)) "
         "DELETE FROM {t} AS t USING m WHERE t.ctid = m.tid RETURNING m._wb_partition"
-    ).format(sc=content("s"), tc=content("t"), s=stage, t=t))
+    ).format(sc=content("s"), tc=content("t"), s=stage, t=t, tpos=_pos("t")))
     return out
 
 
 def _apply_stage(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier, cuts: Iterable[Cut],
-                 keep_sets: Iterable[tuple[str, ...]], staged: Mapping[int, Counter]) -> dict[str, Counter]:
+                 keep_sets: Iterable[tuple[str, ...]], staged: Mapping[int, Counter],
+                 scoped_cuts: Iterable[Cut] = ()) -> dict[str, Counter]:
     if target.keyless:
         out = _apply_keyless(cur, target, stage)
     else:
@@ -571,9 +734,11 @@ def _apply_stage(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier
     # Cuts last: the plan holds nothing of a cut's partition below the cut, so
     # what the batch wrote there survives it, and rows a re-snapshot rewrites
     # are updated in place instead of deleted and inserted again.
+    # Scoped cuts too: in-scope rows the batch wrote below one are gone with it.
     truncated, dropped = _apply_cuts(cur, target, cuts)
-    out["truncated"] = truncated
-    out["tombstones_dropped"] = dropped
+    s_truncated, s_dropped = _apply_scoped_cuts(cur, target, scoped_cuts)
+    out["truncated"] = truncated + s_truncated
+    out["tombstones_dropped"] = dropped + s_dropped
     return out
 
 
@@ -645,13 +810,17 @@ def apply_shapes(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
             plan = plan_batch(target, todo_rows, floors=floors, gc_controls=gc)
             _merge_plan_stats(result, plan)
             result.controls.extend(plan.controls)
-            if plan.stage_rows or plan.cuts:
+            if plan.stage_rows or plan.cuts or plan.scoped_cuts:
                 stage = _temp_stage(conn, target)
                 if plan.stage_rows:
                     _copy_rows(conn, target, stage, _plan_rows(plan))
                 staged = _staged_kinds(plan)
-                applied = _apply_stage(cur, target, stage, plan.cuts.values(), plan.keep_sets, staged)
+                applied = _apply_stage(cur, target, stage, plan.cuts.values(), plan.keep_sets, staged,
+                                       plan.scoped_cuts)
                 _fill_results(result.parts, parts[0].topic, staged, applied)
+            if plan.backfill_ends:
+                result.backfills_completed += _record_backfills(cur, group, parts[0].topic, target,
+                                                                plan.backfill_ends)
             for part in parts:
                 st = plan.stats.get(part.tp)
                 updates.append(_progress_update(part, progress[part.tp], result.parts[part.tp],
@@ -821,7 +990,9 @@ def commit_batch(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
                     cond = sql.SQL("_wb_offset >= %s")
                     params.append(prog.next_offset)
                 if prog.floor is not None:
-                    cond = cond + sql.SQL(" AND (_wb_lsn, _wb_op_index) >= (%s, %s)")
+                    # Cut events below the floor still count (a backfill_end must be
+                    # recorded); their deletes find nothing the floor's cut left.
+                    cond = cond + sql.SQL(" AND (_wb_kind = 't' OR (_wb_lsn, _wb_op_index) >= (%s, %s))")
                     params.extend(prog.floor)
                 selects.append(sql.SQL("SELECT * FROM {} WHERE {}").format(_ident(META_SCHEMA, table), cond))
             if not selects:
@@ -832,13 +1003,11 @@ def commit_batch(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
             union = sql.SQL(" UNION ALL ").join(selects)
             stage = _temp_stage(conn, target)
             cols = sql.SQL(", ").join(_ident(c) for c in (*target.names, *STAGE_EXTRA))
-            cuts: dict[int, Cut] = {}
-            for p, lsn, op, off, reason in cur.execute(sql.SQL(
-                    "SELECT _wb_partition, _wb_lsn, _wb_op_index, _wb_offset, _wb_keep[1] FROM ({}) q "
-                    "WHERE _wb_kind = 't'").format(union), params).fetchall():
-                cut = Cut(p, lsn, op, off, reason)
-                if p not in cuts or cut.position > cuts[p].position:
-                    cuts[p] = cut
+            cuts, scoped_cuts, backfill_ends = classify_cuts(
+                make_cut(p, lsn, op, off, keep[0], json.loads(keep[1]) if len(keep) > 1 and keep[1] else None)
+                for p, lsn, op, off, keep in cur.execute(sql.SQL(
+                    "SELECT _wb_partition, _wb_lsn, _wb_op_index, _wb_offset, _wb_keep FROM ({}) q "
+                    "WHERE _wb_kind = 't'").format(union), params).fetchall())
             if target.keyless:
                 fill = sql.SQL("INSERT INTO {s} ({cols}) SELECT {cols} FROM ({u}) q WHERE _wb_kind <> 't'").format(
                     s=stage, cols=cols, u=union)
@@ -863,8 +1032,10 @@ def commit_batch(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
                 in_union[p] = n
             keep_sets = [tuple(k) if k else () for (k,) in cur.execute(sql.SQL(
                 "SELECT DISTINCT _wb_keep FROM {} WHERE _wb_kind = 'u'").format(stage)).fetchall()]
-            applied = _apply_stage(cur, target, stage, cuts.values(), keep_sets, staged)
+            applied = _apply_stage(cur, target, stage, cuts.values(), keep_sets, staged, scoped_cuts)
             topic = parts[0].topic
+            if backfill_ends:
+                result.backfills_completed += _record_backfills(cur, group, topic, target, backfill_ends)
             for part in parts:
                 res = result.parts[part.tp]
                 if part.tp not in skipped_parts:

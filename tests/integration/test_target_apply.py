@@ -5,18 +5,21 @@ cuts, keyless dedupe, the staged (parallel) path, and throughput."""
 from __future__ import annotations
 
 import datetime
+import json
 import time
 from decimal import Decimal
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from producer.envelope import ShapeCodec, ShapeColumn
 from producer.pgtypes import PgTypeInfo, column_codec
+from schemas.buckets import bucket_of
 from spark_consumer.apply_plan import OffsetResetError, ShapeTarget
 from spark_consumer.target import (
-    Part, ProgressGapError, StagingMissingError, apply_batch, apply_shapes, commit_batch, drop_stale_staging,
-    ensure_table, gc_tombstones, parts_from_rows, read_progress, stage_part,
+    BackfillGC, Part, ProgressGapError, StagingMissingError, apply_batch, apply_shapes, commit_batch,
+    drop_stale_staging, ensure_table, gc_tombstones, parts_from_rows, read_backfills, read_progress, stage_part,
 )
 
 INT = PgTypeInfo(23, "integer", 23, "integer", -1, "b")
@@ -99,8 +102,8 @@ def test_table_created_from_avro_schema(conn, items):
         ("id", "integer", True), ("body text", "text", False), ("n", "numeric(10,2)", False), ("d", "date", False),
         ("at", "timestamp with time zone", False), ("raw", "bytea", False), ("tags", "integer[]", False),
         ("doc", "jsonb", False), ("mood", "text", False),
-        ("_wb_lsn", "bigint", True), ("_wb_op_index", "bigint", True), ("_wb_partition", "integer", True),
-        ("_wb_offset", "bigint", True), ("_wb_applied_at", "timestamp with time zone", True),
+        ("_wb_lsn", "bigint", False), ("_wb_op_index", "bigint", False), ("_wb_partition", "integer", False),
+        ("_wb_offset", "bigint", False), ("_wb_applied_at", "timestamp with time zone", True),
         ("_wb_snapshot_id", "text", False)]
     pk = conn.execute("SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = 'app.items'::regclass "
                       "AND contype = 'p'").fetchone()[0]
@@ -414,3 +417,197 @@ def test_staged_cuts_keyless_and_progress_race(target_db, conn, items):
     apply_batch(conn, GROUP, items, [p1])
     res = commit_batch(conn, GROUP, [(items, [p1])])
     assert res.parts[(TOPIC, 0)].skipped_replayed == 1 and res.total("applied") == 0
+
+
+# ------------------------------------------------------------------ backfills
+def backfill_end(lsn, *, p, off, n=2, scope=None, bid="bf1", topic=TOPIC, shape="app.items"):
+    r = change(None, lsn, 0, p=p, off=off, control="backfill_end", snap=bid, topic=topic)
+    r["_wb_control_info"] = json.dumps({"backfill_id": bid, "shape": shape, "lsn": lsn, "partitions": n,
+                                        "rows": 0, "scope": scope})
+    return r
+
+
+def scope_split(conn, ids, bucket_count=4, buckets=(0, 2)):
+    """A scope on id, and which of ``ids`` are in it (by PostgreSQL's bucket hash)."""
+    scope = {"columns": ["id"], "bucket_count": bucket_count, "buckets": list(buckets)}
+    bucket = dict(conn.execute(sql.SQL("SELECT id, {} FROM unnest({}::int[]) AS q(id)").format(
+        bucket_of(["id"], bucket_count), sql.Literal(list(ids)))).fetchall())  # no params: '%' in the SQL
+    inside = {i for i in ids if bucket[i] in buckets}
+    assert inside and inside != set(ids)
+    return scope, inside
+
+
+def ids(conn, where="TRUE"):
+    return {r[0] for r in conn.execute(f"SELECT id FROM app.items WHERE {where}").fetchall()}
+
+
+def test_null_position_rows_are_the_lowest(conn, items):
+    # A table from an earlier version had NOT NULL positions: ensure_table relaxes them.
+    conn.execute("ALTER TABLE app.items ALTER COLUMN _wb_lsn SET NOT NULL, ALTER COLUMN _wb_offset SET NOT NULL")
+    ensure_table(conn, items)
+    conn.execute("INSERT INTO app.items (id, \"body text\") VALUES (1, 'junk'), (2, 'junk'), (3, 'junk')")
+    res = apply_batch(conn, GROUP, items, [part([
+        change("r", 500, id=1, body="backfilled", snap="bf1", off=0),
+        change("u", 510, id=2, body="updated", off=1), change("d", 520, id=3, off=2)], 0)])
+    assert (res.total("upserted"), res.total("deleted"), res.total("tombstoned"), res.total("stale")) == (2, 1, 1, 0)
+    assert conn.execute("SELECT id, \"body text\", _wb_lsn, _wb_op_index, _wb_partition, _wb_snapshot_id "
+                        "FROM app.items ORDER BY id").fetchall() == [(1, "backfilled", 500, 0, 0, "bf1"),
+                                                                     (2, "updated", 510, 0, 0, None)]
+    # Keyless: a removal takes a NULL-position row too.
+    t = log_target()
+    ensure_table(conn, t)
+    conn.execute("INSERT INTO eventlog (a, b) VALUES (1, 'x')")
+    res = apply_batch(conn, GROUP, t, parts_from_rows([lchange("d", 100, off=0, a=1, b="x")]))
+    assert res.total("deleted") == 1 and conn.execute("SELECT count(*) FROM eventlog").fetchone()[0] == 0
+
+
+def test_scoped_backfill_end_cuts_its_partition_in_scope_only(conn, items):
+    all_ids = range(1, 31)
+    scope, inside = scope_split(conn, all_ids)
+    p0, p1 = [i for i in all_ids if i <= 20], [i for i in all_ids if i > 20]
+    apply_batch(conn, GROUP, items, [part([change("c", 100, i, id=i, body="old", off=i) for i in p0], 0),
+                                     part([change("c", 100, i, id=i, body="old", p=1, off=i) for i in p1], 1)])
+    gone = next(i for i in p0 if i in inside)
+    apply_batch(conn, GROUP, items, [part([change("d", 150, id=gone, off=21)], 0)])  # tombstone in scope
+    kept_tomb = next(i for i in p0 if i not in inside)
+    apply_batch(conn, GROUP, items, [part([change("d", 160, id=kept_tomb, off=22)], 0)])  # out of scope
+    rewritten = sorted(i for i in p0 if i in inside and i != gone)[:2]  # the backfill saw these
+    late_in, late_out = max(i for i in p0 if i in inside), max(i for i in p0 if i not in inside)
+    rows = [change("u", 300, id=late_out, body="below S, other key", off=23),  # must apply
+            change("u", 310, id=late_in, body="below S, in scope", off=24),  # applied, then cut
+            *[change("r", 500, id=i, body="backfilled", snap="bf1", off=25 + k) for k, i in enumerate(rewritten)],
+            backfill_end(500, p=0, off=27, scope=scope),
+            change("c", 600, id=99, body="after", off=28)]
+    res = apply_batch(conn, GROUP, items, [part(rows, 0)])
+    r0 = res.parts[(TOPIC, 0)]
+    expected_p0 = ({i for i in p0 if i not in inside} - {kept_tomb}) | set(rewritten) | {99}
+    assert ids(conn, "_wb_partition = 0") == expected_p0
+    assert ids(conn, "_wb_partition = 1") == set(p1)  # other partitions untouched, in scope or not
+    cut_away = {i for i in p0 if i in inside} - set(rewritten) - {gone}
+    assert late_in in cut_away and late_out not in rewritten
+    assert r0.truncated == len(cut_away) and r0.erased == 0 and r0.upserted == 2 + len(rewritten) + 1
+    assert conn.execute(f"SELECT \"body text\" FROM app.items WHERE id = {late_out}").fetchone()[0] == \
+        "below S, other key"
+    assert {r[0] for r in conn.execute("SELECT id FROM app.items__wb_tombstones")} == {kept_tomb}
+    assert r0.tombstones_dropped == 1
+    # No floor: a later change below S of an out-of-scope key still applies.
+    assert read_progress(conn, GROUP)[(TOPIC, 0)].floor is None
+    res = apply_batch(conn, GROUP, items, [part([change("c", 200, id=98, off=29)], 0)])
+    assert res.total("upserted") == 1 and res.total("erased") == 0
+    [bf] = read_backfills(conn, GROUP)
+    assert (bf["backfill_id"], bf["shape"], bf["start_lsn"], bf["partitions"], bf["partitions_done"], bf["scope"],
+            bf["completed_at"]) == ("bf1", "app.items", 500, 2, [0], scope, None)
+    assert res.backfills_completed == []
+
+
+def test_backfill_end_on_every_partition_runs_the_final_gc(conn, items):
+    scope, inside = scope_split(conn, range(1, 41))
+    ins, outs = sorted(inside), sorted(set(range(1, 41)) - inside)
+    apply_batch(conn, GROUP, items, [part([change("c", 100, id=ins[0], off=0), change("c", 100, id=outs[0], off=1)], 0),
+                                     part([change("c", 100, id=ins[1], p=1, off=0)], 1)])
+    # Junk written behind walbridge's back (no position), a row from a partition
+    # the topic no longer has, a stray tombstone: in scope and out of it.
+    conn.execute("INSERT INTO app.items (id, \"body text\") VALUES (%s, 'junk'), (%s, 'junk')", (ins[2], outs[1]))
+    conn.execute("INSERT INTO app.items (id, _wb_lsn, _wb_op_index, _wb_partition, _wb_offset) VALUES "
+                 "(%s, 50, 0, 7, 0)", (ins[3],))
+    conn.execute("INSERT INTO app.items__wb_tombstones (id, _wb_lsn, _wb_op_index, _wb_partition, _wb_offset) "
+                 "VALUES (%s, 60, 0, 7, 0), (%s, 60, 0, 7, 1)", (ins[4], outs[2]))
+    res = apply_batch(conn, GROUP, items, [part([change("r", 500, id=ins[0], snap="bf1", off=2),
+                                                 backfill_end(500, p=0, off=3, scope=scope)], 0)])
+    assert res.backfills_completed == [] and ids(conn) == {ins[0], outs[0], ins[1], ins[2], outs[1], ins[3]}
+    # The last partition: its cut, then the GC over every partition (NULL included).
+    res = apply_batch(conn, GROUP, items, [part([backfill_end(500, p=1, off=1, scope=scope)], 1)])
+    assert res.parts[(TOPIC, 1)].truncated == 1  # ins[1]: not rewritten by the backfill
+    assert res.backfills_completed == [BackfillGC(TOPIC, "bf1", "app.items", 2, 1)]
+    assert ids(conn) == {ins[0], outs[0], outs[1]}
+    assert {r[0] for r in conn.execute("SELECT id FROM app.items__wb_tombstones")} == {outs[2]}
+    [bf] = read_backfills(conn)
+    assert bf["partitions_done"] == [0, 1] and bf["completed_at"] is not None
+    assert (bf["gc_deleted"], bf["gc_tombstones"]) == (2, 1)
+    # The backfill_end again (re-sent at a new offset; a replay is skipped by
+    # progress anyway): recorded once, collected once.
+    conn.execute("INSERT INTO app.items (id) VALUES (%s)", (ins[5],))
+    res = apply_batch(conn, GROUP, items, [part([backfill_end(500, p=1, off=2, scope=scope)], 1)])
+    assert res.backfills_completed == [] and ins[5] in ids(conn)
+    assert read_backfills(conn, GROUP)[0]["partitions_done"] == [0, 1]
+    assert read_backfills(conn, "other-group") == []
+
+
+def test_unscoped_backfill_end_cuts_raises_floor_and_collects_everything(conn, items):
+    apply_batch(conn, GROUP, items, [part([change("c", 100, id=1, off=0), change("c", 100, 1, id=2, off=1)], 0)])
+    conn.execute("INSERT INTO app.items (id) VALUES (3)")  # no position, no partition
+    res = apply_batch(conn, GROUP, items, [part([change("r", 500, id=1, snap="bf1", off=2),
+                                                 change("c", 200, id=4, off=3),  # below the cut: erased
+                                                 backfill_end(500, p=0, off=4, n=1)], 0)])
+    assert res.parts[(TOPIC, 0)].truncated == 1 and res.parts[(TOPIC, 0)].erased == 1
+    assert res.backfills_completed == [BackfillGC(TOPIC, "bf1", "app.items", 1, 0)]
+    assert ids(conn) == {1} and read_progress(conn, GROUP)[(TOPIC, 0)].floor == (500, 0)
+
+
+def test_keyless_scoped_backfill(conn):
+    t = log_target()
+    ensure_table(conn, t)
+    rows = [(i, f"v{i}") for i in range(1, 21)]
+    bucket = dict(conn.execute(sql.SQL("SELECT a, {} FROM unnest({}::int[], {}::text[]) AS q(a, b)").format(
+        bucket_of(["a", "b"], 4), sql.Literal([a for a, _ in rows]), sql.Literal([b for _, b in rows]))).fetchall())
+    scope = {"columns": ["a", "b"], "bucket_count": 4, "buckets": [1, 3]}
+    inside = {a for a, _ in rows if bucket[a] in (1, 3)}
+    assert inside and len(inside) < len(rows)
+    apply_batch(conn, GROUP, t, parts_from_rows([lchange("c", 100, i, off=i, a=a, b=b) for i, (a, b) in enumerate(rows)]))
+    junk_in, junk_out = min(inside), min(set(bucket) - inside)
+    conn.execute("INSERT INTO eventlog (a, b) VALUES (%s, %s), (%s, %s)",  # behind walbridge's back
+                 (junk_in, f"v{junk_in}", junk_out, f"v{junk_out}"))
+    rewritten = sorted(inside)[:-1]  # the last in-scope row is gone at the source
+    end = change(None, 500, 0, off=20 + len(rewritten), control="backfill_end", snap="bf1", topic="wb.eventlog")
+    end["_wb_control_info"] = json.dumps({"backfill_id": "bf1", "shape": "eventlog", "lsn": 500, "partitions": 1,
+                                          "rows": len(rewritten), "scope": scope})
+    res = apply_batch(conn, GROUP, t, parts_from_rows(
+        [lchange("r", 500, off=20 + k, a=a, b=f"v{a}", snap="bf1") for k, a in enumerate(rewritten)] + [end]))
+    got = conn.execute("SELECT a, _wb_lsn FROM eventlog ORDER BY a, _wb_lsn NULLS LAST").fetchall()
+    # The old in-scope copies are cut, the in-scope junk is collected, the rest stays.
+    expected = sorted([(a, 100) for a, _ in rows if a not in inside] + [(a, 500) for a in rewritten]
+                      + [(junk_out, None)], key=lambda r: (r[0], r[1] is None))
+    assert got == expected
+    assert res.parts[("wb.eventlog", 0)].truncated == len(inside)  # every old in-scope copy of partition 0
+    [gc] = res.backfills_completed
+    assert (gc.backfill_id, gc.shape, gc.gc_deleted, gc.gc_tombstones) == ("bf1", "eventlog", 1, 0)
+
+
+def test_staged_scoped_backfill_and_final_gc(target_db, conn, items):
+    scope, inside = scope_split(conn, range(1, 41))
+    ins, outs = sorted(inside), sorted(set(range(1, 41)) - inside)
+    apply_batch(conn, GROUP, items, [part([change("c", 100, id=ins[0], off=0), change("c", 100, id=ins[1], off=1),
+                                           change("c", 100, id=outs[0], off=2)], 0),
+                                     part([change("c", 100, id=ins[2], p=1, off=0),
+                                           change("c", 100, id=outs[1], p=1, off=1)], 1)])
+    conn.execute("INSERT INTO app.items (id) VALUES (%s), (%s)", (ins[3], outs[2]))  # no position
+    p0 = part([change("u", 300, id=outs[0], body="live", off=3), change("r", 500, id=ins[0], snap="bf1", off=4),
+               backfill_end(500, p=0, off=5, scope=scope)], 0)
+    p1 = part([change("r", 500, id=ins[2], snap="bf1", p=1, off=2), backfill_end(500, p=1, off=3, scope=scope)], 1)
+    with psycopg.connect(target_db, autocommit=True) as e0, psycopg.connect(target_db, autocommit=True) as e1:
+        stage_part(e0, GROUP, items, p0)
+        stage_part(e1, GROUP, items, p1)
+    res = commit_batch(conn, GROUP, [(items, [Part(p.topic, p.partition, p.start, p.end) for p in (p0, p1)])])
+    assert res.parts[(TOPIC, 0)].truncated == 1 and res.parts[(TOPIC, 1)].truncated == 0  # ins[1] on p0
+    assert res.backfills_completed == [BackfillGC(TOPIC, "bf1", "app.items", 1, 0)]  # ins[3]
+    assert ids(conn) == {ins[0], ins[2], outs[0], outs[1], outs[2]}
+    assert conn.execute("SELECT \"body text\" FROM app.items WHERE id = %s", (outs[0],)).fetchone()[0] == "live"
+    assert {tp: pr.floor for tp, pr in read_progress(conn, GROUP).items()} == {(TOPIC, 0): None, (TOPIC, 1): None}
+    [bf] = read_backfills(conn, GROUP)
+    assert bf["partitions_done"] == [0, 1] and bf["completed_at"] is not None and bf["gc_deleted"] == 1
+    # Replayed: staged again and committed again, skipped; nothing recorded twice.
+    stage_part(conn, GROUP, items, p0)
+    stage_part(conn, GROUP, items, p1)
+    res = commit_batch(conn, GROUP, [(items, [p0, p1])])
+    assert res.total("applied") == 0 and res.backfills_completed == []
+    assert read_backfills(conn, GROUP)[0]["updated_at"] == bf["updated_at"]
+
+
+def test_staged_backfill_end_below_the_floor_is_still_recorded(target_db, conn, items):
+    # A TRUNCATE during the backfill put p0's floor above the backfill's start.
+    apply_batch(conn, GROUP, items, [part([change("t", 700, off=0)], 0)])
+    p0 = part([backfill_end(500, p=0, off=1, n=1)], 0)
+    stage_part(conn, GROUP, items, p0)
+    res = commit_batch(conn, GROUP, [(items, [p0])])
+    assert res.backfills_completed == [BackfillGC(TOPIC, "bf1", "app.items", 0, 0)]
+    assert read_progress(conn, GROUP)[(TOPIC, 0)].floor == (700, 0)

@@ -4,6 +4,7 @@ keyless multiset semantics, replay filtering."""
 from __future__ import annotations
 
 import datetime
+import json
 from decimal import Decimal
 
 import pytest
@@ -11,8 +12,8 @@ import pytest
 from producer.envelope import ShapeCodec, ShapeColumn
 from producer.pgtypes import PgTypeInfo, column_codec
 from spark_consumer.apply_plan import (
-    APPEND, DELETE, REMOVE, UPSERT, OffsetResetError, PlanError, Progress, ShapeTarget, plan_batch,
-    split_replayed, split_shape_name, tombstone_name,
+    APPEND, DELETE, REMOVE, UPSERT, OffsetResetError, PlanError, Progress, ShapeTarget, classify_cuts, make_cut,
+    plan_batch, split_replayed, split_shape_name, tombstone_name,
 )
 
 INT = PgTypeInfo(23, "integer", 23, "integer", -1, "b")
@@ -230,3 +231,84 @@ def test_keyless_insert_only_batch_keeps_every_row():
     rows = [lrow("c", 10 + i, a=1, b="same", p=i % 2, off=i) for i in range(6)]
     plan = plan_batch(t, rows)
     assert plan.count(APPEND) == 6 and all(s.planned == 3 for s in plan.stats.values())
+
+
+# ------------------------------------------------------------------ backfills
+SCOPE = {"columns": ["id"], "bucket_count": 8, "buckets": [1, 5]}
+
+
+def backfill_end(lsn, *, p=0, off=0, scope=None, bid="bf1", partitions=2, info=True):
+    info_json = json.dumps({"backfill_id": bid, "shape": "public.items", "lsn": lsn, "partitions": partitions,
+                            "rows": 3, "scope": scope}) if info else None
+    return row(None, lsn, 0, p=p, off=off, control="backfill_end", snap=bid, _wb_control_info=info_json)
+
+
+def test_scoped_backfill_end_erases_nothing_and_is_no_floor_cut():
+    t = keyed_target()
+    rows = [row("c", 100, id=1, off=0), row("u", 200, id=2, off=1),  # below S: other keys' changes must apply
+            row("r", 500, id=3, snap="bf1", off=2), backfill_end(500, off=3, scope=SCOPE),
+            row("c", 90, id=4, p=1, off=0)]
+    plan = plan_batch(t, rows)
+    assert set(by_key(plan)) == {1, 2, 3, 4}
+    assert plan.cuts == {}  # so no limit on the partition, and no floor for progress
+    [cut] = plan.scoped_cuts
+    assert (cut.partition, cut.position, cut.offset, cut.reason) == (0, (500, 0), 3, "backfill_end")
+    assert cut.scope == SCOPE and cut.backfill_id == "bf1" and cut.info["partitions"] == 2
+    assert plan.backfill_ends == [cut] and plan.cut_events == [cut]
+    st = plan.stats[(TOPIC, 0)]
+    assert (st.rows, st.erased, st.below_floor, st.control, st.planned) == (4, 0, 0, 1, 3)
+    assert [c["_wb_control"] for c in plan.controls] == ["backfill_end"]
+    # Scoped cuts do not count towards the floor either: an earlier floor still erases.
+    plan = plan_batch(t, rows, floors={0: (150, 0)})
+    assert set(by_key(plan)) == {2, 3, 4} and plan.stats[(TOPIC, 0)].below_floor == 1
+
+
+def test_unscoped_backfill_end_is_a_floor_cut_and_a_backfill_end():
+    t = keyed_target()
+    rows = [row("c", 100, id=1, off=0), row("r", 500, id=3, snap="bf1", off=1), backfill_end(500, off=2),
+            row("c", 600, id=5, off=3)]
+    plan = plan_batch(t, rows)
+    assert set(by_key(plan)) == {3, 5} and plan.stats[(TOPIC, 0)].erased == 1
+    assert plan.cuts[0].position == (500, 0) and plan.cuts[0].scope is None and plan.scoped_cuts == []
+    assert plan.backfill_ends == [plan.cuts[0]] and plan.cut_events == [plan.cuts[0]]
+    # A later TRUNCATE is the partition's floor cut; the backfill_end is still reported.
+    plan = plan_batch(t, rows + [row("t", 700, off=4)])
+    assert plan.cuts[0].reason == "t" and [c.offset for c in plan.backfill_ends] == [2]
+    assert sorted(c.offset for c in plan.cut_events) == [2, 4]
+    # Without info (an older producer): a plain cut, no backfill to record.
+    plan = plan_batch(t, [row("c", 100, id=1, off=0), backfill_end(500, off=1, info=False)])
+    assert plan.cuts[0].position == (500, 0) and plan.backfill_ends == [] and by_key(plan) == {}
+    # Not a GC control: neither a cut nor a backfill_end.
+    plan = plan_batch(t, [row("c", 100, id=1), backfill_end(500, off=1, scope=SCOPE)], gc_controls={"snapshot_end"})
+    assert (plan.cuts, plan.scoped_cuts, plan.backfill_ends) == ({}, [], []) and set(by_key(plan)) == {1}
+
+
+def test_backfill_end_info_must_be_readable():
+    t = keyed_target()
+    bad = backfill_end(500, scope=SCOPE)
+    with pytest.raises(PlanError, match="not JSON"):
+        plan_batch(t, [dict(bad, _wb_control_info="{nope")])
+    with pytest.raises(PlanError, match="scope"):
+        plan_batch(t, [backfill_end(500, scope={"columns": ["id"], "buckets": [1]})])
+    with pytest.raises(PlanError, match="key columns"):  # tombstones hold the key only
+        plan_batch(t, [backfill_end(500, scope=dict(SCOPE, columns=["n"]))])
+    with pytest.raises(PlanError, match="partition count"):
+        plan_batch(t, [backfill_end(500, partitions=0)])
+    # Keyless shapes bucket by every row column.
+    plan = plan_batch(keyless_target(), [lrow("c", 100, a=1, b="x"), dict(
+        backfill_end(500, off=1, scope={"columns": ["a", "b"], "bucket_count": 4, "buckets": [0]}),
+        a=None, b=None)])
+    assert plan.count(APPEND) == 1 and plan.cuts == {} and plan.scoped_cuts[0].scope["columns"] == ["a", "b"]
+
+
+def test_cut_events_round_trip_through_staging():
+    """The staged path rebuilds cuts from (reason, info JSON): same classification."""
+    rows = [row("t", 300, off=0), backfill_end(500, off=1, scope=SCOPE), backfill_end(500, p=1, off=0),
+            row(None, 50, control="snapshot_end", p=2, off=0)]
+    plan = plan_batch(keyed_target(), rows)
+    rebuilt = classify_cuts(make_cut(c.partition, c.lsn, c.op_index, c.offset, c.reason,
+                                     json.loads(json.dumps(c.info)) if c.info else None) for c in plan.cut_events)
+    order = lambda cs: sorted(cs, key=lambda c: (c.partition, c.offset))  # noqa: E731
+    assert rebuilt[0] == plan.cuts and rebuilt[1] == plan.scoped_cuts
+    assert order(rebuilt[2]) == order(plan.backfill_ends) and len(plan.backfill_ends) == 2
+    assert {p: c.reason for p, c in plan.cuts.items()} == {0: "t", 1: "backfill_end", 2: "snapshot_end"}

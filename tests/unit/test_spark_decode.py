@@ -469,6 +469,13 @@ def test_plan_ranges_skips_empty_and_new_partitions():
     assert pickle.loads(pickle.dumps(ranges[0])) == ranges[0]
 
 
+def test_plan_ranges_reads_a_recreated_partition_from_zero():
+    # end < start: the broker lost the partition; the new incarnation is read from 0.
+    assert plan_ranges(TOPIC, {0: 500, 1: 7}, {0: 40, 1: 9}) == [OffsetRange(TOPIC, 0, 0, 40),
+                                                                   OffsetRange(TOPIC, 1, 7, 9)]
+    assert plan_ranges(TOPIC, {0: 500}, {0: 0}) == []
+
+
 def test_plan_ranges_cuts_long_ranges_into_tasks():
     ranges = plan_ranges(TOPIC, {0: 10, 1: 0}, {0: 35, 1: 4}, max_per_task=10)
     assert [(r.partition, r.start, r.end) for r in ranges] == [(0, 10, 18), (0, 18, 26), (0, 26, 35), (1, 0, 4)]
