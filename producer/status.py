@@ -69,6 +69,7 @@ def collect_status(config: Config) -> dict:
     if producer_view:
         producer_view["age_s"] = round(time.time() - producer_view.get("ts", 0), 1)
     out["producer"] = producer_view
+    out["backfills"] = _backfills(config, conf)
     stalled = set((producer_view or {}).get("stalled_writers", []))
     for w in writers:
         tail = tails.get(w)
@@ -81,6 +82,34 @@ def collect_status(config: Config) -> dict:
             "stalled": name in stalled,
         })
     return out
+
+
+def _backfills(config: Config, conf: dict) -> list[dict]:
+    """The last requests (``<prefix>._backfills``), each with what the
+    consumer group applied of it (``_walbridge.backfills`` on the target)."""
+    from producer.backfill import read_states, requests_topic
+
+    try:
+        states, _ = read_states(conf, requests_topic(config.kafka.topic_prefix))
+    except Exception:
+        return []
+    records = sorted(states.values(), key=lambda r: r.get("requested_at", 0))[-10:]
+    applied: dict[str, dict] = {}
+    if config.consumer.target_dsn and records:
+        try:
+            with connect(config.consumer.target_dsn) as conn:
+                if conn.execute("SELECT to_regclass('_walbridge.backfills')").fetchone()[0] is not None:
+                    for bid, done, n, completed, gc in conn.execute(
+                            "SELECT backfill_id, coalesce(array_length(partitions_done, 1), 0), partitions, "
+                            "completed_at IS NOT NULL, gc_deleted FROM _walbridge.backfills "
+                            "WHERE consumer_group = %s", (config.consumer.group,)):
+                        applied[bid] = {"partitions_done": done, "partitions": n, "completed": completed,
+                                        "gc_deleted": gc}
+        except Exception:
+            pass
+    for r in records:
+        r["applied"] = applied.get(r.get("backfill_id") or "")
+    return records
 
 
 def render_status(status: dict):
@@ -123,6 +152,25 @@ def render_status(status: dict):
             pt.add_row("snapshot", f"{snap.get('id')}: {snap.get('rows')} rows"
                        + (" (done)" if snap.get("done") else f" of ~{snap.get('total_estimate')}"))
     parts.append(pt)
+    from producer.up import backfill_line
+
+    running = (p or {}).get("backfill")
+    line = backfill_line(running, len((p or {}).get("backfills_queued") or []),
+                         len((p or {}).get("backfills_done") or []))
+    if status.get("backfills") or line:
+        bt = Table(title="backfills" + (f" — {line}" if line else ""))
+        for col in ("request", "shape", "scope", "state", "rows", "applied by the consumer"):
+            bt.add_column(col)
+        for r in status.get("backfills") or []:
+            scope = r.get("scope")
+            applied = r.get("applied")
+            bt.add_row(r["request_id"], r["shape"],
+                       f"{len(scope['buckets'])}/{scope['bucket_count']} buckets" if scope else "whole shape",
+                       r["state"], str(r.get("rows", "-")),
+                       "-" if not applied else ("complete, GC deleted " + str(applied["gc_deleted"])
+                                                if applied["completed"] else
+                                                f"{applied['partitions_done']}/{applied['partitions']} partitions"))
+        parts.append(bt)
     return Group(*parts)
 
 

@@ -138,6 +138,9 @@ class Sampler:
             "uptime_s": round(now - self.started), "shapes": shapes, "writers": writers,
             "slot": slot, "snapshot": snap, "errors": errors, "dlq": dlq, "workload_tx": workload_tx,
             "stalled_groups": producer_view.get("stalled_groups", []),
+            "backfill": producer_view.get("backfill"),
+            "backfills_queued": len(producer_view.get("backfills_queued") or []),
+            "backfills_done": len(producer_view.get("backfills_done") or []),
         }
 
 
@@ -166,6 +169,9 @@ def render_view(snap: dict):
             f"{snapshot.get('rows_per_s', 0):.0f} rows/s, ETA {snapshot.get('eta_s', '?')}s")
         parts.append(f"snapshot {snapshot.get('id')}: {snapshot.get('rows', 0)} rows "
                      f"of ~{snapshot.get('total_estimate', 0)} ({state})")
+    line = backfill_line(snap.get("backfill"), snap.get("backfills_queued", 0), snap.get("backfills_done", 0))
+    if line:
+        parts.append(line)
     writers = Table(title="writers")
     writers.add_column("topic[partition]")
     writers.add_column("produced", justify="right")
@@ -174,6 +180,19 @@ def render_view(snap: dict):
         writers.add_row(w["writer"], str(w["produced"]), "-" if w["committed"] is None else str(w["committed"]))
     parts.append(writers)
     return Group(*parts)
+
+
+def backfill_line(running: dict | None, queued: int, done: int) -> str | None:
+    """One line on backfills: the running one's rows, rate and ETA, and counts."""
+    if running is None and not queued and not done:
+        return None
+    text = "backfills: "
+    if running is not None:
+        eta = running.get("eta_s")
+        text += (f"{running['shape']} {running.get('rows', 0)} of ~{running.get('total_estimate', 0)} rows, "
+                 f"{running.get('rows_per_s', 0):.0f} rows/s, ETA {'-' if eta is None else f'{eta:.0f}s'}"
+                 f" ({running.get('state')}); ")
+    return text + f"{queued} queued, {done} done"
 
 
 class _ErrorCounter(logging.Handler):

@@ -69,6 +69,15 @@ class ShapeApplier:
         self.rows = 0
         self.dlq = 0
 
+    def close(self) -> None:
+        """Release the Kafka client and the target connection (after the query stopped)."""
+        if self._committer is not None:
+            self._committer.close()
+            self._committer = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
     def _connection(self):
         import psycopg
 
@@ -263,6 +272,8 @@ def run(config, master: str | None = None, stop: threading.Event | None = None,
     finally:
         for q in queries:
             q.stop()
+        for applier in started:
+            applier.close()
         spark.stop()
 
 

@@ -40,7 +40,8 @@ fails its task with ``SchemaChangedError``: restart the query (call
 ``read_shape_stream`` again) to pick the new layout up.
 
 Invariants:
-- Offsets are ``{"<partition>": next offset}`` (keys sorted numerically). Each
+- Offsets are ``{"<partition>": next offset, "topic_id": id}`` (partitions
+  sorted numerically; the id where the broker has topic ids). Each
   micro-batch is the fixed range [start, end) per partition that Spark wrote to
   its offset log, so a replayed batch reads exactly the same messages: ``read``
   takes every message with start <= offset < end and stops, whatever arrived since.
@@ -51,15 +52,14 @@ Invariants:
   never below ListOffsets', so nothing is lost on brokers that report right, and
   nothing is stranded on Tansu. A partition whose reported end has not moved
   since its last probe keeps that probe's end (no Fetch while idle). An end that stays below what was already read
-  (asked again 3 times, 1 s apart) means the broker lost data (the topic was
-  recreated): with ``on_data_loss=fail`` the query stops with an error; with
-  ``follow`` the next batch reads those partitions again from offset 0 (its
-  range has end < start, which marks the reset), for an apply that writes by
-  position (walbridge's does) and so takes the new incarnation as it comes. A
-  topic that is briefly missing (being recreated) yields no new data with
-  ``follow``. A new incarnation that outgrew the read offsets before the first
-  look cannot be told from the old one by offsets: ``walbridge reconcile``
-  finds what that skipped.
+  (asked again 3 times, 1 s apart), or a topic id that changed, means the
+  broker lost data (the topic was recreated): with ``on_data_loss=fail`` the
+  query stops with an error; with ``follow`` the next batch reads the new
+  incarnation from offset 0 (a changed id, or an end below the start, marks the
+  reset), for an apply that writes by position (walbridge's does). A topic that
+  is briefly missing yields no new data with ``follow``. Without topic ids, a
+  new incarnation that outgrew the read offsets before the first look cannot
+  be told from the old one: ``walbridge reconcile`` finds what that skipped.
 - Read limits: ``ReadMaxRows`` (``max_offsets_per_trigger``) is shared across
   partitions in proportion to their backlog; ``Trigger.AvailableNow`` records the
   ends at its start and never reads beyond them. A partition added to the topic
@@ -291,12 +291,24 @@ def read_schemas_topic(conf: dict[str, Any], schemas_topic: str, timeout: float 
 Offsets = dict[int, int]
 
 
-def offsets_to_json(offsets: Offsets) -> dict[str, int]:
-    return {str(p): int(offsets[p]) for p in sorted(offsets)}
+TOPIC_ID = "topic_id"
+
+
+def offsets_to_json(offsets: Offsets, topic_id: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {str(p): int(offsets[p]) for p in sorted(offsets)}
+    if topic_id:
+        out[TOPIC_ID] = topic_id
+    return out
 
 
 def offsets_from_json(offsets: dict | None) -> Offsets:
-    return {int(p): int(o) for p, o in (offsets or {}).items()}
+    return {int(p): int(o) for p, o in (offsets or {}).items() if p != TOPIC_ID}
+
+
+def recreated(start: dict | None, end: dict | None) -> bool:
+    """Do two offsets of a query belong to different incarnations of the topic?"""
+    a, b = (start or {}).get(TOPIC_ID), (end or {}).get(TOPIC_ID)
+    return bool(a and b and a != b)
 
 
 def plan_end_offsets(start: Offsets, available: Offsets, max_rows: int | None) -> Offsets:
@@ -320,18 +332,20 @@ def plan_end_offsets(start: Offsets, available: Offsets, max_rows: int | None) -
 @dataclass
 class OffsetRange(InputPartition):
     """One Spark task: the messages of ``topic[partition]`` with
-    ``start <= offset < end``."""
+    ``start <= offset < end``, in the topic incarnation ``topic_id`` (if known)."""
 
     topic: str
     partition: int
     start: int
     end: int
+    topic_id: str | None = None
 
     def __post_init__(self) -> None:
-        InputPartition.__init__(self, (self.topic, self.partition, self.start, self.end))
+        InputPartition.__init__(self, (self.topic, self.partition, self.start, self.end, self.topic_id))
 
 
-def plan_ranges(topic: str, start: Offsets, end: Offsets, max_per_task: int | None = None) -> list[OffsetRange]:
+def plan_ranges(topic: str, start: Offsets, end: Offsets, max_per_task: int | None = None,
+                topic_id: str | None = None) -> list[OffsetRange]:
     """The tasks of a batch: each partition's non-empty range, cut into
     consecutive near-equal pieces of at most ``max_per_task`` offsets when set
     (default: one task per partition). A partition absent from ``start``
@@ -347,8 +361,23 @@ def plan_ranges(topic: str, start: Offsets, end: Offsets, max_per_task: int | No
             continue
         pieces = 1 if not max_per_task else -(-(e - s) // max_per_task)
         bounds = [s + (e - s) * i // pieces for i in range(pieces)] + [e]
-        tasks += [OffsetRange(topic, p, a, b) for a, b in zip(bounds, bounds[1:])]
+        tasks += [OffsetRange(topic, p, a, b, topic_id) for a, b in zip(bounds, bounds[1:])]
     return tasks
+
+
+def describe_topic_id(admin, topic: str, timeout: float = 30.0) -> str | None:
+    """The topic's id (KIP-516; it changes when the topic is recreated), or
+    None where the broker has none. Raises LookupError if the topic is missing."""
+    from confluent_kafka import KafkaError, KafkaException, TopicCollection
+
+    try:
+        desc = admin.describe_topics(TopicCollection([topic]))[topic].result(timeout=timeout)
+    except KafkaException as e:
+        if e.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+            raise LookupError(f"topic {topic} does not exist") from None
+        raise
+    tid = str(desc.topic_id) if desc.topic_id is not None else ""
+    return tid if tid.strip("A=") else None  # all-zero id: the broker keeps none
 
 
 # ------------------------------------------------------------- driver side
@@ -361,6 +390,7 @@ class PartitionEnds:
         self._opts = opts
         self._timeout = timeout
         self._consumer = None
+        self._admin = None
         # partition -> (reported end, true end) of its last successful probe
         self._probed: dict[int, tuple[int, int]] = {}
 
@@ -378,10 +408,18 @@ class PartitionEnds:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+        self._admin = None
 
     def forget(self) -> None:
         """Drop remembered probes (the topic was recreated)."""
         self._probed.clear()
+
+    def topic_id(self) -> str | None:
+        if self._admin is None:
+            from confluent_kafka.admin import AdminClient
+
+            self._admin = AdminClient(self._opts.client_conf())
+        return describe_topic_id(self._admin, self._opts.topic, self._timeout)
 
     def partitions(self) -> list[int]:
         topic = self._opts.topic
@@ -472,6 +510,7 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     # -- driver
     def initialOffset(self) -> dict:
+        topic_id = self._probe().topic_id()
         lows, ends = self._probe().lows_and_ends()
         how = self._opts.starting_offsets.strip()
         if how == "earliest":
@@ -488,7 +527,7 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     + ", ".join(f"[{p}] {o} not in [{lows[p]}, {ends[p]}]" for p, o in sorted(outside.items()))
                     + " (messages were deleted, or the broker lost data)")
         log.info("%s starts at %s", self._opts.topic, start)
-        return offsets_to_json(start)
+        return offsets_to_json(start, topic_id)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self._opts.max_offsets_per_trigger is not None:
@@ -525,12 +564,21 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         begin = offsets_from_json(start)
         try:
+            topic_id = self._probe().topic_id()
+            if recreated(start, {TOPIC_ID: topic_id}):
+                if self._opts.on_data_loss != "follow":
+                    raise RuntimeError(f"{self._opts.topic} was recreated (topic id {start[TOPIC_ID]} is now "
+                                       f"{topic_id}): the broker lost data; not continuing")
+                log.warning("%s was recreated (the broker lost data): reading the new topic from offset 0, "
+                            "applied by position", self._opts.topic)
+                self._probe().forget()
+                begin = {p: 0 for p in begin}  # ``partitions`` starts the ranges there too
             lows, ends = self._ends_at_least(begin)
         except LookupError:
             if self._opts.on_data_loss != "follow":
                 raise
             log.warning("%s is missing (being recreated?): no new data", self._opts.topic)
-            return offsets_to_json(begin)
+            return start
         if self._target is not None:
             ends = {p: min(e, self._target[p]) for p, e in ends.items() if p in self._target}
         self._last_ends = ends
@@ -549,14 +597,17 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if p not in begin:  # a new partition: joins empty, read from the next batch on
                 end[p] = lows[p]
                 log.info("%s: partition %d joins at offset %d", self._opts.topic, p, lows[p])
-        return offsets_to_json(end)
+        return offsets_to_json(end, topic_id)
 
     def reportLatestOffset(self) -> dict | None:
         return offsets_to_json(self._last_ends) if self._last_ends is not None else None
 
     def partitions(self, start: dict, end: dict) -> list[OffsetRange]:
-        return plan_ranges(self._opts.topic, offsets_from_json(start), offsets_from_json(end),
-                           self._opts.max_offsets_per_task)
+        begin = offsets_from_json(start)
+        if recreated(start, end):
+            begin = {p: 0 for p in begin}
+        return plan_ranges(self._opts.topic, begin, offsets_from_json(end), self._opts.max_offsets_per_task,
+                           (end or {}).get(TOPIC_ID))
 
     def commit(self, end: dict) -> None:
         """Nothing to do: the apply step commits group offsets after its target commits."""
@@ -627,6 +678,7 @@ def read_shape_stream(spark, topic: str, bootstrap_servers: str, topic_prefix: s
 # Per worker process (Python workers are reused across tasks): Kafka clients,
 # writer-schema caches and DLQ topic creation happen once, not once per task.
 _consumers: dict[str, Any] = {}
+_admins: dict[str, Any] = {}
 _dlq_producers: dict[str, Any] = {}
 _writer_schemas: dict[str, WriterSchemas] = {}
 _dlq_topics_ready: set[tuple[str, str]] = set()
@@ -634,6 +686,29 @@ _dlq_topics_ready: set[tuple[str, str]] = set()
 
 def _conf_key(conf: dict[str, Any]) -> str:
     return json.dumps(conf, sort_keys=True, default=str)
+
+
+def _incarnation_gone(opts: SourceOptions, task: OffsetRange) -> bool:
+    """With ``on_data_loss=follow``: is the topic incarnation ``task`` was
+    planned in gone (recreated or missing)? Its messages are then lost: the
+    driver plans the new incarnation from offset 0."""
+    if not task.topic_id or opts.on_data_loss != "follow":
+        return False
+    conf = opts.client_conf()
+    admin = _admins.get(_conf_key(conf))
+    if admin is None:
+        from confluent_kafka.admin import AdminClient
+
+        admin = _admins[_conf_key(conf)] = AdminClient(conf)
+    try:
+        current = describe_topic_id(admin, task.topic, 30.0)
+    except LookupError:
+        current = None
+    if current != task.topic_id:
+        log.warning("%s[%d] [%d, %d): the topic was recreated (id %s, now %s); its messages are gone",
+                    task.topic, task.partition, task.start, task.end, task.topic_id, current)
+        return True
+    return False
 
 
 def _range_consumer(opts: SourceOptions):
@@ -763,6 +838,8 @@ def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRa
     from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
     topic, partition, end = task.topic, task.partition, task.end
+    if _incarnation_gone(opts, task):
+        return
     builder = BatchBuilder(schemas.layout(), _writer_schemas_for(opts, schemas))
     dead_letters = DeadLetters(opts)
     consumer = _range_consumer(opts)
@@ -774,6 +851,8 @@ def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRa
         while next_offset < end:
             msgs = consumer.consume(num_messages=min(CONSUME_BATCH, end - next_offset), timeout=1.0)
             if not msgs and time.monotonic() - idle_since > opts.read_idle_timeout_s:
+                if _incarnation_gone(opts, task):
+                    break  # what was read belongs to the old incarnation and stands
                 raise TimeoutError(
                     f"{topic}[{partition}]: no message at offset {next_offset} for {opts.read_idle_timeout_s}s "
                     f"(batch range ends at {end}; broker end of partition {eof_at}): the broker lost data?")
@@ -786,6 +865,9 @@ def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRa
                             next_offset = end
                             break
                         continue
+                    if _incarnation_gone(opts, task):
+                        next_offset = end  # lost mid-read: what was read stands
+                        break
                     raise KafkaException(err)
                 offset = msg.offset()
                 if offset >= end:

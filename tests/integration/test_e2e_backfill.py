@@ -51,9 +51,14 @@ def _config(source_db, target_db, bootstrap, prefix, tmp_path, shapes=SHAPES):
 
 
 def _wait_equal(cfg, consumer: Consumer, timeout: float = 300) -> None:
-    ok = wait_for(lambda: _verify_ok(cfg)[0] or consumer.errors, timeout=timeout, interval=3,
-                  what="target == source")
-    assert ok is True, [repr(e) for e in consumer.errors] or _verify_ok(cfg)[1]
+    try:
+        ok = wait_for(lambda: _verify_ok(cfg)[0] or consumer.errors, timeout=timeout, interval=3,
+                      what="target == source")
+    except AssertionError:
+        ok = False
+    assert ok is True, [repr(e) for e in consumer.errors] or [
+        (d.shape, d.source_rows, d.target_rows, d.missing[:5], d.extra[:5], d.changed[:5])
+        for d in _verify_ok(cfg)[1] if not d.ok]
 
 
 def _damage(target_db) -> None:

@@ -14,6 +14,7 @@ from confluent_kafka import Consumer, TopicPartition
 from producer.backfill import read_states, request_backfill, requests_topic
 from producer.config import parse_config
 from producer.kafka_io import read_tails
+from producer.status import collect_status, render_status
 from schemas import buckets, wire
 from tests.helpers import (ProducerProcess, ProducerThread, data_records, latest_rows, make_config, read_topic,
                            wait_for, write_toml)
@@ -91,6 +92,15 @@ def test_backfill_while_streaming_converges(source_db, kafka_broker, topic_prefi
     # ...and folding the topic by position (what the consumer does) gives the source.
     state = latest_rows(records)
     assert {k[0][1]: v["v"] for k, v in state.items()} == now
+    # Progress is visible in `walbridge status`: the request, its state and rows.
+    status = collect_status(parse_config(cfg))
+    record = next(r for r in status["backfills"] if r["request_id"] == rid)
+    assert record["state"] == "done" and record["rows"] == info["rows"]
+    done_view = status["producer"]["backfills_done"][-1]
+    assert done_view["shape"] == "public.items" and done_view["rows"] == 20000
+    from rich.console import Console
+
+    Console(file=open("/dev/null", "w")).print(render_status(status))
     # Tails ignore backfill messages: the replay de-duplication sees streamed positions only.
     tails = read_tails({"bootstrap.servers": kafka_broker.bootstrap}, [(topic, p) for p in range(3)])
     assert all(t is not None and t.position != (info["lsn"], 0) for t in tails.values())

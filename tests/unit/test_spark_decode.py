@@ -486,19 +486,27 @@ def test_plan_ranges_cuts_long_ranges_into_tasks():
 
 
 class FakeEnds:
-    def __init__(self, lows, ends):
-        self.lows, self.ends, self.closed = lows, ends, False
+    def __init__(self, lows, ends, topic_id=None):
+        self.lows, self.ends, self.closed, self.id = lows, ends, False, topic_id
 
     def lows_and_ends(self):
         return dict(self.lows), dict(self.ends)
+
+    def topic_id(self):
+        if self.id == "missing":
+            raise LookupError("topic does not exist")
+        return self.id
+
+    def forget(self):
+        pass
 
     def close(self):
         self.closed = True
 
 
-def _reader(max_rows=None, starting="earliest", lows=None, ends=None):
+def _reader(max_rows=None, starting="earliest", lows=None, ends=None, on_data_loss="fail"):
     opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb",
-                         max_offsets_per_trigger=max_rows, starting_offsets=starting)
+                         max_offsets_per_trigger=max_rows, starting_offsets=starting, on_data_loss=on_data_loss)
     reader = ShapeStreamReader(opts, ShapeSchemas(Shape().codec.value_schema))
     reader._ends = FakeEnds(lows or {0: 0, 1: 0}, ends or {0: 100, 1: 50})
     return reader
@@ -567,3 +575,29 @@ def test_reader_pickles_without_its_clients():
     assert clone._ends is None and clone._target is None
     r.stop()
     assert r._ends.closed
+
+
+def test_reader_follows_a_recreated_topic_from_offset_zero(monkeypatch):
+    monkeypatch.setattr("spark_consumer.kafka_source.time.sleep", lambda s: None)
+    r = _reader(ends={0: 900, 1: 50}, on_data_loss="follow")
+    r._ends.id = "new-id"
+    # The new incarnation outgrew what was read on partition 0: only the id tells.
+    start = {"0": 500, "1": 40, "topic_id": "old-id"}
+    end = r.latestOffset(start, ReadAllAvailable())
+    assert end == {"0": 900, "1": 50, "topic_id": "new-id"}
+    assert r.partitions(start, end) == [OffsetRange(TOPIC, 0, 0, 900, "new-id"),
+                                        OffsetRange(TOPIC, 1, 0, 50, "new-id")]
+    assert r.partitions(end, {**end, "0": 901}) == [OffsetRange(TOPIC, 0, 900, 901, "new-id")]  # then as usual
+    # Without ids: an end below the start is the sign; read from 0 up to it.
+    r._ends.id = None
+    assert r.latestOffset({"0": 1000, "1": 50}, ReadAllAvailable()) == {"0": 900, "1": 50}
+    # A topic being recreated: no new data meanwhile.
+    r._ends.id = "missing"
+    assert r.latestOffset(start, ReadAllAvailable()) == start
+
+
+def test_reader_stops_on_a_recreated_topic_unless_following():
+    r = _reader()
+    r._ends.id = "new-id"
+    with pytest.raises(RuntimeError, match="recreated"):
+        r.latestOffset({"0": 1, "1": 1, "topic_id": "old-id"}, ReadAllAvailable())
