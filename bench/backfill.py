@@ -50,13 +50,14 @@ class LatencyProbe(threading.Thread):
 
     def __init__(self, bootstrap: str, topic: str, prefix: str):
         super().__init__(daemon=True)
-        from confluent_kafka import Consumer
+        from confluent_kafka import OFFSET_END, Consumer, TopicPartition
 
         self.conf = {"bootstrap.servers": bootstrap}
         self.consumer = Consumer({**self.conf, "group.id": f"probe-{time.monotonic_ns()}",
-                                  "enable.auto.commit": False, "auto.offset.reset": "latest",
-                                  "fetch.wait.max.ms": 10})
-        self.consumer.subscribe([topic])
+                                  "enable.auto.commit": False, "fetch.wait.max.ms": 10})
+        # assign, not subscribe: no group join (Tansu makes a join wait), tail from now.
+        parts = self.consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        self.consumer.assign([TopicPartition(topic, p, OFFSET_END) for p in parts])
         self.resolver = SchemaResolver(self.conf, prefix, None)
         self.samples: list[tuple[float, float]] = []
         self.stop = threading.Event()

@@ -696,7 +696,16 @@ class Pipeline:
             return False
         if not idle and now - bf.last_chunk < self.config.backfill.force_after:
             return False
-        chunk = bf.reader.take()
+        try:
+            chunk = bf.reader.take()
+        except psycopg.OperationalError:
+            raise  # connection trouble: the pipeline restarts, and so does the backfill
+        except psycopg.Error as e:
+            log.error("backfill %s of shape %s failed: %s", bf.request["request_id"], bf.shape, e)
+            bf.reader.close()
+            self._set_state(bf.request, "failed", error=str(e).strip())
+            self._backfill = None
+            return False
         if chunk is None and not bf.reader.finished:
             return False  # the reader is behind (or still creating its slot)
         lsn = bf.reader.lsn
