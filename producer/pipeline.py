@@ -54,14 +54,13 @@ from typing import Any, Callable
 
 import psycopg
 from psycopg import sql
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from producer import backfill, catalog, metrics, pgoutput
 from producer.catalog import TableInfo
 from producer.config import Config, redact_dsn
 from producer.flush_tracker import FlushTracker, LogOffset, WriterAlignment
-from confluent_kafka import Consumer, TopicPartition
 from producer.kafka_io import (DeliveryLedger, SchemaPublisher, Tail, Writer, client_config, ensure_topics,
                                group_offsets, partition_for, producer_config, read_tails, scan_consumer)
 from producer.pgoutput import Begin, Commit, Delete, Insert, Keepalive, Relation, Truncate, TypeMsg, Update
@@ -244,6 +243,11 @@ class Pipeline:
             self._requests_consumer.close()
         try:
             self.kafka.flush(10)
+            # What is still queued must never be delivered later: after a broker
+            # restart it would land in the topics the next run re-creates, ahead
+            # of (and mistaken for) that run's own messages.
+            self.kafka.purge()
+            self.kafka.flush(0)
         except Exception:
             pass
         # Release the librdkafka handles now rather than at garbage collection.

@@ -43,13 +43,24 @@ class OffsetCommitter:
         from confluent_kafka import Consumer
 
         self._consumer = Consumer({**kafka_conf, "group.id": group, "enable.auto.commit": False})
+        self._failed: dict[tuple[str, int], int] = {}
 
     def commit(self, offsets: dict[tuple[str, int], int]) -> None:
-        from confluent_kafka import TopicPartition
+        """Commit; a failure is logged, not raised: the target's progress table,
+        not the group, decides what is applied, and the next batch commits
+        again (meanwhile the producer holds the WAL those offsets would release)."""
+        from confluent_kafka import KafkaException, TopicPartition
 
+        offsets = {**self._failed, **offsets}
         if offsets:
-            self._consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
-                                  asynchronous=False)
+            try:
+                self._consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
+                                      asynchronous=False)
+                self._failed = {}
+            except KafkaException as e:
+                self._failed = offsets
+                log.warning("committing offsets to the consumer group failed (retried with the next batch): %s",
+                            e.args[0].str() if e.args else e)
 
     def close(self) -> None:
         self._consumer.close()

@@ -562,6 +562,8 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             + " (the broker lost data); not continuing")
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        from confluent_kafka import KafkaException
+
         begin = offsets_from_json(start)
         try:
             topic_id = self._probe().topic_id()
@@ -578,6 +580,13 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if self._opts.on_data_loss != "follow":
                 raise
             log.warning("%s is missing (being recreated?): no new data", self._opts.topic)
+            return start
+        except KafkaException as e:
+            if e.args and e.args[0].fatal():
+                raise
+            # A broker restarting or unreachable: like any Kafka client, wait it out.
+            log.warning("%s: asking the broker for offsets failed (%s); no new data this time", self._opts.topic,
+                        e.args[0].str() if e.args else e)
             return start
         if self._target is not None:
             ends = {p: min(e, self._target[p]) for p, e in ends.items() if p in self._target}
@@ -832,6 +841,17 @@ class DeadLetters:
             raise RuntimeError(f"delivery to {self.topic} failed: {self._errors[0]}")
 
 
+def _transient_codes() -> frozenset:
+    from confluent_kafka import KafkaError
+
+    return frozenset({KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT,
+                      KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                      KafkaError.REQUEST_TIMED_OUT, KafkaError._RESOLVE})
+
+
+_TRANSIENT = _transient_codes()
+
+
 def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRange) -> Iterator[Any]:
     """Arrow record batches of every message in ``task``'s range, in offset
     order (executor side)."""
@@ -864,6 +884,9 @@ def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRa
                         if eof_at >= end:  # the rest of the range holds no visible message
                             next_offset = end
                             break
+                        continue
+                    if not err.fatal() and err.code() in _TRANSIENT:
+                        log.warning("%s[%d]: %s (retrying)", topic, partition, err.str())
                         continue
                     if _incarnation_gone(opts, task):
                         next_offset = end  # lost mid-read: what was read stands

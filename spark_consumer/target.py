@@ -572,7 +572,6 @@ def _apply_scoped_cuts(cur: psycopg.Cursor, target: ShapeTarget, cuts: Iterable[
     for c in cuts:
         tables = [(_table(target), truncated)] + ([] if target.keyless else [(_tombstones(target), dropped)])
         for table, counter in tables:
-            # Literals, no parameters: the bucket expression holds a bare '%'.
             n = cur.execute(sql.SQL("DELETE FROM {} AS t WHERE t._wb_partition = {} AND {} < ({}, {}) AND {}").format(
                 table, sql.Literal(c.partition), _pos("t"), sql.Literal(c.lsn), sql.Literal(c.op_index),
                 in_scope(c.scope, "t"))).rowcount
@@ -608,7 +607,6 @@ def _record_backfills(cur: psycopg.Cursor, group: str, topic: str, target: Shape
             continue
         if scope:
             _bucket_session(cur)
-        # Literals, no parameters: the bucket expression holds a bare '%'.
         deleted = cur.execute(sql.SQL("DELETE FROM {} AS t WHERE {} < ({}, 0) AND {}").format(
             _table(target), _pos("t"), sql.Literal(start), in_scope(scope, "t"))).rowcount
         tombstones = 0

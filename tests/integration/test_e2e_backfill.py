@@ -56,9 +56,37 @@ def _wait_equal(cfg, consumer: Consumer, timeout: float = 300) -> None:
                       what="target == source")
     except AssertionError:
         ok = False
-    assert ok is True, [repr(e) for e in consumer.errors] or [
-        (d.shape, d.source_rows, d.target_rows, d.missing[:5], d.extra[:5], d.changed[:5])
-        for d in _verify_ok(cfg)[1] if not d.ok]
+    if ok is not True:
+        for line in [repr(e) for e in consumer.errors] or _explain(cfg):
+            print(line)  # in full: pytest shortens the assertion message
+    assert ok is True, [repr(e) for e in consumer.errors] or "target != source (details above)"
+
+
+def _explain(cfg) -> list:
+    """What differs, and for the first differing key of each shape, every
+    message of that key in Kafka and the target's bookkeeping for it."""
+    from tests.helpers import read_topic
+
+    out = []
+    prefix = cfg["kafka"]["topic_prefix"]
+    for d in _verify_ok(cfg)[1]:
+        if d.ok:
+            continue
+        out.append((d.shape, d.source_rows, d.target_rows, d.missing[:5], d.extra[:5], d.changed[:5]))
+        key = next(iter(d.missing or d.extra or d.changed), None)
+        if key is None or not d.keyed:
+            continue
+        value = key.strip("()")
+        records = read_topic(cfg["kafka"]["bootstrap_servers"], f"{prefix}.{d.shape}", prefix, timeout=120)
+        out.append([(r.partition, r.offset, r.position, r.control, r.value and r.value["op"],
+                     r.value and (r.value["after"] or r.value["before"]))
+                    for r in records if r.control or (r.key and str(list(r.key.values())[0]) == value)])
+        schema, table = d.target_table.split(".", 1)
+        with psycopg.connect(cfg["consumer"]["target_dsn"]) as conn:
+            out.append(conn.execute(f'SELECT * FROM {schema}."{table}__wb_tombstones" '
+                                    f'WHERE ROW({", ".join(d.bucket_columns)})::text = %s', (key,)).fetchall())
+            out.append(conn.execute("SELECT * FROM _walbridge.progress").fetchall())
+    return out
 
 
 def _damage(target_db) -> None:
