@@ -217,35 +217,42 @@ def _quiet(spark):
 
 def start_queries(spark, config) -> tuple[list, list[ShapeApplier]]:
     from producer.kafka_io import client_config
-    from spark_consumer.apply_plan import ShapeTarget
-    from spark_consumer.kafka_source import SourceOptions, discover_schemas, read_shape_stream
 
     if not config.consumer.target_dsn:
         raise SystemExit("walbridge consumer: consumer.target_dsn is not set in the config")
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
     queries, appliers = [], []
     for shape in config.shapes:
-        topic = config.topic(shape)
-        opts = SourceOptions(topic=topic, bootstrap_servers=config.kafka.bootstrap_servers,
-                             topic_prefix=config.kafka.topic_prefix,
-                             schema_registry_url=config.kafka.schema_registry_url,
-                             kafka_client=dict(config.kafka.client),
-                             max_offsets_per_trigger=config.consumer.max_offsets_per_trigger)
-        schemas = _wait_for_schemas(opts, discover_schemas)
-        target = ShapeTarget.from_avro(shape.shape_name, schemas.value_schema, schemas.key_schema)
-        applier = ShapeApplier(config, shape, target, kafka_conf)
-        df = read_shape_stream(spark, topic, config.kafka.bootstrap_servers, config.kafka.topic_prefix,
-                               config.kafka.schema_registry_url, dict(config.kafka.client),
-                               config.consumer.max_offsets_per_trigger, schemas=schemas,
-                               on_data_loss=config.consumer.on_data_loss)
-        checkpoint = Path(config.consumer.checkpoint_dir) / shape.shape_name
-        query = (df.writeStream.queryName(f"walbridge:{shape.shape_name}").foreachBatch(applier)
-                 .option("checkpointLocation", str(checkpoint))
-                 .trigger(processingTime=f"{config.consumer.trigger_interval} seconds").start())
+        query, applier = start_query(spark, config, shape, kafka_conf)
         queries.append(query)
         appliers.append(applier)
-        log.info("consuming %s into %s.%s (checkpoint %s)", topic, target.schema, target.table, checkpoint)
     return queries, appliers
+
+
+def start_query(spark, config, shape, kafka_conf: dict[str, Any]):
+    """One shape's streaming query (from its checkpoint) and its applier."""
+    from spark_consumer.apply_plan import ShapeTarget
+    from spark_consumer.kafka_source import SourceOptions, discover_schemas, read_shape_stream
+
+    topic = config.topic(shape)
+    opts = SourceOptions(topic=topic, bootstrap_servers=config.kafka.bootstrap_servers,
+                         topic_prefix=config.kafka.topic_prefix,
+                         schema_registry_url=config.kafka.schema_registry_url,
+                         kafka_client=dict(config.kafka.client),
+                         max_offsets_per_trigger=config.consumer.max_offsets_per_trigger)
+    schemas = _wait_for_schemas(opts, discover_schemas)
+    target = ShapeTarget.from_avro(shape.shape_name, schemas.value_schema, schemas.key_schema)
+    applier = ShapeApplier(config, shape, target, kafka_conf)
+    df = read_shape_stream(spark, topic, config.kafka.bootstrap_servers, config.kafka.topic_prefix,
+                           config.kafka.schema_registry_url, dict(config.kafka.client),
+                           config.consumer.max_offsets_per_trigger, schemas=schemas,
+                           on_data_loss=config.consumer.on_data_loss)
+    checkpoint = Path(config.consumer.checkpoint_dir) / shape.shape_name
+    query = (df.writeStream.queryName(f"walbridge:{shape.shape_name}").foreachBatch(applier)
+             .option("checkpointLocation", str(checkpoint))
+             .trigger(processingTime=f"{config.consumer.trigger_interval} seconds").start())
+    log.info("consuming %s into %s.%s (checkpoint %s)", topic, target.schema, target.table, checkpoint)
+    return query, applier
 
 
 def _wait_for_schemas(opts, discover, timeout: float = 600.0):
@@ -262,24 +269,55 @@ def _wait_for_schemas(opts, discover, timeout: float = 600.0):
             time.sleep(2.0)
 
 
+QUERY_RESTARTS = 5  # failures of one query tolerated within QUERY_FAILURE_WINDOW
+QUERY_FAILURE_WINDOW = 600.0
+
+
 def run(config, master: str | None = None, stop: threading.Event | None = None,
         appliers: list | None = None) -> None:
     """Run the queries until ``stop`` is set or one fails; ``appliers`` (if
     given) receives each query's :class:`ShapeApplier` (for counters)."""
+    from pyspark.errors import StreamingQueryException
+
     from producer import metrics
+    from producer.kafka_io import client_config
 
     metrics.serve(config.metrics.consumer_port)
     spark = _quiet(spark_session(master))
     queries, started = start_queries(spark, config)
     if appliers is not None:
         appliers.extend(started)
+    kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
+    failures: list[list[float]] = [[] for _ in queries]
     try:
         while not (stop and stop.is_set()):
-            for q in queries:
-                if q.exception() is not None:
-                    raise RuntimeError(f"query {q.name} failed: {q.exception()}")
-            if spark.streams.awaitAnyTermination(1.0):
-                break
+            for i, q in enumerate(queries):
+                if q.isActive:
+                    continue
+                if q.exception() is None:
+                    return  # stopped from outside
+                # A failed query restarts from its checkpoint: the target's
+                # progress table makes that exactly-once (a crashed Python
+                # worker, a broker restart mid-read). Too many failures stop the job.
+                now = time.monotonic()
+                failures[i] = [t for t in failures[i] if now - t < QUERY_FAILURE_WINDOW] + [now]
+                if len(failures[i]) > QUERY_RESTARTS:
+                    raise RuntimeError(f"query {q.name} failed {len(failures[i])} times in "
+                                       f"{QUERY_FAILURE_WINDOW:.0f}s; last: {q.exception()}")
+                delay = min(2.0 ** len(failures[i]), 30.0)
+                log.error("query %s failed (%s); restarting it from its checkpoint in %.0fs", q.name,
+                          (str(q.exception()).strip().splitlines() or ["?"])[0][:300], delay)
+                if stop is not None and stop.wait(delay):
+                    return
+                started[i].close()
+                queries[i], started[i] = start_query(spark, config, config.shapes[i], kafka_conf)
+                if appliers is not None:
+                    appliers.append(started[i])
+            spark.streams.resetTerminated()
+            try:
+                spark.streams.awaitAnyTermination(1.0)
+            except StreamingQueryException:
+                pass  # handled above on the next round
     finally:
         for q in queries:
             q.stop()

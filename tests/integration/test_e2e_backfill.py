@@ -188,3 +188,31 @@ def _backfills(target_db, cfg) -> list[dict]:
 def _applied(target_db) -> int:
     with psycopg.connect(target_db) as conn:
         return conn.execute("SELECT count(*) FROM public.pgbench_history WHERE _wb_snapshot_id IS NULL").fetchone()[0]
+
+
+def test_a_failed_query_is_restarted_from_its_checkpoint(source_db, target_db, kafka_broker, topic_prefix,
+                                                         tmp_path, monkeypatch, caplog):
+    """A micro-batch that fails (here: the first apply raises) fails its query;
+    the consumer restarts it from its checkpoint and the target still ends equal."""
+    from spark_consumer.job import ShapeApplier
+
+    with psycopg.connect(source_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, v int)")
+        conn.execute("INSERT INTO items SELECT g, g FROM generate_series(1, 2000) g")
+    cfg = _config(source_db, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path, [{"table": "public.items"}])
+    real_call, failed = ShapeApplier.__call__, []
+
+    def flaky(self, batch_df, batch_id):
+        if not failed:
+            failed.append(batch_id)
+            raise RuntimeError("injected failure of the first micro-batch")
+        return real_call(self, batch_df, batch_id)
+
+    monkeypatch.setattr(ShapeApplier, "__call__", flaky)
+    with ProducerThread(cfg), Consumer(cfg) as consumer:
+        _wait_equal(cfg, consumer, timeout=180)
+        with psycopg.connect(source_db, autocommit=True) as conn:
+            conn.execute("UPDATE items SET v = -v WHERE id <= 10")
+        _wait_equal(cfg, consumer, timeout=120)
+    assert failed and not consumer.errors
+    assert "restarting it from its checkpoint" in caplog.text
