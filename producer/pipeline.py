@@ -204,6 +204,7 @@ class Pipeline:
         self.prepare()
         self.repl = ReplicationConnection(cfg.source.dsn, cfg.source.slot)
         slot = catalog.slot_state(self.catalog_conn, cfg.source.slot)
+        new_topics: set[str] = set()  # shapes added to a running deployment: backfilled below
         if slot is not None:
             if slot["plugin"] != "pgoutput" or slot["slot_type"] != "logical":
                 raise ReplicationError(f"slot {cfg.source.slot} exists but is not a logical pgoutput slot")
@@ -216,7 +217,7 @@ class Pipeline:
                 log.warning("slot %s exists but the snapshot in Kafka is incomplete: dropping the slot and "
                             "redoing the snapshot", cfg.source.slot)
                 self.catalog_conn.execute("SELECT pg_drop_replication_slot(%s)", (cfg.source.slot,))
-                slot = None
+                slot, new_topics = None, set()
         if slot is None:
             lsn, snapshot_name = self.repl.create_slot()
             log.info("created slot %s at %s (snapshot %s)", cfg.source.slot, pgoutput.lsn_to_str(lsn), snapshot_name)
@@ -227,7 +228,7 @@ class Pipeline:
             start = pgoutput.lsn_to_int(slot["confirmed_flush_lsn"])
             self._rebuild_ack_state()
         self._confirm_lsn = 0
-        self._load_backfill_requests(new_topics=self._new_topics() if slot is not None else set())
+        self._load_backfill_requests(new_topics)
         self.repl.start(self.publications, start)
         self._streaming = True
         log.info("streaming from slot %s (publications %s) to %s", cfg.source.slot, ", ".join(self.publications),
