@@ -2,9 +2,12 @@
 must happen to the shape's target table. Pure: no database, no Spark; the I/O
 shell is :mod:`spark_consumer.target`.
 
-Input: the rows :mod:`spark_consumer.decode` produces (one mapping per Kafka
-message; the shape's row columns by PostgreSQL name plus the ``_wb_*``
-bookkeeping columns), for one shape, from any number of partitions, in any order.
+Input: the rows :mod:`spark_consumer.decode` produces (one per Kafka message;
+the shape's row columns by PostgreSQL name plus the ``_wb_*`` bookkeeping
+columns), for one shape, from any number of partitions, in any order. A row is
+a mapping, or a tuple laid out by a ``fields`` list naming its items (decode's
+column order, as the job gets them from Arrow column by column: the fast form,
+planned without copying; the result is the same).
 
 Invariants:
 - A change's *position* is ``(_wb_lsn, _wb_op_index)``, compared
@@ -397,11 +400,28 @@ def _hashable(v: Any) -> Any:
     return v
 
 
-def _position(row: Mapping) -> Position | None:
-    lsn, op = row.get("_wb_lsn"), row.get("_wb_op_index")
-    if lsn is None or op is None:
+# The bookkeeping fields the planner reads (see spark_consumer.decode), in the
+# order they follow the shape's columns in the planner's row tuples.
+PLAN_FIELDS = ("_wb_op", "_wb_lsn", "_wb_op_index", "_wb_topic", "_wb_partition", "_wb_offset", "_wb_unchanged",
+               "_wb_special", "_wb_control", "_wb_control_info", "_wb_snapshot_id", "_wb_before")
+
+
+def field_index(fields: Sequence[str] | None, name: str) -> int | None:
+    """Where ``name`` is in rows laid out by ``fields`` (None: rows are Mappings)."""
+    if fields is None:
         return None
-    return (int(lsn), int(op))
+    try:
+        return list(fields).index(name)
+    except ValueError:
+        raise PlanError(f"rows have no {name!r} field") from None
+
+
+def _getter(fields: Sequence[str] | None, name: str):
+    """``row -> row[name]`` for Mapping rows (None if absent) or rows laid out by ``fields``."""
+    i = field_index(fields, name)
+    if i is None:
+        return lambda r: r.get(name)
+    return itemgetter(i)
 
 
 def _as_dict(m: Any) -> dict:
@@ -459,12 +479,37 @@ class _Columns:
         return tuple(values)
 
 
-def plan_batch(target: ShapeTarget, rows: Iterable[Mapping], *,
+def _row_tuples(target: ShapeTarget, rows: Iterable, fields: Sequence[str] | None
+                ) -> tuple[Sequence[tuple], tuple[int, ...], Sequence | None]:
+    """The rows as tuples the planner indexes, where the shape's columns are
+    ``row[:n]``, and the indexes of ``PLAN_FIELDS`` in them; plus the rows as
+    mappings when they had to be converted (mapping rows, or a layout that
+    lacks fields or has the columns elsewhere)."""
+    n = len(target.columns)
+    if fields is not None:
+        fields = tuple(fields)
+        if fields[:n] == target.names and all(f in fields for f in PLAN_FIELDS):
+            rows = rows if isinstance(rows, Sequence) else list(rows)
+            return rows, tuple(fields.index(f) for f in PLAN_FIELDS), None  # decode's layout: no copy
+        for f in ("_wb_partition", "_wb_offset"):
+            field_index(fields, f)
+        mappings = [dict(zip(fields, r)) for r in rows]
+    else:
+        mappings = rows if isinstance(rows, Sequence) else list(rows)
+    cols = _Columns(target)
+    tuples = [cols.values(r) + tuple(map(r.get, PLAN_FIELDS)) for r in mappings]
+    return tuples, tuple(range(n, n + len(PLAN_FIELDS))), mappings
+
+
+def plan_batch(target: ShapeTarget, rows: Iterable, *,
                floors: Mapping[int, Position] | None = None,
-               gc_controls: Iterable[str] = DEFAULT_GC_CONTROLS) -> ApplyPlan:
-    """Plan one micro-batch of one shape. ``floors``: per partition, the highest
-    cut already applied (changes below it are dropped). ``gc_controls``: control
-    events that cut their partition at their position."""
+               gc_controls: Iterable[str] = DEFAULT_GC_CONTROLS, fields: Sequence[str] | None = None) -> ApplyPlan:
+    """Plan one micro-batch of one shape. ``rows``: Mappings (a row's fields by
+    name) or, with ``fields``, sequences whose items ``fields`` names (e.g. one
+    tuple per row of decode.py's columns, which is the fast form: nothing is
+    copied). ``floors``: per partition, the highest cut already applied
+    (changes below it are dropped). ``gc_controls``: control events that cut
+    their partition at their position."""
     gc = frozenset(gc_controls)
     floor_of = {int(p): tuple(f) for p, f in (floors or {}).items() if f is not None}
     cols = _Columns(target)
@@ -478,11 +523,18 @@ def plan_batch(target: ShapeTarget, rows: Iterable[Mapping], *,
     append = data.append
     last_tp: Any = None
     st = PlanStats()
+    rows, index, mappings = _row_tuples(target, rows, fields)
+    I_OP, I_LSN, I_OPI, I_TOPIC, I_PART, I_OFF, I_UNCH, I_SPECIAL, I_CONTROL, I_INFO, I_SNAP, I_BEFORE = index
 
-    for row in rows:
-        p = row["_wb_partition"]
-        off = row["_wb_offset"]
-        topic = row.get("_wb_topic")
+    def control_row(i: int) -> Mapping:
+        if mappings is not None:
+            return mappings[i]
+        return dict(zip(fields, rows[i]))
+
+    for i, row in enumerate(rows):
+        p = row[I_PART]
+        off = row[I_OFF]
+        topic = row[I_TOPIC]
         if p != last_tp or topic != topic_of.get(p):
             st = stats.get((topic, p))
             if st is None:
@@ -494,14 +546,14 @@ def plan_batch(target: ShapeTarget, rows: Iterable[Mapping], *,
         st.rows += 1
         if off > st.max_offset:
             st.max_offset = off
-        lsn = row.get("_wb_lsn")
-        opi = row.get("_wb_op_index")
+        lsn = row[I_LSN]
+        opi = row[I_OPI]
         if lsn is not None and opi is not None:
             mp = st.max_position
             if mp is None or lsn > mp[0] or (lsn == mp[0] and opi > mp[1]):
                 st.max_position = (lsn, opi)
-        op = row.get("_wb_op")
-        control = row.get("_wb_control")
+        op = row[I_OP]
+        control = row[I_CONTROL]
         if op is None or control is not None:
             if control == DLQ_CONTROL:
                 st.dlq += 1
@@ -509,11 +561,11 @@ def plan_batch(target: ShapeTarget, rows: Iterable[Mapping], *,
             if control is None:
                 raise PlanError(f"row at {topic}[{p}]@{off} has neither _wb_op nor _wb_control")
             st.control += 1
-            controls.append(row)
+            controls.append(control_row(i))
             if control in gc:
                 info = None
                 if control == BACKFILL_END:
-                    info = backfill_info(target, row.get("_wb_control_info"), f"{topic}[{p}]@{off}")
+                    info = backfill_info(target, row[I_INFO], f"{topic}[{p}]@{off}")
                     if (lsn is None or opi is None) and info and info.get("lsn") is not None:
                         lsn, opi = int(info["lsn"]), 0  # a backfill_end's position is (S, 0)
                 if lsn is not None and opi is not None:
@@ -525,13 +577,13 @@ def plan_batch(target: ShapeTarget, rows: Iterable[Mapping], *,
             st.truncates += 1
             events.append(Cut(p, lsn, opi, off, "t"))
             continue
-        values = cols.values(row)
-        special = row.get("_wb_special")
+        values = row[:n] if row.__class__ is tuple else tuple(row[:n])
+        special = row[I_SPECIAL]
         if special:
             values = cols.with_special(values, special)
-        unchanged = row.get("_wb_unchanged")
+        unchanged = row[I_UNCH]
         unch = tuple(cols.idx(u, "_wb_unchanged") for u in unchanged) if unchanged else None
-        snap = row.get("_wb_snapshot_id")
+        snap = row[I_SNAP]
         if not keyless:
             if op == "d":
                 append(values + ("d", None, lsn, opi, p, off, snap))
@@ -548,7 +600,7 @@ def plan_batch(target: ShapeTarget, rows: Iterable[Mapping], *,
             continue
         if op not in ("u", "d"):
             raise PlanError(f"row at {topic}[{p}]@{off}: unknown _wb_op {op!r}")
-        b = row.get("_wb_before")
+        b = row[I_BEFORE]
         if b is not None:
             old = cols.before(b)
         elif op == "d":
@@ -720,28 +772,32 @@ class OffsetResetError(RuntimeError):
     data) or progress belongs to another topic incarnation."""
 
 
-def split_replayed(rows: Sequence[Mapping], progress: Progress | None, *, where: str = "",
-                   on_offset_reset: str = "raise") -> tuple[list[Mapping], int, bool]:
-    """Split one partition's rows into those still to apply and the count of
-    those progress already covers (``offset < next_offset``). A row below
-    ``next_offset`` whose position is above the applied position cannot be a
-    replay (positions only grow within a partition): ``on_offset_reset`` =
+def split_replayed(rows: Sequence, progress: Progress | None, *, where: str = "",
+                   on_offset_reset: str = "raise", fields: Sequence[str] | None = None) -> tuple[list, int, bool]:
+    """Split one partition's rows (Mappings, or sequences laid out by
+    ``fields``) into those still to apply and the count of those progress
+    already covers (``offset < next_offset``). A row below ``next_offset``
+    whose position is above the applied position cannot be a replay
+    (positions only grow within a partition): ``on_offset_reset`` =
     ``"raise"`` raises :class:`OffsetResetError`, ``"follow"`` applies the whole
     part (positions guard every write) and returns ``reset=True``."""
     if progress is None:
         return list(rows), 0, False
     nxt = progress.next_offset
+    offset_of = itemgetter("_wb_offset" if fields is None else field_index(fields, "_wb_offset"))
+    lsn_of, opi_of = _getter(fields, "_wb_lsn"), _getter(fields, "_wb_op_index")
     todo, skipped = [], 0
     for row in rows:
-        if int(row["_wb_offset"]) >= nxt:
+        if int(offset_of(row)) >= nxt:
             todo.append(row)
             continue
-        pos = _position(row)
+        lsn, opi = lsn_of(row), opi_of(row)
+        pos = (int(lsn), int(opi)) if lsn is not None and opi is not None else None
         if pos is not None and (progress.applied is None or pos > tuple(progress.applied)):
             if on_offset_reset == "follow":
                 return list(rows), 0, True
             raise OffsetResetError(
-                f"{where}: the row at offset {row['_wb_offset']} has position {pos}, above the applied "
+                f"{where}: the row at offset {offset_of(row)} has position {pos}, above the applied "
                 f"{progress.applied}, yet progress says offsets below {nxt} are applied: the partition was "
                 "reset (Kafka lost its data?). Apply with on_offset_reset='follow' to re-apply by position.")
         skipped += 1

@@ -627,3 +627,42 @@ class BatchBuilder:
 
 def _text(value: bytes | None) -> str | None:
     return None if value is None else bytes(value).decode("utf-8", "replace")
+
+
+# ------------------------------------------------------------ driver side
+_UTC_NAMES = frozenset({"UTC", "utc", "Etc/UTC", "+00:00", "Z"})
+_MICROS_PER_UNIT = {"s": 1_000_000, "ms": 1000, "us": 1}
+
+
+def arrow_rows(data: Any) -> tuple[tuple[str, ...], list[tuple]]:
+    """Decoded rows from Arrow (a ``pyarrow.Table`` or record batches, e.g.
+    ``DataFrame.toArrow()``) as (column names, one tuple per row): the input
+    :func:`spark_consumer.apply_plan.plan_batch` plans without copying.
+
+    The values are what ``to_pylist()`` gives, converted column by column
+    instead of a dict per row (a few times faster); UTC timestamps, which
+    ``to_pylist`` turns into datetimes through a time zone lookup per value, are
+    built from their integer value with ``datetime.timezone.utc`` (equal values)."""
+    import datetime
+
+    import pyarrow as pa
+
+    epoch = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+    delta = datetime.timedelta
+    if not isinstance(data, pa.Table):
+        batches = list(data)
+        if not batches:
+            return (), []
+        data = pa.Table.from_batches(batches)
+    table = data
+    columns = []
+    for col in table.columns:
+        t = col.type
+        if pa.types.is_timestamp(t) and t.tz in _UTC_NAMES and t.unit in _MICROS_PER_UNIT:
+            scale = _MICROS_PER_UNIT[t.unit]
+            columns.append([None if v is None else epoch + delta(0, 0, v * scale)
+                            for v in col.cast(pa.int64()).to_pylist()])
+        else:
+            columns.append(col.to_pylist())
+    rows = list(zip(*columns)) if columns else []
+    return tuple(table.column_names), rows

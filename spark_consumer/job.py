@@ -101,6 +101,7 @@ class ShapeApplier:
         return self._conn
 
     def __call__(self, batch_df, batch_id: int) -> None:
+        from spark_consumer.decode import arrow_rows
         from spark_consumer.target import Part, apply_batch, commit_batch, parts_from_rows
 
         started = time.monotonic()
@@ -118,16 +119,19 @@ class ShapeApplier:
                 return
             parts = [Part(r.topic, r.partition, r.start, r.end) for r in staged]
             result = commit_batch(conn, group, [(self.target, parts)])
-            rows = [{"_wb_ts_ms": max((r.newest_ts_ms or 0) for r in staged)}]
+            newest = max((r.newest_ts_ms or 0) for r in staged)
             n_rows = sum(r.rows for r in staged)
         else:
             # Arrow: fast, and timestamps arrive timezone-aware (collect() would
-            # give naive datetimes in the driver's local zone).
-            rows = batch_df.toArrow().to_pylist()
-            if not rows:
+            # give naive datetimes in the driver's local zone). Rows go to the
+            # planner as tuples, converted column by column (no dict per row).
+            table = batch_df.toArrow()
+            if not table.num_rows:
                 return
-            result = apply_batch(conn, group, self.target, parts_from_rows(rows),
+            fields, rows = arrow_rows(table)
+            result = apply_batch(conn, group, self.target, parts_from_rows(rows, fields=fields),
                                  on_offset_reset=_OFFSET_RESET[self.config.consumer.on_data_loss])
+            newest = _newest_ts_ms(table)
             n_rows = len(rows)
         if self._committer is None:
             self._committer = OffsetCommitter(self.kafka_conf, self.config.consumer.group)
@@ -138,13 +142,14 @@ class ShapeApplier:
         self.batches += 1
         self.rows += n_rows
         self.dlq += result.total("dlq")
-        self._metrics(rows, result)
+        self._metrics(newest, result)
         log.info("shape %s batch %d: %d rows (%d applied, %d replayed skipped, %d dead-lettered) in %.2fs",
                  self.shape.shape_name, batch_id, n_rows, result.total("applied"),
                  result.total("skipped_replayed"), result.total("dlq"), time.monotonic() - started)
 
 
-    def _metrics(self, rows: list[dict], result) -> None:
+    def _metrics(self, newest: int | None, result) -> None:
+        """``newest``: the highest ``_wb_ts_ms`` of the batch (None/0: none)."""
         from producer import metrics
 
         name = self.shape.shape_name
@@ -153,9 +158,14 @@ class ShapeApplier:
         metrics.APPLY_SKIPPED.labels(name).inc(result.total("skipped_replayed"))
         if result.total("dlq"):
             metrics.DLQ_MESSAGES.labels(name).inc(result.total("dlq"))
-        newest = max((r["_wb_ts_ms"] for r in rows if r.get("_wb_ts_ms")), default=None)
         if newest:
             metrics.APPLY_LATENCY.labels(name).set(max(time.time() - newest / 1000, 0))
+
+
+def _newest_ts_ms(table) -> int | None:
+    import pyarrow.compute as pc
+
+    return pc.max(table.column("_wb_ts_ms")).as_py()
 
 
 _OFFSET_RESET = {"follow": "follow", "stop": "raise"}  # [consumer] on_data_loss -> apply's on_offset_reset
@@ -168,25 +178,30 @@ def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, batche
     import psycopg
     import pyarrow as pa
 
+    from spark_consumer.decode import arrow_rows
     from spark_consumer.target import ensure_progress, parts_from_rows, stage_part
 
-    rows = [r for b in batches for r in b.to_pylist()]
+    fields, rows = arrow_rows(batches)
     if not rows:
         return
+    ts_ms = fields.index("_wb_ts_ms")
     conn = _stage_connections.get(dsn)
     if conn is None or conn.closed:
         conn = _stage_connections[dsn] = psycopg.connect(dsn, autocommit=True)
         ensure_progress(conn)
     out = {k: [] for k in ("topic", "partition", "start", "end", "rows", "newest_ts_ms")}
-    for part in parts_from_rows(rows):
+    for part in parts_from_rows(rows, fields=fields):
         stage_part(conn, group, target, part, on_offset_reset=on_offset_reset)
         for k, v in (("topic", part.topic), ("partition", part.partition), ("start", part.start),
                      ("end", part.end), ("rows", len(part.rows)),
-                     ("newest_ts_ms", max((r.get("_wb_ts_ms") or 0 for r in part.rows), default=0))):
+                     ("newest_ts_ms", max((r[ts_ms] or 0 for r in part.rows), default=0))):
             out[k].append(v)
     yield pa.RecordBatch.from_pydict(out, schema=pa.schema([
         ("topic", pa.string()), ("partition", pa.int32()), ("start", pa.int64()), ("end", pa.int64()),
         ("rows", pa.int64()), ("newest_ts_ms", pa.int64())]))
+
+
+DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"  # see spark_session
 
 
 def spark_session(master: str | None = None):
@@ -207,6 +222,14 @@ def spark_session(master: str | None = None):
             .config("spark.sql.shuffle.partitions", "2")
             .config("spark.ui.enabled", "false")
             .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
+            # Only where this process starts the driver JVM (local runs; under
+            # spark-submit the JVM is already up): its JIT compiles with C1
+            # only. The JVM's share of a micro-batch is small (Arrow in and
+            # out), but C2 kept compiling for ~10 batches, taking about 0.8
+            # CPU-s per 50k-row batch from the Python workers on the same
+            # cores (bench/consumer.py, 2 cores); afterwards both modes cost
+            # the same. User extraJavaOptions come after it and win.
+            .config("spark.driver.defaultJavaOptions", DRIVER_JAVA_OPTIONS)
             .getOrCreate())
 
 

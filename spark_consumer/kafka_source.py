@@ -120,6 +120,7 @@ DLQ_PARTITION_HEADER = "wb.dlq.partition"
 DLQ_OFFSET_HEADER = "wb.dlq.offset"
 ARROW_BATCH_ROWS = 8192
 CONSUME_BATCH = 5000
+RANGE_FETCH_WAIT_MS = 20  # librdkafka fetch.wait.max.ms of the executors' range consumers
 LOST_DATA_RETRIES = 3
 
 
@@ -728,6 +729,11 @@ def _range_consumer(opts: SourceOptions):
         from confluent_kafka import Consumer
 
         consumer = _consumers[key] = Consumer({
+            # A range's messages are all there (its end is a high watermark), so
+            # a fetch has no reason to wait for data; with librdkafka's default
+            # (500 ms) a task's first messages came up to ~0.4 s late behind
+            # such a wait (measured on Tansu), in every micro-batch.
+            "fetch.wait.max.ms": RANGE_FETCH_WAIT_MS,
             **conf, "group.id": f"walbridge-source-{uuid.uuid4().hex}", "enable.auto.commit": False,
             "enable.auto.offset.store": False, "enable.partition.eof": True,
             # An offset that is no longer there is data loss: fail, never skip.

@@ -153,6 +153,30 @@ def test_apply_then_replay_is_skipped(conn, items):
     assert again.offsets == res.offsets
 
 
+def test_tuple_rows_apply_like_mappings(conn, items):
+    """The job's form: tuples named by a fields list (decode.py's order)."""
+    fields = (*items.names, "_wb_op", "_wb_lsn", "_wb_op_index", "_wb_topic", "_wb_partition", "_wb_offset",
+              "_wb_unchanged", "_wb_special", "_wb_control", "_wb_control_info", "_wb_snapshot_id", "_wb_ts_ms",
+              "_wb_error", "_wb_before", "_wb_before_special")
+    rows = [tuple(r.get(f) for f in fields) for p in batch_one() for r in p.rows]
+    parts = parts_from_rows(rows, fields=fields)
+    assert [(p.partition, p.start, p.end, len(p.rows)) for p in parts] == [(0, 0, 3, 3), (1, 0, 2, 2)]
+    res = apply_batch(conn, GROUP, items, parts)
+    r0, r1 = res.parts[(TOPIC, 0)], res.parts[(TOPIC, 1)]
+    assert (r0.rows, r0.upserted, r0.superseded, r1.tombstoned) == (3, 2, 1, 1)
+    assert table_rows(conn) == [(1, "a2", Decimal("1.50")), (2, "b", None)]
+    # A replay in either form is skipped, also when it reaches further (offset filter on tuples).
+    assert apply_batch(conn, GROUP, items, batch_one()).total("skipped_replayed") == 5
+    more = rows[:3] + [tuple(dict(zip(fields, rows[0]), _wb_offset=3, _wb_lsn=130, **{"body text": "a3"})[f]
+                             for f in fields)]
+    res = apply_batch(conn, GROUP, items, parts_from_rows(more, fields=fields)[:1])
+    assert (res.total("skipped_replayed"), res.total("upserted")) == (3, 1)
+    assert table_rows(conn)[0] == (1, "a3", Decimal("1.00"))
+    mixed = [parts[0], batch_one()[1]]
+    with pytest.raises(ValueError, match="differently"):
+        apply_batch(conn, GROUP, items, mixed)
+
+
 def test_replay_with_a_longer_range_applies_only_the_rest(conn, items):
     rows = [change("c", 100 + i, id=i, body=f"v{i}", off=i) for i in range(6)]
     apply_batch(conn, GROUP, items, [part(rows[:3], 0)])
@@ -229,6 +253,107 @@ def test_unchanged_toast_keeps_the_current_value(conn, items):
         change("u", 112, id=2, n=Decimal("3.00"), unchanged=["body text"], off=3)], 0)])
     assert res.total("upserted") == 2
     assert table_rows(conn) == [(1, big, Decimal("2.00")), (2, "fresh", Decimal("3.00"))]
+
+
+def test_binary_copy_stages_exactly_what_text_would(conn, monkeypatch):
+    """Batches whose values all fit go to the stage in binary COPY; the table
+    ends up as with text COPY, and a batch with a value that does not fit
+    (a special value, an int out of range) is staged in text."""
+    from spark_consumer import target as target_mod
+
+    types = [PgTypeInfo(16, "boolean", 16, "boolean", -1, "b"), PgTypeInfo(21, "smallint", 21, "smallint", -1, "b"),
+             INT8, PgTypeInfo(701, "double precision", 701, "double precision", -1, "b"), NUM, TEXT, DATE, TSTZ,
+             PgTypeInfo(1114, "timestamp without time zone", 1114, "timestamp without time zone", -1, "b"), BYTEA]
+    names = ["flag", "small", "big", "dbl", "n", "body", "d", "at", "local", "raw"]
+    cols = [ShapeColumn("id", column_codec(INT), True)] + [ShapeColumn(n, column_codec(t), False)
+                                                           for n, t in zip(names, types)]
+    utc = datetime.timezone.utc
+    values = [dict(flag=True, small=-7, big=2**40, dbl=0.1, n=Decimal("12.345"), body="a\tb\\c\nd", d=datetime.date(2024, 2, 29),
+                   at=datetime.datetime(2024, 1, 1, 10, 0, 0, 5, tzinfo=datetime.timezone(datetime.timedelta(hours=2))),
+                   local=datetime.datetime(1999, 12, 31, 23, 59, 59, 999999), raw=b"\x00\xff"),
+              dict(flag=False, small=None, big=None, dbl=float("nan"), n=Decimal("-0.5"), body="", d=None,
+                   at=datetime.datetime(1, 1, 1, tzinfo=utc), local=None, raw=b""),
+              {k: None for k in names}]
+    used = []
+    real = target_mod._binary_types
+
+    def spy(*a):
+        oids = real(*a)
+        used.append(oids is not None)
+        return oids
+
+    monkeypatch.setattr(target_mod, "_binary_types", spy)
+    tables = {}
+    for shape, form in (("app.bin", "binary"), ("app.txt", "text")):
+        codec = ShapeCodec(shape, "wb", "app", "app", shape[4:], cols, list(range(len(cols))))
+        t = ShapeTarget.from_avro(shape, codec.value_schema, codec.key_schema)
+        ensure_table(conn, t)
+        if form == "text":
+            monkeypatch.setattr(target_mod, "_binary_types", lambda *a: used.append(False))
+        topic = f"wb.{shape}"
+        rows = [dict(v, id=i, _wb_op="c", _wb_lsn=100 + i, _wb_op_index=0, _wb_topic=topic, _wb_partition=0,
+                     _wb_offset=i, _wb_snapshot_id="s" if i else None) for i, v in enumerate(values)]
+        assert apply_batch(conn, GROUP, t, parts_from_rows(rows)).total("upserted") == 3
+        tables[form] = conn.execute(sql.SQL("SELECT id, {}, _wb_lsn, _wb_op_index, _wb_partition, _wb_offset, "
+                                            "_wb_snapshot_id FROM {} ORDER BY id").format(
+            sql.SQL(", ").join(sql.Identifier(n) for n in names), sql.Identifier("app", shape[4:]))).fetchall()
+    assert used == [True, False]
+    assert str(tables["binary"]) == str(tables["text"])  # str: NaN == NaN
+    assert tables["binary"][0][1:6] == (True, -7, 2**40, 0.1, Decimal("12.35"))
+    assert tables["binary"][0][8] == datetime.datetime(2024, 1, 1, 8, 0, 0, 5, tzinfo=utc)
+    # Values that do not fit binary: the batch goes in text (and fails or not as text would).
+    t = ShapeTarget.from_avro("app.bin", ShapeCodec("app.bin", "wb", "app", "app", "bin", cols,
+                                                    list(range(len(cols)))).value_schema, key_fields=["id"])
+    row = dict({k: None for k in names}, id=9, _wb_op="c", _wb_lsn=200, _wb_op_index=0, _wb_topic="wb.app.bin",
+               _wb_partition=0, _wb_offset=3, _wb_special={"d": "infinity"})
+    used.clear()
+    monkeypatch.setattr(target_mod, "_binary_types", spy)
+    assert apply_batch(conn, GROUP, t, parts_from_rows([row])).total("upserted") == 1
+    assert conn.execute("SELECT d::text FROM app.bin WHERE id = 9").fetchone()[0] == "infinity"
+    with pytest.raises(psycopg.errors.NumericValueOutOfRange):
+        apply_batch(conn, GROUP, t, parts_from_rows([dict(row, id=10, small=40000, _wb_offset=4, _wb_special=None)]))
+    assert used == [False, False]
+
+
+def test_new_keys_go_straight_in_and_updates_run_only_when_keys_may_exist(conn, items, monkeypatch):
+    """Upserts of keys neither the table nor its tombstones hold anywhere in
+    the batch's key range are COPYed straight into the table; otherwise the
+    stage's statements run (the UPDATE only when a target key is in range)."""
+    from spark_consumer import target as target_mod
+
+    direct, between = [], []
+    real_insert, real_between = target_mod._insert_new_keys, target_mod._keys_between
+    monkeypatch.setattr(target_mod, "_insert_new_keys", lambda *a: direct.append(1) or real_insert(*a))
+    monkeypatch.setattr(target_mod, "_keys_between",
+                        lambda *a, **k: between.append((real_between(*a, **k), k.get("tombstones", False))) or
+                        between[-1][0])
+
+    def apply(*rows):
+        direct.clear(), between.clear()
+        return apply_batch(conn, GROUP, items, [part(list(rows))])
+
+    res = apply(*[change("c", 100 + i, id=i, body=f"v{i}", off=i - 1) for i in (1, 2, 3)])
+    assert res.total("upserted") == 3 and direct == [1] and between == [(False, True)]  # empty target
+    res = apply(change("c", 200, id=10, off=3), change("c", 201, id=12, off=4))
+    assert res.total("upserted") == 2 and direct == [1]  # 10..12: no key there
+    res = apply(change("u", 300, id=2, body="new", off=5), change("u", 90, id=3, body="stale", off=6),
+                change("c", 301, id=20, off=7))
+    assert (res.total("upserted"), res.total("stale"), direct, between) == (2, 1, [], [(True, True), (True, False)])
+    assert table_rows(conn, 'SELECT id, "body text" FROM app.items ORDER BY id') == [
+        (1, "v1"), (2, "new"), (3, "v3"), (10, None), (12, None), (20, None)]
+    res = apply(change("d", 400, id=1, off=8), change("d", 401, id=99, off=9))  # deletes only: no upsert statement
+    assert (res.total("deleted"), res.total("tombstoned"), direct, between) == (1, 2, [], [])
+    # A tombstone in range: the stage's statements (an older upsert stays deleted, a newer one lifts it).
+    res = apply(change("c", 350, id=99, off=10), change("c", 500, id=100, off=11))
+    assert (res.total("upserted"), res.total("stale"), direct) == (1, 1, [])
+    res = apply(change("c", 600, id=99, off=12), change("c", 601, id=98, off=13))
+    assert (res.total("upserted"), direct) == (2, [])
+    assert [r[0] for r in table_rows(conn, "SELECT id FROM app.items ORDER BY id")] == [2, 3, 10, 12, 20, 98, 99, 100]
+    assert conn.execute("SELECT count(*) FROM app.items__wb_tombstones").fetchone()[0] == 1  # id 1
+    # Rows that went straight in carry what the stage would have written.
+    assert conn.execute("SELECT _wb_lsn, _wb_op_index, _wb_partition, _wb_offset, _wb_snapshot_id, "
+                        "_wb_applied_at IS NOT NULL FROM app.items WHERE id = 10").fetchone() == (
+        200, 0, 0, 3, None, True)
 
 
 def test_values_and_special_values_are_written_exactly(conn, items):

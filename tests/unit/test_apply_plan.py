@@ -11,10 +11,12 @@ import pytest
 
 from producer.envelope import ShapeCodec, ShapeColumn
 from producer.pgtypes import PgTypeInfo, column_codec
+from spark_consumer import apply_plan
 from spark_consumer.apply_plan import (
     APPEND, DELETE, REMOVE, UPSERT, OffsetResetError, PlanError, Progress, ShapeTarget, classify_cuts, make_cut,
-    plan_batch, split_replayed, split_shape_name, tombstone_name,
+    split_replayed, split_shape_name, tombstone_name,
 )
+from spark_consumer.decode import BEFORE_COLUMNS, BOOKKEEPING_NAMES
 
 INT = PgTypeInfo(23, "integer", 23, "integer", -1, "b")
 TEXT = PgTypeInfo(25, "text", 25, "text", -1, "b")
@@ -49,6 +51,30 @@ def lrow(op, lsn, idx=0, *, p=0, off=0, a=None, b=None, before=None):
     return {"a": a, "b": b, "_wb_op": op, "_wb_lsn": lsn, "_wb_op_index": idx, "_wb_topic": TOPIC,
             "_wb_partition": p, "_wb_offset": off, "_wb_unchanged": None, "_wb_special": None,
             "_wb_control": None, "_wb_snapshot_id": None, "_wb_ts_ms": 0, "_wb_before": before}
+
+
+def as_tuples(target, rows):
+    """Rows as the job hands them over: tuples in decode.py's column order."""
+    fields = (*target.names, *BOOKKEEPING_NAMES, *BEFORE_COLUMNS)
+    by_field = {c.name: c.field for c in target.columns}
+    return fields, [tuple(r.get(f, r.get(by_field.get(f, f))) for f in fields) for r in rows]
+
+
+def plan_tuples(target, rows, **kw):
+    """plan_batch on the tuple form of ``rows`` (its controls are then dicts of every field)."""
+    fields, tuples = as_tuples(target, rows)
+    return apply_plan.plan_batch(target, tuples, fields=fields, **kw)
+
+
+@pytest.fixture(params=["mappings", "tuples"], autouse=True)
+def row_form(request, monkeypatch):
+    """Every planner test runs on mapping rows and on the job's tuple rows."""
+    if request.param == "tuples":
+        monkeypatch.setitem(globals(), "plan_batch", plan_tuples)
+    return request.param
+
+
+plan_batch = apply_plan.plan_batch
 
 
 def by_key(plan):
@@ -312,3 +338,39 @@ def test_cut_events_round_trip_through_staging():
     assert rebuilt[0] == plan.cuts and rebuilt[1] == plan.scoped_cuts
     assert order(rebuilt[2]) == order(plan.backfill_ends) and len(plan.backfill_ends) == 2
     assert {p: c.reason for p, c in plan.cuts.items()} == {0: "t", 1: "backfill_end", 2: "snapshot_end"}
+
+
+def test_tuple_rows_plan_like_mappings_in_any_field_order():
+    """The job's form (tuples named by a fields list, decode.py's order) and
+    other field orders plan exactly what the mapping rows plan."""
+    t = keyed_target()
+    rows = [row("c", 10, id=1, body="big", n=Decimal("1.00"), off=0),
+            row("u", 20, id=1, n=Decimal("2.00"), unchanged=["body text"], off=1),
+            row("u", 21, id=2, unchanged=["body text"], special={"d": "infinity"}, off=2),
+            row("t", 5, p=1, off=0), row("c", 4, id=3, p=1, off=1), row("c", 6, id=4, p=1, off=2),
+            row(None, 9, control="snapshot_end", snap="s1", off=3), row(None, None, control="dlq", off=4),
+            backfill_end(40, p=2, off=0, scope=SCOPE), row("d", 41, id=5, p=2, off=1)]
+    want = apply_plan.plan_batch(t, rows, floors={2: (1, 0)})
+    fields, tuples = as_tuples(t, rows)
+    for order in (fields, tuple(reversed(fields))):
+        lay = [tuple(dict(zip(fields, r))[f] for f in order) for r in tuples]
+        got = apply_plan.plan_batch(t, iter(lay), fields=order, floors={2: (1, 0)})
+        assert got.stage_rows == want.stage_rows and got.stats == want.stats and got.cuts == want.cuts
+        assert (got.keep_sets, got.scoped_cuts, got.backfill_ends) == (want.keep_sets, want.scoped_cuts,
+                                                                       want.backfill_ends)
+        assert [(c["_wb_control"], c["_wb_offset"], c["_wb_snapshot_id"]) for c in got.controls] == [
+            (c["_wb_control"], c["_wb_offset"], c["_wb_snapshot_id"]) for c in want.controls]
+    assert by_key(want)[2].values[3] == "infinity" and by_key(want)[2].keep == ("body text",)
+    with pytest.raises(PlanError, match="_wb_offset"):
+        apply_plan.plan_batch(t, [(1, 2)], fields=("id", "_wb_partition"))
+
+
+def test_replay_filter_on_tuple_rows():
+    t = keyed_target()
+    fields, rows = as_tuples(t, [row("c", 10 + i, id=i, off=i) for i in range(6)])
+    off = fields.index("_wb_offset")
+    todo, skipped, reset = split_replayed(rows, Progress(3, (12, 0)), fields=fields)
+    assert [r[off] for r in todo] == [3, 4, 5] and skipped == 3 and not reset
+    with pytest.raises(OffsetResetError):
+        split_replayed(rows, Progress(3, (5, 0)), fields=fields)
+    assert split_replayed(rows, Progress(3, (5, 0)), on_offset_reset="follow", fields=fields)[2]

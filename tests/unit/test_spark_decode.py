@@ -12,6 +12,7 @@ import pickle
 import uuid
 from decimal import Decimal
 
+import pyarrow as pa
 import pytest
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, ReadMinRows
@@ -42,6 +43,7 @@ from spark_consumer.decode import (
     UndecodableMessage,
     UnsupportedSchema,
     WriterSchemas,
+    arrow_rows,
     column_type,
     format_time_micros,
     strip_logical_types,
@@ -303,6 +305,24 @@ def test_update_with_the_old_row_carries_it_in_wb_before():
     assert again["_wb_before"]["at"] == "13:14:15.123456"  # same conversions as the row columns
     assert again["_wb_before"]["huge"] == "-123456789012345678901234567890.123"
     assert again["_wb_before_special"] is None
+
+
+def test_arrow_rows_are_to_pylist_as_tuples():
+    """The driver's conversion: the values to_pylist gives (UTC datetimes
+    included, also inside _wb_before), one tuple per row, no dict per row."""
+    shape = Shape()
+    b = shape.builder()
+    b.add(TOPIC, 0, 1, None, shape.value("u", before=ROW, after=ROW), pos(101))
+    b.add(TOPIC, 0, 2, None, shape.value("c", after=SPECIAL_ROW), pos(102))
+    b.add(TOPIC, 1, 3, None, None, [(wire.CONTROL_HEADER, b"snapshot_end")] + pos(103))
+    batch = b.to_record_batch()
+    fields, rows = arrow_rows([batch])
+    assert fields == tuple(batch.schema.names) and all(type(r) is tuple for r in rows)
+    assert [dict(zip(fields, r)) for r in rows] == batch.to_pylist()
+    ts = fields.index("ts")
+    assert rows[0][ts] == ROW[11] and rows[0][ts].utcoffset() == dt.timedelta(0) and rows[1][ts] is None
+    assert arrow_rows(pa.Table.from_batches([batch]))[1] == rows
+    assert arrow_rows([]) == ((), [])
 
 
 def test_delete_reads_before_and_fills_the_key_from_the_message_key():
