@@ -625,8 +625,11 @@ class BatchBuilder:
         return self.to_record_batch().to_pylist()
 
 
-def _text(value: bytes | None) -> str | None:
-    return None if value is None else bytes(value).decode("utf-8", "replace")
+def _text(value: bytes | str | None) -> str | None:
+    """A header's value as text (a value from the envelope already is)."""
+    if value is None or value.__class__ is str:
+        return value
+    return bytes(value).decode("utf-8", "replace")
 
 
 # ------------------------------------------------------------ driver side

@@ -105,6 +105,7 @@ class ShapeApplier:
         from spark_consumer.target import Part, apply_batch, commit_batch, parts_from_rows
 
         started = time.monotonic()
+        read_s = None  # the Spark job that reads the batch (driver apply only)
         conn = self._connection()
         group = self.config.consumer.group
         if self.config.consumer.staged_apply:
@@ -126,6 +127,7 @@ class ShapeApplier:
             # give naive datetimes in the driver's local zone). Rows go to the
             # planner as tuples, converted column by column (no dict per row).
             table = batch_df.toArrow()
+            read_s = time.monotonic() - started
             if not table.num_rows:
                 return
             fields, rows = arrow_rows(table)
@@ -143,9 +145,10 @@ class ShapeApplier:
         self.rows += n_rows
         self.dlq += result.total("dlq")
         self._metrics(newest, result)
-        log.info("shape %s batch %d: %d rows (%d applied, %d replayed skipped, %d dead-lettered) in %.2fs",
+        log.info("shape %s batch %d: %d rows (%d applied, %d replayed skipped, %d dead-lettered) in %.2fs%s",
                  self.shape.shape_name, batch_id, n_rows, result.total("applied"),
-                 result.total("skipped_replayed"), result.total("dlq"), time.monotonic() - started)
+                 result.total("skipped_replayed"), result.total("dlq"), time.monotonic() - started,
+                 "" if read_s is None else f" (read {read_s:.2f}s)")
 
 
     def _metrics(self, newest: int | None, result) -> None:

@@ -120,7 +120,7 @@ DLQ_PARTITION_HEADER = "wb.dlq.partition"
 DLQ_OFFSET_HEADER = "wb.dlq.offset"
 ARROW_BATCH_ROWS = 8192
 CONSUME_BATCH = 5000
-RANGE_FETCH_WAIT_MS = 20  # librdkafka fetch.wait.max.ms of the executors' range consumers
+RANGE_FETCH_WAIT_MS = 50  # librdkafka fetch.wait.max.ms of the executors' range consumers (10 ms livelocked on Tansu)
 LOST_DATA_RETRIES = 3
 
 

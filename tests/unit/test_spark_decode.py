@@ -354,6 +354,16 @@ def test_snapshot_read_truncate_and_control_rows():
     assert all(trunc[c.name] is None for c in COLUMNS)
 
 
+def test_snapshot_id_falls_back_to_the_envelope_source():
+    # A plain client's copy of a snapshot row may drop the headers; the
+    # envelope's source.snapshot_id (already text) still identifies it.
+    shape = Shape()
+    b = shape.builder()
+    b.add(TOPIC, 1, 0, shape.key(ROW), shape.value("r", after=ROW, lsn=50, snapshot_id="slot@0/1"), pos(50))
+    [r] = b.rows()
+    assert (r["_wb_op"], r["_wb_snapshot_id"]) == ("r", "slot@0/1")
+
+
 def test_position_falls_back_to_the_envelope_source():
     shape = Shape()
     b = shape.builder()
