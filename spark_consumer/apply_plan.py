@@ -53,8 +53,9 @@ Invariants:
   live appends by position); ``d`` removes one row equal to the old row
   (``_wb_before`` if given, else the row columns, which the decoder fills from
   the envelope's ``before``); ``u`` removes one row equal to ``_wb_before``
-  (required: without the old row an update of a keyless row cannot be applied)
-  and appends the new row. Inside the batch, a removal first cancels an earlier
+  (required: without the old row an update of a keyless row cannot be applied;
+  its special values come from ``_wb_before_special``, as the new row's from
+  ``_wb_special``) and appends the new row. Inside the batch, a removal first cancels an earlier
   pending append of an equal row (across partitions); what remains removes
   target rows older than the removal (the shell runs it after the appends).
 - Control rows (``_wb_op`` null, ``_wb_control`` set) are returned in
@@ -403,7 +404,7 @@ def _hashable(v: Any) -> Any:
 # The bookkeeping fields the planner reads (see spark_consumer.decode), in the
 # order they follow the shape's columns in the planner's row tuples.
 PLAN_FIELDS = ("_wb_op", "_wb_lsn", "_wb_op_index", "_wb_topic", "_wb_partition", "_wb_offset", "_wb_unchanged",
-               "_wb_special", "_wb_control", "_wb_control_info", "_wb_snapshot_id", "_wb_before")
+               "_wb_special", "_wb_control", "_wb_control_info", "_wb_snapshot_id", "_wb_before", "_wb_before_special")
 
 
 def field_index(fields: Sequence[str] | None, name: str) -> int | None:
@@ -524,7 +525,8 @@ def plan_batch(target: ShapeTarget, rows: Iterable, *,
     last_tp: Any = None
     st = PlanStats()
     rows, index, mappings = _row_tuples(target, rows, fields)
-    I_OP, I_LSN, I_OPI, I_TOPIC, I_PART, I_OFF, I_UNCH, I_SPECIAL, I_CONTROL, I_INFO, I_SNAP, I_BEFORE = index
+    (I_OP, I_LSN, I_OPI, I_TOPIC, I_PART, I_OFF, I_UNCH, I_SPECIAL, I_CONTROL, I_INFO, I_SNAP, I_BEFORE,
+     I_BEFORE_SPECIAL) = index
 
     def control_row(i: int) -> Mapping:
         if mappings is not None:
@@ -603,6 +605,8 @@ def plan_batch(target: ShapeTarget, rows: Iterable, *,
         b = row[I_BEFORE]
         if b is not None:
             old = cols.before(b)
+            if row[I_BEFORE_SPECIAL]:  # the old row's special values (NaN, infinity, ...) as their text
+                old = cols.with_special(old, row[I_BEFORE_SPECIAL])
         elif op == "d":
             old = values
         else:

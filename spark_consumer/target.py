@@ -805,6 +805,12 @@ def _only_new_keys(cur: psycopg.Cursor, target: ShapeTarget, plan: ApplyPlan, st
         return False
     if any(kind != UPSERT for counts in staged.values() for kind, c in counts.items() if c):
         return False
+    # COPY FROM refuses a table under row-level security: such a table takes
+    # the stage's INSERT, which applies its policies.
+    secured = cur.execute("SELECT relrowsecurity FROM pg_class WHERE oid = %s::regclass",
+                          (_table(target).as_string(cur),)).fetchone()
+    if secured is None or secured[0]:
+        return False
     return not _keys_between(cur, target, key_range, tombstones=True)
 
 

@@ -205,6 +205,18 @@ def test_keyless_update_needs_the_old_row():
         plan_batch(keyless_target(), [lrow("u", 14, a=2, b="new")])
 
 
+def test_keyless_update_removes_the_old_row_with_its_special_values():
+    # The old row's NaN/infinity travel as text in _wb_before_special (its
+    # struct holds null there); the removal must match the row that holds them.
+    cols = [ShapeColumn("a", column_codec(INT), False), ShapeColumn("n", column_codec(NUM), False)]
+    t = ShapeTarget.from_avro("m", ShapeCodec("m", "wb", "app", "public", "m", cols, [0, 1]).value_schema, None)
+    u = lrow("u", 14, before={"a": 2, "n": None}, off=3)
+    del u["b"]
+    u.update(n=Decimal("1.5"), _wb_before_special=[("n", "NaN")])
+    plan = plan_batch(t, [u])
+    assert {r.kind: r.values for r in plan.rows} == {REMOVE: (2, "NaN"), APPEND: (None, Decimal("1.5"))}
+
+
 def test_keyless_removal_does_not_cancel_a_later_append():
     t = keyless_target()
     plan = plan_batch(t, [lrow("d", 10, a=1, b="x", off=0), lrow("c", 11, a=1, b="x", off=1)])
