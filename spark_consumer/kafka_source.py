@@ -120,6 +120,8 @@ DLQ_PARTITION_HEADER = "wb.dlq.partition"
 DLQ_OFFSET_HEADER = "wb.dlq.offset"
 ARROW_BATCH_ROWS = 8192
 CONSUME_BATCH = 5000
+RANGE_CONSUME_WAIT_S = 1.0  # one consume() call of a range read
+RANGE_FETCH_QUEUE_BACKOFF_MS = 10  # librdkafka fetch.queue.backoff.ms of the range consumers (see _range_consumer)
 RANGE_FETCH_WAIT_MS = 50  # librdkafka fetch.wait.max.ms of the executors' range consumers (10 ms livelocked on Tansu)
 LOST_DATA_RETRIES = 3
 
@@ -734,6 +736,12 @@ def _range_consumer(opts: SourceOptions):
             # (500 ms) a task's first messages came up to ~0.4 s late behind
             # such a wait (measured on Tansu), in every micro-batch.
             "fetch.wait.max.ms": RANGE_FETCH_WAIT_MS,
+            # A consumer reused for the next range (another partition, or the
+            # same one further on) sometimes got its first messages 1 s late,
+            # this back-off's default (probably set by the previous range's
+            # prefetch filling the queue): in 1 of 4 tasks of the first
+            # batches of bench/consumer.py, and gone with a short back-off.
+            "fetch.queue.backoff.ms": RANGE_FETCH_QUEUE_BACKOFF_MS,
             **conf, "group.id": f"walbridge-source-{uuid.uuid4().hex}", "enable.auto.commit": False,
             "enable.auto.offset.store": False, "enable.partition.eof": True,
             # An offset that is no longer there is data loss: fail, never skip.
@@ -875,7 +883,7 @@ def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRa
         eof_at = None
         idle_since = time.monotonic()
         while next_offset < end:
-            msgs = consumer.consume(num_messages=min(CONSUME_BATCH, end - next_offset), timeout=1.0)
+            msgs = consumer.consume(num_messages=min(CONSUME_BATCH, end - next_offset), timeout=RANGE_CONSUME_WAIT_S)
             if not msgs and time.monotonic() - idle_since > opts.read_idle_timeout_s:
                 if _incarnation_gone(opts, task):
                     break  # what was read belongs to the old incarnation and stands
