@@ -727,10 +727,10 @@ assert _STAGED_BOOKKEEPING == (*POSITION_COLUMNS, "_wb_snapshot_id")
 
 def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier,
                  keep_sets: Iterable[tuple[str, ...]], n_upserts: int | None = None, n_deletes: int | None = None,
-                 key_range: tuple[int, int] | None = None) -> dict[str, Counter]:
+                 upsert_keys: list[int] | None = None) -> dict[str, Counter]:
     """``n_upserts``/``n_deletes``: how many the stage holds, when known (a
-    statement for a kind the stage lacks is skipped); ``key_range``: the lowest
-    and highest upserted key, when the shape has one integer key column."""
+    statement for a kind the stage lacks is skipped); ``upsert_keys``: the
+    upserted keys, when the shape has one integer key column."""
     t, tb = _table(target), _tombstones(target)
     keys = sql.SQL(", ").join(_ident(k) for k in target.key_columns)
     s_keys = sql.SQL(", ").join(sql.SQL("s.{}").format(_ident(k)) for k in target.key_columns)
@@ -747,10 +747,10 @@ def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier
     all_cols, s_cols = _insert_columns(target)
     # Keys the target holds: update where the change is newer. A statement per
     # set of kept (unchanged TOAST) columns, which it leaves alone. None when
-    # no target key lies between the lowest and highest upserted key (e.g. a
-    # snapshot into an empty or disjoint table): the join would find nothing.
+    # the target holds none of the upserted keys (e.g. a snapshot into an
+    # empty or disjoint table): the join would find nothing.
     upserted = Counter()
-    for keep in keep_sets if key_range is None or _keys_between(cur, target, key_range) else ():
+    for keep in keep_sets if upsert_keys is None or _holds_any_key(cur, target, upsert_keys) else ():
         kept = set(keep)
         sets = [sql.SQL("{c} = s.{c}").format(c=_ident(c))
                 for c in (*[n for n, col in zip(names, target.columns) if not col.is_key and n not in kept],
@@ -779,29 +779,35 @@ def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier
     return out
 
 
-def _keys_between(cur: psycopg.Cursor, target: ShapeTarget, key_range: tuple[int, int],
-                  tombstones: bool = False) -> bool:
-    """Does the target (or, with ``tombstones``, its tombstones) hold a key in
-    ``key_range``? True unless its key column is an integer column without one."""
+def _holds_any_key(cur: psycopg.Cursor, target: ShapeTarget, keys: list[int], tombstones: bool = False) -> bool:
+    """Does the target (or, with ``tombstones``, its tombstones) hold any of
+    ``keys``? True unless its key column is an integer column holding none.
+    A probe of the keys' range first (one index lookup, enough for appends
+    with rising keys), then the keys themselves (for a snapshot, whose
+    partitions interleave the parallel readers' key ranges)."""
     [key] = target.key_columns
     typ = cur.execute("SELECT atttypid::int FROM pg_attribute WHERE attrelid = %s::regclass AND attname = %s",
                       (_table(target).as_string(cur), key)).fetchone()
     if typ is None or typ[0] not in (20, 21, 23):
         return True
     tables = [_table(target)] + ([_tombstones(target)] if tombstones else [])
-    return cur.execute(sql.SQL("SELECT {}").format(sql.SQL(" OR ").join(
-        sql.SQL("EXISTS (SELECT 1 FROM {} WHERE {} BETWEEN %s::bigint AND %s::bigint)").format(t, _ident(key))
-        for t in tables)), key_range * len(tables)).fetchone()[0]
+
+    def any_of(condition: str, params: tuple) -> bool:
+        return cur.execute(sql.SQL("SELECT {}").format(sql.SQL(" OR ").join(
+            sql.SQL("EXISTS (SELECT 1 FROM {} WHERE {} " + condition + ")").format(t, _ident(key))
+            for t in tables)), params * len(tables)).fetchone()[0]
+
+    return any_of("BETWEEN %s::bigint AND %s::bigint", (min(keys), max(keys))) and any_of(
+        "= ANY(%s::bigint[])", (keys,))
 
 
 def _only_new_keys(cur: psycopg.Cursor, target: ShapeTarget, plan: ApplyPlan, staged: Mapping[int, Counter],
-                   key_range: tuple[int, int] | None) -> bool:
+                   upsert_keys: list[int] | None) -> bool:
     """Is the plan upserts only (no deletes, cuts or kept TOAST columns) of
-    keys neither the target nor its tombstones hold anywhere between the
-    lowest and the highest of them? Then each is an insert and nothing else
-    can happen to the target (a snapshot or backfill into an empty or
-    disjoint table, appends with rising keys)."""
-    if key_range is None or plan.cuts or plan.scoped_cuts or any(k not in ((), None) for k in plan.keep_sets):
+    keys neither the target nor its tombstones hold? Then each is an insert
+    and nothing else can happen to the target (a snapshot or backfill into an
+    empty or disjoint table, appends of new keys)."""
+    if upsert_keys is None or plan.cuts or plan.scoped_cuts or any(k not in ((), None) for k in plan.keep_sets):
         return False
     if any(kind != UPSERT for counts in staged.values() for kind, c in counts.items() if c):
         return False
@@ -811,7 +817,7 @@ def _only_new_keys(cur: psycopg.Cursor, target: ShapeTarget, plan: ApplyPlan, st
                           (_table(target).as_string(cur),)).fetchone()
     if secured is None or secured[0]:
         return False
-    return not _keys_between(cur, target, key_range, tombstones=True)
+    return not _holds_any_key(cur, target, upsert_keys, tombstones=True)
 
 
 def _insert_new_keys(conn: psycopg.Connection, target: ShapeTarget, plan: ApplyPlan,
@@ -826,9 +832,9 @@ def _insert_new_keys(conn: psycopg.Connection, target: ShapeTarget, plan: ApplyP
             "upserted": Counter({p: c[UPSERT] for p, c in staged.items()})}
 
 
-def upsert_key_range(plan: ApplyPlan) -> tuple[int, int] | None:
-    """The lowest and highest key of the plan's upserts, for a shape with one
-    key column whose values are all ``int`` (None otherwise)."""
+def upsert_keys(plan: ApplyPlan) -> list[int] | None:
+    """The keys of the plan's upserts, for a shape with one key column whose
+    values are all ``int`` (None otherwise)."""
     target = plan.target
     if target.keyless or len(target.key_columns) != 1:
         return None
@@ -837,7 +843,7 @@ def upsert_key_range(plan: ApplyPlan) -> tuple[int, int] | None:
     keys = [t[k] for t in plan.stage_rows if t[n] == UPSERT]
     if not keys or set(map(type, keys)) != {int}:
         return None
-    return min(keys), max(keys)
+    return keys
 
 
 def _apply_deletes(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier, out: dict[str, Counter],
@@ -903,14 +909,14 @@ def _apply_keyless(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifi
 
 def _apply_stage(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier, cuts: Iterable[Cut],
                  keep_sets: Iterable[tuple[str, ...]], staged: Mapping[int, Counter],
-                 scoped_cuts: Iterable[Cut] = (), key_range: tuple[int, int] | None = None) -> dict[str, Counter]:
+                 scoped_cuts: Iterable[Cut] = (), upserted_keys: list[int] | None = None) -> dict[str, Counter]:
     """``staged``: per partition, the stage's rows by kind (exact: statements
     for kinds it lacks are skipped)."""
     if target.keyless:
         out = _apply_keyless(cur, target, stage)
     else:
         out = _apply_keyed(cur, target, stage, keep_sets, sum(c[UPSERT] for c in staged.values()),
-                           sum(c[DELETE] for c in staged.values()), key_range)
+                           sum(c[DELETE] for c in staged.values()), upserted_keys)
     # Cuts last: the plan holds nothing of a cut's partition below the cut, so
     # what the batch wrote there survives it, and rows a re-snapshot rewrites
     # are updated in place instead of deleted and inserted again.
@@ -995,15 +1001,15 @@ def apply_shapes(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
             result.controls.extend(plan.controls)
             if plan.stage_rows or plan.cuts or plan.scoped_cuts:
                 staged = _staged_kinds(plan)
-                key_range = upsert_key_range(plan)
-                if _only_new_keys(cur, target, plan, staged, key_range):
+                keys = upsert_keys(plan)
+                if _only_new_keys(cur, target, plan, staged, keys):
                     applied = _insert_new_keys(conn, target, plan, staged)
                 else:
                     stage = _temp_stage(conn, target)
                     if plan.stage_rows:
                         _copy_rows(conn, target, stage, _plan_rows(plan))
                     applied = _apply_stage(cur, target, stage, plan.cuts.values(), plan.keep_sets, staged,
-                                           plan.scoped_cuts, key_range)
+                                           plan.scoped_cuts, keys)
                 _fill_results(result.parts, parts[0].topic, staged, applied)
             if plan.backfill_ends:
                 result.backfills_completed += _record_backfills(cur, group, parts[0].topic, target,
