@@ -67,7 +67,7 @@ from producer.pgoutput import Begin, Commit, Delete, Insert, Keepalive, Relation
 from producer.pgtypes import column_codec
 from producer.replication import ReplicationConnection, ReplicationError, connect
 from producer.shape_filter import compile_filter
-from producer.shapes import Event, RelationPlan, ShapeSpec
+from producer.shapes import Event, RelationPlan, ShapeSpec, event_message
 from producer.snapshot import plan_pieces, relpages, run_snapshot
 from schemas import wire
 
@@ -357,18 +357,12 @@ class Pipeline:
         tx = self._tx
         lsn = tx.final_lsn
         route = event.route
-        codec = route.codec
-        key_body = codec.encode_key(b"", event.key_values)
-        partition = partition_for(key_body, lsn + event.op_offset, self.partitions[route.topic])
-        writer = (route.topic, partition)
-        if self._already_in_kafka(writer, lsn, event.op_offset):
-            return
         source = self._tx_sources.get(route.name)
         if source is None:
-            source = self._tx_sources[route.name] = codec.source_bytes(lsn, tx.xid, self._tx_ts_ms)
-        value = codec.encode_change(codec.value_prefix, event.op, event.before, event.after, source,
-                                    event.op_offset, self._tx_seen_ms, event.unchanged)
-        key = codec.key_prefix + key_body if key_body is not None else None
+            source = self._tx_sources[route.name] = route.codec.source_bytes(lsn, tx.xid, self._tx_ts_ms)
+        writer, key, value = event_message(event, lsn, source, self._tx_seen_ms, self.partitions[route.topic])
+        if self._already_in_kafka(writer, lsn, event.op_offset):
+            return
         self._send(writer, key, value, [(wire.POSITION_HEADER, wire.position_header(lsn, event.op_offset))])
         self._tx_writers.add(writer)
         self.stats.events[(route.name, event.op)] += 1
