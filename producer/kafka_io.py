@@ -108,8 +108,11 @@ class Tail:
 
 
 def scan_consumer(conf: dict[str, Any], purpose: str) -> Consumer:
-    return Consumer({**conf, "group.id": f"walbridge-{purpose}-{uuid.uuid4().hex}", "enable.auto.commit": False,
-                     "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+    # A scan ends at end-of-partition, which an empty fetch reports: the broker
+    # must not hold that fetch for the default 500 ms (each restart reads the
+    # partition tails and the backfill requests this way).
+    return Consumer({"fetch.wait.max.ms": 10, **conf, "group.id": f"walbridge-{purpose}-{uuid.uuid4().hex}",
+                     "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "earliest"})
 
 
 def _scan(consumer: Consumer, ranges: dict[Writer, tuple[int, int | None]], timeout: float):

@@ -60,6 +60,7 @@ from confluent_kafka.admin import AdminClient
 from producer import backfill, catalog, metrics, pgoutput
 from producer.catalog import TableInfo
 from producer.config import Config, redact_dsn
+from producer.fastcodec import CHANGE_KINDS, relation_encoder
 from producer.flush_tracker import FlushTracker, LogOffset, WriterAlignment
 from producer.kafka_io import (DeliveryLedger, SchemaPublisher, Tail, Writer, client_config, ensure_topics,
                                group_offsets, partition_for, producer_config, read_tails, scan_consumer)
@@ -74,6 +75,7 @@ from schemas import wire
 log = logging.getLogger("walbridge.producer")
 
 STATUS_INTERVAL = 1.0  # seconds between unsolicited standby status updates
+CONFIRM_INTERVAL = 0.1  # when the stream idles, a newly confirmable LSN goes out this soon
 _ANY_OFFSET = 2**63 - 1  # past every Kafka offset
 
 
@@ -106,8 +108,10 @@ class Pipeline:
         self.alignments: dict[Writer, WriterAlignment] = defaultdict(WriterAlignment)
         self.partitions: dict[str, int] = {}
         self.tails: dict[Writer, Tail | None] = {}
+        self._replay_until: tuple[int, int] | None = None  # highest tail position: below it, check for replays
         self.replayed_offsets: dict[Writer, dict[int, int]] = {}
         self.relations: dict[int, RelationPlan] = {}
+        self._encoders: dict[int, Any] = {}  # relation oid -> compiled encoder (fastcodec), where one applies
         self.shape_specs: dict[str, list[ShapeSpec]] = defaultdict(list)
         self.tables: dict[str, TableInfo] = {}
         self.repl: ReplicationConnection | None = None
@@ -228,6 +232,7 @@ class Pipeline:
             start = pgoutput.lsn_to_int(slot["confirmed_flush_lsn"])
             self._rebuild_ack_state()
         self._confirm_lsn = 0
+        self._replay_until = max((t.position for t in self.tails.values() if t is not None), default=None)
         self._load_backfill_requests(new_topics)
         self.repl.start(self.publications, start)
         self._streaming = True
@@ -261,7 +266,7 @@ class Pipeline:
     def _loop(self) -> None:
         repl = self.repl
         decode, decode_frame = pgoutput.decode, pgoutput.decode_frame
-        handle, keepalive = self._handle, self._on_keepalive
+        handle, keepalive, fast_change = self._handle, self._on_keepalive, self._fast_change
         while not self._stop.is_set():
             # A burst of frames between housekeeping rounds: delivery reports,
             # acks and status are served every 256 frames or when the stream idles.
@@ -273,6 +278,8 @@ class Pipeline:
                 if frame is None:
                     idle = True
                     break
+                if frame[0] == 0x77 and len(frame) > 30 and frame[25] in CHANGE_KINDS and fast_change(frame):
+                    continue
                 msg = decode_frame(frame)
                 if isinstance(msg, Keepalive):
                     keepalive(msg)
@@ -290,8 +297,34 @@ class Pipeline:
                 self._send_status()
                 self._publish_status()
                 self._poll_backfill_requests()
+            elif idle and self._confirm_lsn > self.repl.flushed and now - self._last_status >= CONFIRM_INTERVAL:
+                # Caught up: release the WAL now rather than at the next periodic update.
+                self._send_status()
 
     # --------------------------------------------------------------- changes
+    def _fast_change(self, frame: bytes) -> bool:
+        """A change through its relation's compiled encoder (steps 1, 3 and 4 in
+        one go); False when it must take the reference path (``_handle``)."""
+        tx = self._tx
+        encoder = self._encoders.get(int.from_bytes(frame[26:30], "big"))
+        if encoder is None or tx is None:
+            return False
+        lsn, op = tx.final_lsn, self._op
+        messages = encoder.encode(frame, 25, op, lsn, tx.xid, self._tx_ts_ms, self._tx_seen_ms)
+        if messages is None:
+            return False
+        headers = [(wire.POSITION_HEADER, wire.position_header(lsn, op))]
+        replay = self._replay_until is not None and (lsn, op) <= self._replay_until
+        events = self.stats.events
+        for writer, key, value, stat in messages:
+            if replay and self._already_in_kafka(writer, lsn, op):
+                continue
+            self._send(writer, key, value, headers)
+            self._tx_writers.add(writer)
+            events[stat] += 1
+        self._op = op + 1
+        return True
+
     def _handle(self, msg: pgoutput.Message) -> None:
         if isinstance(msg, (Insert, Update, Delete)):
             plan = self.relations[msg.relation_oid]
@@ -309,7 +342,12 @@ class Pipeline:
         elif isinstance(msg, Commit):
             self._commit(msg)
         elif isinstance(msg, Relation):
-            self.relations[msg.oid] = self._plan_relation(msg)
+            plan = self.relations[msg.oid] = self._plan_relation(msg)
+            encoder = relation_encoder(plan, self.partitions)
+            if encoder is not None:
+                self._encoders[msg.oid] = encoder
+            else:
+                self._encoders.pop(msg.oid, None)
         elif isinstance(msg, Truncate):
             for oid in msg.relation_oids:
                 plan = self.relations.get(oid)
