@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from fastavro import parse_schema, schemaless_writer
 
@@ -67,6 +67,23 @@ def _field(col: ShapeColumn, nullable: bool = True) -> dict:
 def _without_null(union: list) -> Any:
     rest = [b for b in union if b != "null"]
     return rest[0] if len(rest) == 1 else rest
+
+
+def field_encoder(col: ShapeColumn, nullable: bool = True) -> Callable[[bytes], bytes]:
+    """One field of a row (or key) record on its own: PostgreSQL text value →
+    loaded → Avro bytes. A record is the concatenation of its fields, so this is
+    the reference path for one column (the compiled encoder's fallback)."""
+    parsed = parse_schema(_field(col, nullable)["type"])
+    load = col.codec.load
+    buf = io.BytesIO()
+
+    def encode(raw: bytes) -> bytes:
+        buf.seek(0)
+        buf.truncate()
+        schemaless_writer(buf, parsed, load(raw))
+        return buf.getvalue()
+
+    return encode
 
 
 def value_schema(namespace: str, columns: list[ShapeColumn]) -> dict:
@@ -219,6 +236,20 @@ class ShapeCodec:
         """The ``source`` block around ``op_index``, once per transaction."""
         src = self.source(lsn, 0, xid, ts_ms, snapshot, snapshot_id)
         return SourceBytes(self._encode(_SOURCE_HEAD, b"", src), self._encode(_SOURCE_TAIL, b"", src))
+
+    def stream_source_parts(self) -> tuple[bytes, bytes]:
+        """The constant parts of a streamed change's ``source`` block: the bytes
+        before ``ts_ms`` and those between ``ts_ms`` and ``txId`` (the compiled
+        encoder splices the transaction's values in between; equal to
+        :meth:`source_bytes` for any ``lsn``, ``xid`` and ``ts_ms``)."""
+        head = avro_string(ENVELOPE_VERSION) + avro_string("walbridge") + avro_string(self.topic_prefix)
+        mid = (_SECOND_BRANCH + avro_string("false") + avro_string(self.db) + avro_string(self.schema)
+               + avro_string(self.table) + avro_string(self.shape))
+        return head, mid
+
+    def toast_field_name(self, index: int) -> str | None:
+        """The field name of relation column ``index`` in this shape, if it has one."""
+        return self._toast_names.get(index)
 
     def source(self, lsn: int, op_index: int, xid: int | None, ts_ms: int,
                snapshot: bool | str = False, snapshot_id: str | None = None) -> dict:

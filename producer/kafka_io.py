@@ -21,9 +21,9 @@ import threading
 import time
 import uuid
 import zlib
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -108,8 +108,11 @@ class Tail:
 
 
 def scan_consumer(conf: dict[str, Any], purpose: str) -> Consumer:
-    return Consumer({**conf, "group.id": f"walbridge-{purpose}-{uuid.uuid4().hex}", "enable.auto.commit": False,
-                     "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+    # A scan ends at end-of-partition, which an empty fetch reports: the broker
+    # must not hold that fetch for the default 500 ms (each restart reads the
+    # partition tails and the backfill requests this way).
+    return Consumer({"fetch.wait.max.ms": 10, **conf, "group.id": f"walbridge-{purpose}-{uuid.uuid4().hex}",
+                     "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "earliest"})
 
 
 def _scan(consumer: Consumer, ranges: dict[Writer, tuple[int, int | None]], timeout: float):
@@ -271,11 +274,18 @@ class SchemaPublisher:
             prefix = wire.confluent_prefix(schema_id)
         else:
             fp = wire.schema_fingerprint(schema)
+            outcome: list = []
             self._producer.produce(self._schemas_topic, key=fp.hex().encode(), value=text.encode(),
-                                   headers=[("wb.subject", subject.encode())])
-            remaining = self._producer.flush(30)
-            if remaining:
-                raise RuntimeError(f"could not publish schema for {subject} to {self._schemas_topic}")
+                                   headers=[("wb.subject", subject.encode())],
+                                   on_delivery=lambda err, msg: outcome.append(err))
+            # Wait for this message only: a flush() would also wait for every
+            # change still queued (a new relation mid-stream stalls the stream).
+            deadline = time.monotonic() + 30
+            while not outcome and time.monotonic() < deadline:
+                self._producer.poll(0.05)
+            if not outcome or outcome[0] is not None:
+                raise RuntimeError(f"could not publish schema for {subject} to {self._schemas_topic}"
+                                   + (f": {outcome[0].str()}" if outcome else ""))
             prefix = wire.single_object_prefix(fp)
         self._prefixes[(subject, text)] = prefix
         return prefix
@@ -287,16 +297,20 @@ class DeliveryLedger:
     arrives). Delivery order per partition equals produce order (idempotent
     producer), so counting deliveries identifies each message.
 
-    ``on_boundary(writer, kafka_offset, tx_last)`` is called, in order per
-    writer, once the offset of a transaction's last message on that writer is
-    known."""
+    Resolved boundaries are collected, not pushed: :meth:`take_boundaries`
+    returns, per writer, the latest ``(kafka_offset, tx_last)`` resolved since
+    the previous call. A later boundary of a writer implies every earlier one
+    (its transaction's messages, and all before them, are in Kafka), so the
+    shell handles one per writer per round instead of one per transaction and
+    writer."""
 
-    def __init__(self, on_boundary: Callable[[Writer, int, Any], None]):
-        self._on_boundary = on_boundary
+    def __init__(self) -> None:
         self.produced: dict[Writer, int] = {}
         self.delivered: dict[Writer, int] = {}
         self.last_offset: dict[Writer, int] = {}
-        self._awaiting: dict[Writer, list[tuple[int, Any]]] = {}
+        # writer -> (produced count at the transaction's last message, tx_last), oldest first
+        self._awaiting: dict[Writer, deque[tuple[int, Any]]] = {}
+        self._resolved: dict[Writer, tuple[int, Any]] = {}
         self.error: KafkaError | None = None
         self.error_message: str | None = None
 
@@ -315,16 +329,27 @@ class DeliveryLedger:
         self.last_offset[writer] = offset
         awaiting = self._awaiting.get(writer)
         if awaiting and awaiting[0][0] == n:
-            _, tx_last = awaiting.pop(0)
-            self._on_boundary(writer, offset, tx_last)
+            self._resolved[writer] = (offset, awaiting.popleft()[1])
 
     def end_transaction(self, writer: Writer, tx_last: Any) -> None:
         """Called at commit for each writer the transaction produced to."""
         seq = self.produced.get(writer, 0)
-        if self.delivered.get(writer, 0) == seq and not self._awaiting.get(writer):
-            self._on_boundary(writer, self.last_offset[writer], tx_last)
+        awaiting = self._awaiting.get(writer)
+        if self.delivered.get(writer, 0) == seq and not awaiting:
+            self._resolved[writer] = (self.last_offset[writer], tx_last)
+        elif awaiting is None:
+            self._awaiting[writer] = deque([(seq, tx_last)])
         else:
-            self._awaiting.setdefault(writer, []).append((seq, tx_last))
+            awaiting.append((seq, tx_last))
+
+    def take_boundaries(self) -> list[tuple[Writer, int, Any]]:
+        """``(writer, kafka_offset, tx_last)`` of the latest transaction end
+        resolved on each writer since the previous call."""
+        if not self._resolved:
+            return []
+        resolved = self._resolved
+        self._resolved = {}
+        return [(w, offset, tx_last) for w, (offset, tx_last) in resolved.items()]
 
     def in_flight(self) -> int:
         return sum(self.produced.values()) - sum(self.delivered.values())

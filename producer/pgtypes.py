@@ -80,6 +80,29 @@ class ColumnCodec:
     avro_type: list  # a union, ``null`` first
     load: Callable[[bytes], Any]
     pg_type: str  # the target-side type to recreate (builtin name, or "text")
+    # How the compiled encoder (:mod:`producer.fastcodec`) may read the text
+    # value straight into Avro: one of :data:`WIRE_KINDS`; "py" means only
+    # through ``load`` and fastavro.
+    wire: str = "py"
+
+
+# Text forms the compiled encoder turns into Avro itself, byte-identical to
+# ``load`` + fastavro; anything it does not recognise goes through ``load``.
+WIRE_KINDS = ("py", "text", "bool", "int", "long", "float", "double", "bytea", "date", "time", "timestamp",
+              "timestamptz", "decimal")
+_WIRE_OF = {BOOL: "bool", INT2: "int", INT4: "int", INT8: "long", OID: "long", FLOAT4: "float", FLOAT8: "double",
+            BYTEA: "bytea", UUID: "text", DATE: "date", TIME: "time", TIMESTAMP: "timestamp",
+            TIMESTAMPTZ: "timestamptz", NUMERIC: "decimal"}
+
+
+def _utf8(context: Any) -> bool:
+    """Whether text values decode as UTF-8 (the compiled encoder copies them as is)."""
+    if context is None:
+        return True
+    try:
+        return context.info.encoding.replace("_", "-").lower() in ("utf-8", "utf8")
+    except AttributeError:
+        return False
 
 
 def numeric_precision_scale(typmod: int) -> tuple[int, int] | None:
@@ -150,7 +173,10 @@ def column_codec(info: PgTypeInfo, context: Any = None) -> ColumnCodec:
         scalar = _scalar(info.base_oid, info.base_typmod, context)
         if scalar is not None:
             branches, load = scalar
-            return ColumnCodec(["null", *branches], load, _target_type(info))
+            wire = _WIRE_OF.get(info.base_oid, "py")
+            if wire == "text" and not _utf8(context):
+                wire = "py"
+            return ColumnCodec(["null", *branches], load, _target_type(info), wire)
     elif info.elem_oid and info.elem_kind == "b" and info.elem_oid in _ARRAY_ITEMS:
         # 1-D arrays of a plain, textual or temporal builtin: an Avro array of
         # nullable items; anything psycopg or Avro cannot hold (multi-dimensional
@@ -169,7 +195,7 @@ def column_codec(info: PgTypeInfo, context: Any = None) -> ColumnCodec:
 
         return ColumnCodec(["null", "string", {"type": "array", "items": ["null", item]}],
                            load_1d_array, _target_type(info))
-    return ColumnCodec(["null", "string"], text, _target_type(info))
+    return ColumnCodec(["null", "string"], text, _target_type(info), "text" if _utf8(context) else "py")
 
 
 _BUILTIN_MAX_OID = 16383  # FirstNormalObjectId - 1

@@ -13,9 +13,12 @@ The path of one change, top to bottom:
 4. ``_produce`` encodes each event (``envelope.py``) and hands it to the
    idempotent Kafka producer on the key's partition, unless that partition already
    holds it (its tail position is at or past the event's: a replay after a crash).
+   Steps 1, 3 and 4 are one compiled call (``fastcodec.py``) for relations
+   without filtered shapes; the path above is its reference and fallback.
 5. At ``Commit`` the transaction is given to the ``FlushTracker`` with the
    partitions (writers) it touched; the ``DeliveryLedger`` learns the Kafka
-   offset of the transaction's last message on each writer.
+   offset of the transaction's last message on each writer. Those ends are
+   taken once per round of the loop, the latest per writer.
 6. Group commits (or, with ``[ack] consumer_groups = []``, delivery reports) are
    turned into flushed positions per writer and fed to the tracker, whose
    ``notify_fn`` raises the flush LSN sent in standby status updates.
@@ -60,6 +63,7 @@ from confluent_kafka.admin import AdminClient
 from producer import backfill, catalog, metrics, pgoutput
 from producer.catalog import TableInfo
 from producer.config import Config, redact_dsn
+from producer.fastcodec import CHANGE_KINDS, relation_encoder
 from producer.flush_tracker import FlushTracker, LogOffset, WriterAlignment
 from producer.kafka_io import (DeliveryLedger, SchemaPublisher, Tail, Writer, client_config, ensure_topics,
                                group_offsets, partition_for, producer_config, read_tails, scan_consumer)
@@ -67,13 +71,14 @@ from producer.pgoutput import Begin, Commit, Delete, Insert, Keepalive, Relation
 from producer.pgtypes import column_codec
 from producer.replication import ReplicationConnection, ReplicationError, connect
 from producer.shape_filter import compile_filter
-from producer.shapes import Event, RelationPlan, ShapeSpec
+from producer.shapes import Event, RelationPlan, ShapeSpec, event_message
 from producer.snapshot import plan_pieces, relpages, run_snapshot
 from schemas import wire
 
 log = logging.getLogger("walbridge.producer")
 
 STATUS_INTERVAL = 1.0  # seconds between unsolicited standby status updates
+CONFIRM_INTERVAL = 0.1  # when the stream idles, a newly confirmable LSN goes out this soon
 _ANY_OFFSET = 2**63 - 1  # past every Kafka offset
 
 
@@ -102,12 +107,14 @@ class Pipeline:
         self.schemas = SchemaPublisher(self.kafka, config.kafka.topic_prefix, config.kafka.schema_registry_url)
         self.ack_groups = list(config.ack_groups)
         self.tracker = FlushTracker(self._confirm)
-        self.ledger = DeliveryLedger(self._on_boundary)
+        self.ledger = DeliveryLedger()
         self.alignments: dict[Writer, WriterAlignment] = defaultdict(WriterAlignment)
         self.partitions: dict[str, int] = {}
         self.tails: dict[Writer, Tail | None] = {}
+        self._replay_until: tuple[int, int] | None = None  # highest tail position: below it, check for replays
         self.replayed_offsets: dict[Writer, dict[int, int]] = {}
         self.relations: dict[int, RelationPlan] = {}
+        self._encoders: dict[int, Any] = {}  # relation oid -> compiled encoder (fastcodec), where one applies
         self.shape_specs: dict[str, list[ShapeSpec]] = defaultdict(list)
         self.tables: dict[str, TableInfo] = {}
         self.repl: ReplicationConnection | None = None
@@ -228,6 +235,7 @@ class Pipeline:
             start = pgoutput.lsn_to_int(slot["confirmed_flush_lsn"])
             self._rebuild_ack_state()
         self._confirm_lsn = 0
+        self._replay_until = max((t.position for t in self.tails.values() if t is not None), default=None)
         self._load_backfill_requests(new_topics)
         self.repl.start(self.publications, start)
         self._streaming = True
@@ -261,7 +269,7 @@ class Pipeline:
     def _loop(self) -> None:
         repl = self.repl
         decode, decode_frame = pgoutput.decode, pgoutput.decode_frame
-        handle, keepalive = self._handle, self._on_keepalive
+        handle, keepalive, fast_change = self._handle, self._on_keepalive, self._fast_change
         while not self._stop.is_set():
             # A burst of frames between housekeeping rounds: delivery reports,
             # acks and status are served every 256 frames or when the stream idles.
@@ -273,15 +281,17 @@ class Pipeline:
                 if frame is None:
                     idle = True
                     break
-                msg = decode_frame(frame)
-                if isinstance(msg, Keepalive):
-                    keepalive(msg)
+                if frame[0] == 0x77:  # XLogData: a pgoutput message from byte 25 on
+                    if len(frame) > 30 and frame[25] in CHANGE_KINDS and fast_change(frame):
+                        continue
+                    handle(decode(frame[25:]))
                 else:
-                    handle(decode(msg.payload))
+                    keepalive(decode_frame(frame))
             self._backfill_busy = self._backfill is not None and self._backfill_tick(idle)
             self.kafka.poll(0)
             if self.ledger.error is not None:
                 raise KafkaException(self.ledger.error)
+            self._take_boundaries()
             now = time.monotonic()
             if self.ack_groups and now - self._last_ack_poll >= self.config.ack.interval:
                 self._last_ack_poll = now
@@ -290,8 +300,39 @@ class Pipeline:
                 self._send_status()
                 self._publish_status()
                 self._poll_backfill_requests()
+            elif idle and self._confirm_lsn > self.repl.flushed and now - self._last_status >= CONFIRM_INTERVAL:
+                # Caught up: release the WAL now rather than at the next periodic update.
+                self._send_status()
 
     # --------------------------------------------------------------- changes
+    def _fast_change(self, frame: bytes) -> bool:
+        """A change through its relation's compiled encoder (steps 1, 3 and 4 in
+        one go); False when it must take the reference path (``_handle``)."""
+        tx = self._tx
+        encoder = self._encoders.get(int.from_bytes(frame[26:30], "big"))
+        if encoder is None or tx is None:
+            return False
+        lsn, op = tx.final_lsn, self._op
+        messages = encoder.encode(frame, 25, op, lsn, tx.xid, self._tx_ts_ms, self._tx_seen_ms)
+        if messages is None:
+            return False
+        self._op = op + 1
+        headers = [(wire.POSITION_HEADER, wire.position_header(lsn, op))]
+        replay = self._replay_until is not None and (lsn, op) <= self._replay_until
+        events, tx_writers = self.stats.events, self._tx_writers
+        produce, on_delivery, produced = self.kafka.produce, self.ledger.on_delivery, self.ledger.produced
+        for writer, key, value, stat in messages:
+            if replay and self._already_in_kafka(writer, lsn, op):
+                continue
+            try:  # _send, unrolled: this runs once per message
+                produce(writer[0], value, key, partition=writer[1], headers=headers, on_delivery=on_delivery)
+                produced[writer] = produced.get(writer, 0) + 1
+            except BufferError:
+                self._send(writer, key, value, headers)
+            tx_writers.add(writer)
+            events[stat] += 1
+        return True
+
     def _handle(self, msg: pgoutput.Message) -> None:
         if isinstance(msg, (Insert, Update, Delete)):
             plan = self.relations[msg.relation_oid]
@@ -302,14 +343,20 @@ class Pipeline:
             self._tx = msg
             self._tx_ts_ms = pgoutput.pg_us_to_unix_ms(msg.commit_ts_us)
             self._op = 0
-            self._tx_writers = set()
-            self._tx_done_writers = set()
-            self._tx_sources = {}
+            # Reused, not reallocated: nothing keeps them past the transaction's commit.
+            self._tx_writers.clear()
+            self._tx_done_writers.clear()
+            self._tx_sources.clear()
             self._tx_seen_ms = int(time.time() * 1000)  # envelope ts_ms: when walbridge read the transaction
         elif isinstance(msg, Commit):
             self._commit(msg)
         elif isinstance(msg, Relation):
-            self.relations[msg.oid] = self._plan_relation(msg)
+            plan = self.relations[msg.oid] = self._plan_relation(msg)
+            encoder = relation_encoder(plan, self.partitions)
+            if encoder is not None:
+                self._encoders[msg.oid] = encoder
+            else:
+                self._encoders.pop(msg.oid, None)
         elif isinstance(msg, Truncate):
             for oid in msg.relation_oids:
                 plan = self.relations.get(oid)
@@ -357,18 +404,12 @@ class Pipeline:
         tx = self._tx
         lsn = tx.final_lsn
         route = event.route
-        codec = route.codec
-        key_body = codec.encode_key(b"", event.key_values)
-        partition = partition_for(key_body, lsn + event.op_offset, self.partitions[route.topic])
-        writer = (route.topic, partition)
-        if self._already_in_kafka(writer, lsn, event.op_offset):
-            return
         source = self._tx_sources.get(route.name)
         if source is None:
-            source = self._tx_sources[route.name] = codec.source_bytes(lsn, tx.xid, self._tx_ts_ms)
-        value = codec.encode_change(codec.value_prefix, event.op, event.before, event.after, source,
-                                    event.op_offset, self._tx_seen_ms, event.unchanged)
-        key = codec.key_prefix + key_body if key_body is not None else None
+            source = self._tx_sources[route.name] = route.codec.source_bytes(lsn, tx.xid, self._tx_ts_ms)
+        writer, key, value = event_message(event, lsn, source, self._tx_seen_ms, self.partitions[route.topic])
+        if self._already_in_kafka(writer, lsn, event.op_offset):
+            return
         self._send(writer, key, value, [(wire.POSITION_HEADER, wire.position_header(lsn, event.op_offset))])
         self._tx_writers.add(writer)
         self.stats.events[(route.name, event.op)] += 1
@@ -410,36 +451,50 @@ class Pipeline:
 
     def _commit(self, commit: Commit) -> None:
         last = LogOffset(commit.commit_lsn, max(self._op - 1, 0))
-        writers = set(self._tx_writers)
+        writers = self._tx_writers
         # Writers whose part of this transaction was already in Kafka (a replay):
         # they count only if a group has not committed past it yet.
         replayed = {}
-        for w in self._tx_done_writers - self._tx_writers:
-            offset = self.replayed_offsets.get(w, {}).get(commit.commit_lsn)
-            if offset is not None and self.ack_groups:
-                replayed[w] = offset
-                writers.add(w)
+        if self._tx_done_writers:
+            writers = set(writers)
+            for w in self._tx_done_writers - self._tx_writers:
+                offset = self.replayed_offsets.get(w, {}).get(commit.commit_lsn)
+                if offset is not None and self.ack_groups:
+                    replayed[w] = offset
+                    writers.add(w)
         self.tracker.handle_transaction(last, writers)
         if self._tx_writers:
             self._commit_times[commit.commit_lsn] = self._tx_ts_ms
         for w in self._tx_writers:
             self.ledger.end_transaction(w, last)
-        for w, offset in replayed.items():
-            self._on_boundary(w, offset, last)
+        if replayed:
+            self._take_boundaries()  # this run's earlier boundaries first: per writer they must stay in order
+            for w, offset in replayed.items():
+                self._on_boundary(w, offset, last)
         self._tx = None
         self.stats.transactions += 1
 
     # ------------------------------------------------------------------ acks
-    def _on_boundary(self, writer: Writer, offset: int, tx_last: LogOffset) -> None:
-        # Produce latency: source commit → Kafka acknowledgement of the
-        # transaction's last message on a writer (boundaries arrive in order).
+    def _take_boundaries(self) -> None:
+        """Hand the transaction ends Kafka acknowledged since the last round to
+        the ack state: the latest per writer (it implies the earlier ones)."""
+        boundaries = self.ledger.take_boundaries()
+        if not boundaries:
+            return
+        # Produce latency: source commit → Kafka acknowledgement of the newest
+        # transaction's last message on a writer.
+        newest = max(tx_last for _, _, tx_last in boundaries)
         while self._commit_times:
             lsn, ts_ms = next(iter(self._commit_times.items()))
-            if lsn > tx_last.tx_offset:
+            if lsn > newest.tx_offset:
                 break
             del self._commit_times[lsn]
-            if lsn == tx_last.tx_offset:
+            if lsn == newest.tx_offset:
                 metrics.PRODUCE_LATENCY.set(max(time.time() - ts_ms / 1000, 0))
+        for writer, offset, tx_last in boundaries:
+            self._on_boundary(writer, offset, tx_last)
+
+    def _on_boundary(self, writer: Writer, offset: int, tx_last: LogOffset) -> None:
         if not self.ack_groups:
             self.tracker.handle_flush_notification(writer, tx_last)
         else:
@@ -841,6 +896,7 @@ class Pipeline:
             self._keep_stream_alive()
         if self.ledger.error is not None:
             raise KafkaException(self.ledger.error)
+        self._take_boundaries()
 
 
 def run_producer(config: Config, stop: threading.Event | None = None,

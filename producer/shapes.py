@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from producer.envelope import ShapeCodec, ShapeColumn
+from producer.envelope import ShapeCodec, ShapeColumn, SourceBytes
+from producer.kafka_io import Writer, partition_for
 from producer.pgoutput import UNCHANGED_TOAST, Delete, Insert, Relation, Update
 from producer.pgtypes import ColumnCodec
 from producer.shape_filter import RowFilter
@@ -72,6 +73,7 @@ class RelationPlan:
                  specs: list[ShapeSpec], topic_prefix: str, db: str):
         self.relation = relation
         self.names = [c.name for c in relation.columns]
+        self.codecs = list(codecs)
         self._loads: list[Callable[[bytes], object]] = [c.load for c in codecs]
         self.routes: list[ShapeRoute] = []
         keys = set(key_columns)
@@ -185,6 +187,21 @@ class RelationPlan:
         if isinstance(change, Update) and change.old is not None and not self.keyless:
             return 2
         return 1
+
+
+def event_message(event: Event, lsn: int, source: SourceBytes, seen_ms: int,
+                  partitions: int) -> tuple[Writer, bytes | None, bytes]:
+    """The Kafka message of a streamed event: (writer, key, value), the key on
+    its partition (keyless rows spread by position). This is the reference
+    encoding the compiled encoder (:mod:`producer.fastcodec`) reproduces."""
+    route = event.route
+    codec = route.codec
+    key_body = codec.encode_key(b"", event.key_values)
+    partition = partition_for(key_body, lsn + event.op_offset, partitions)
+    value = codec.encode_change(codec.value_prefix, event.op, event.before, event.after, source,
+                                event.op_offset, seen_ms, event.unchanged)
+    key = codec.key_prefix + key_body if key_body is not None else None
+    return (route.topic, partition), key, value
 
 
 def _safe_match(row_filter: RowFilter, row: dict) -> bool:

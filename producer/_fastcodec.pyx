@@ -1,0 +1,680 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Compiled hot path of the producer: one pgoutput change message (the bytes of
+its XLogData frame) → the Kafka messages of every shape of its relation, Avro
+encoded straight from PostgreSQL's text values.
+
+Invariants:
+- Byte-identical to the reference path (``RelationPlan.events`` → psycopg
+  loaders → ``ShapeCodec.encode_key``/``encode_change`` with fastavro). The
+  unit test ``tests/unit/test_fastcodec.py`` holds the two side by side.
+- Only text forms this module parses completely are encoded here (see
+  ``_value``); any other value of a column (infinities, BC dates, ``24:00``,
+  NaN, long numerics, escape-format bytea, arrays, ...) is handed to the
+  column's Python encoder, which is the reference path for one field. A value
+  this module accepts is one whose Python form it reproduces exactly.
+- ``RelationEncoder.encode`` returns None whenever the change is not one it
+  handles as a whole (an UPDATE carrying an old tuple, a column count that does
+  not match the relation, a NULL or unchanged key column, binary values): the
+  caller then takes the reference path for the whole change, so correctness
+  never depends on this module recognising a case.
+- Pure: no I/O. Buffers are reused between calls; an encoder is used by one
+  thread at a time.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc, realloc, strtod
+from libc.string cimport memcpy
+
+# Column kinds (``ColumnCodec.wire``).
+cdef enum:
+    W_PY = 0
+    W_TEXT
+    W_BOOL
+    W_INT
+    W_LONG
+    W_FLOAT
+    W_DOUBLE
+    W_BYTEA
+    W_DATE
+    W_TIME
+    W_TIMESTAMP
+    W_TIMESTAMPTZ
+    W_DECIMAL
+
+WIRE = {"py": W_PY, "text": W_TEXT, "bool": W_BOOL, "int": W_INT, "long": W_LONG, "float": W_FLOAT,
+        "double": W_DOUBLE, "bytea": W_BYTEA, "date": W_DATE, "time": W_TIME, "timestamp": W_TIMESTAMP,
+        "timestamptz": W_TIMESTAMPTZ, "decimal": W_DECIMAL}
+
+# Column states in a pgoutput tuple.
+cdef enum:
+    S_NULL = 0x6E  # 'n'
+    S_TOAST = 0x75  # 'u' unchanged TOAST
+    S_TEXT = 0x74  # 't'
+
+cdef enum:
+    MAX_DECIMAL_DIGITS = 18  # the unscaled value must fit an int64
+
+cdef int64_t US_PER_DAY = 86400000000LL
+
+
+# --------------------------------------------------------------- CRC-32 (zlib's)
+# Partitions are chosen by zlib.crc32 of the key body (kafka_io.partition_for).
+cdef uint32_t _CRC_TABLE[256]
+
+
+cdef void _crc_init():
+    cdef uint32_t c
+    cdef int n, k
+    for n in range(256):
+        c = n
+        for k in range(8):
+            c = (0xEDB88320 ^ (c >> 1)) if (c & 1) else (c >> 1)
+        _CRC_TABLE[n] = c
+
+
+_crc_init()
+
+
+cdef inline uint32_t _crc32(const uint8_t* p, Py_ssize_t n):
+    cdef uint32_t c = 0xFFFFFFFF
+    cdef Py_ssize_t i
+    for i in range(n):
+        c = _CRC_TABLE[(c ^ p[i]) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+def crc32(bytes data):
+    """zlib.crc32 of ``data`` (exposed for the test)."""
+    return _crc32(<const uint8_t*>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+
+
+# ------------------------------------------------------------- output buffer
+cdef struct Buf:
+    char* data
+    Py_ssize_t len
+    Py_ssize_t cap
+
+
+cdef int _reserve(Buf* b, Py_ssize_t extra) except -1:
+    cdef Py_ssize_t cap
+    cdef char* data
+    if b.len + extra <= b.cap:
+        return 0
+    cap = b.cap * 2 if b.cap else 256
+    while cap < b.len + extra:
+        cap *= 2
+    data = <char*>realloc(b.data, cap)
+    if data == NULL:
+        raise MemoryError()
+    b.data = data
+    b.cap = cap
+    return 0
+
+
+cdef inline int _put(Buf* b, const char* p, Py_ssize_t n) except -1:
+    _reserve(b, n)
+    memcpy(b.data + b.len, p, n)
+    b.len += n
+    return 0
+
+
+cdef inline int _byte(Buf* b, uint8_t c) except -1:
+    _reserve(b, 1)
+    b.data[b.len] = <char>c
+    b.len += 1
+    return 0
+
+
+cdef inline int _long(Buf* b, int64_t n) except -1:
+    """Avro long: zig-zag, then base-128 varint."""
+    cdef uint64_t z = (<uint64_t>n << 1) ^ <uint64_t>(n >> 63)
+    _reserve(b, 10)
+    while z > 0x7F:
+        b.data[b.len] = <char>((z & 0x7F) | 0x80)
+        b.len += 1
+        z >>= 7
+    b.data[b.len] = <char>z
+    b.len += 1
+    return 0
+
+
+cdef inline int _string(Buf* b, const char* p, Py_ssize_t n) except -1:
+    _long(b, n)
+    return _put(b, p, n)
+
+
+cdef inline int _bytes_obj(Buf* b, bytes data) except -1:
+    return _put(b, PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+
+
+# ------------------------------------------------------- text-form parsers
+# Each returns 1 and sets its result when the text is exactly the form psycopg's
+# loader turns into a value fastavro encodes the same way, else 0.
+
+cdef inline bint _digits(const char* p, Py_ssize_t n, int* out):
+    cdef int v = 0
+    cdef Py_ssize_t i
+    for i in range(n):
+        if p[i] < 48 or p[i] > 57:
+            return 0
+        v = v * 10 + (p[i] - 48)
+    out[0] = v
+    return 1
+
+
+cdef bint _parse_int(const char* p, Py_ssize_t n, int64_t* out):
+    cdef bint neg = 0
+    cdef uint64_t v = 0, limit
+    cdef Py_ssize_t i = 0
+    if n and p[0] == 45:  # '-'
+        neg = 1
+        i = 1
+    if i == n or n - i > 19:
+        return 0
+    while i < n:
+        if p[i] < 48 or p[i] > 57:
+            return 0
+        v = v * 10 + <uint64_t>(p[i] - 48)
+        i += 1
+    limit = (<uint64_t>1 << 63) if neg else ((<uint64_t>1 << 63) - 1)
+    if v > limit:
+        return 0
+    out[0] = <int64_t>(0 - v) if neg else <int64_t>v
+    return 1
+
+
+cdef int64_t _days_from_civil(int y, int m, int d):
+    """Days since 1970-01-01 of a proleptic Gregorian date."""
+    cdef int64_t yy = y - (1 if m <= 2 else 0)
+    cdef int64_t era = (yy if yy >= 0 else yy - 399) // 400
+    cdef int64_t yoe = yy - era * 400
+    cdef int64_t doy = (153 * (m + (-3 if m > 2 else 9)) + 2) // 5 + d - 1
+    cdef int64_t doe = yoe * 365 + yoe // 4 - yoe // 100 + doy
+    return era * 146097 + doe - 719468
+
+
+cdef int _month_days(int y, int m):
+    if m == 2:
+        return 29 if (y % 4 == 0 and (y % 100 != 0 or y % 400 == 0)) else 28
+    return 30 if m in (4, 6, 9, 11) else 31
+
+
+cdef bint _parse_date(const char* p, Py_ssize_t n, int64_t* days):
+    """``YYYY-MM-DD`` (ISO DateStyle), years 1..9999 as Python's ``date``."""
+    cdef int y, m, d
+    if n != 10 or p[4] != 45 or p[7] != 45:
+        return 0
+    if not (_digits(p, 4, &y) and _digits(p + 5, 2, &m) and _digits(p + 8, 2, &d)):
+        return 0
+    if y < 1 or m < 1 or m > 12 or d < 1 or d > _month_days(y, m):
+        return 0
+    days[0] = _days_from_civil(y, m, d)
+    return 1
+
+
+cdef bint _parse_time(const char* p, Py_ssize_t n, int64_t* micros, Py_ssize_t* used):
+    """``HH:MM:SS[.ffffff]`` with hour < 24 (Python's ``time``); ``used`` is how
+    many bytes it took (the rest may be a time zone)."""
+    cdef int h, mi, s, f = 0, digit
+    cdef Py_ssize_t i = 8, nf = 0
+    if n < 8 or p[2] != 58 or p[5] != 58:
+        return 0
+    if not (_digits(p, 2, &h) and _digits(p + 3, 2, &mi) and _digits(p + 6, 2, &s)):
+        return 0
+    if h > 23 or mi > 59 or s > 59:
+        return 0
+    if n > 8 and p[8] == 46:  # '.'
+        i = 9
+        while i < n and p[i] >= 48 and p[i] <= 57:
+            if nf == 6:
+                return 0
+            f = f * 10 + (p[i] - 48)
+            nf += 1
+            i += 1
+        if nf == 0:
+            return 0
+        while nf < 6:
+            f *= 10
+            nf += 1
+    micros[0] = ((<int64_t>h * 60 + mi) * 60 + s) * 1000000 + f
+    used[0] = i
+    return 1
+
+
+cdef bint _parse_timestamp(const char* p, Py_ssize_t n, bint with_tz, int64_t* micros):
+    """``YYYY-MM-DD HH:MM:SS[.ffffff]``, plus ``+00`` for timestamptz (the
+    replication session runs with TimeZone=UTC; other offsets go the Python way)."""
+    cdef int64_t days, t
+    cdef Py_ssize_t used
+    if n < 19 or p[10] != 32:
+        return 0
+    if not _parse_date(p, 10, &days):
+        return 0
+    if not _parse_time(p + 11, n - 11, &t, &used):
+        return 0
+    used += 11
+    if with_tz:
+        if n - used != 3 or p[used] != 43 or p[used + 1] != 48 or p[used + 2] != 48:  # "+00"
+            return 0
+    elif used != n:
+        return 0
+    micros[0] = days * US_PER_DAY + t
+    return 1
+
+
+cdef bint _parse_double(const char* p, Py_ssize_t n, double* out):
+    cdef char tmp[64]
+    cdef char* end
+    if n == 0 or n >= 64:
+        return 0
+    memcpy(tmp, p, n)
+    tmp[n] = 0
+    out[0] = strtod(tmp, &end)
+    return end == tmp + n
+
+
+cdef extern from *:
+    int __builtin_clzll(unsigned long long)
+
+
+cdef inline int _bitlen(uint64_t v):
+    return 0 if v == 0 else 64 - __builtin_clzll(v)
+
+
+cdef bint _write_decimal(Buf* b, const char* p, Py_ssize_t n, int precision, int scale) except -1:
+    """numeric(p,s) text → fastavro's decimal bytes: the unscaled integer, big-endian
+    two's complement, in (bit_length(|u|) + 8) // 8 bytes. Returns 0 (nothing
+    written) when the text is not a plain finite number that fits an int64."""
+    cdef bint neg = 0
+    cdef Py_ssize_t i = 0, frac = -1
+    cdef int significant = 0, total = 0, nbytes, k
+    cdef uint64_t u = 0
+    cdef int64_t v
+    if n and p[0] == 45:
+        neg = 1
+        i = 1
+    if i == n:
+        return 0
+    while i < n:
+        if p[i] == 46:  # '.'
+            if frac >= 0:
+                return 0
+            frac = 0
+        elif p[i] >= 48 and p[i] <= 57:
+            if frac >= 0:
+                frac += 1
+            if significant or p[i] != 48:
+                significant += 1
+            u = u * 10 + <uint64_t>(p[i] - 48)
+            total += 1
+            if total > MAX_DECIMAL_DIGITS:
+                return 0
+        else:
+            return 0  # NaN, Infinity, exponent forms: Python's way
+        i += 1
+    if frac < 0:
+        frac = 0
+    if frac > scale or significant > precision or total == 0:
+        return 0
+    while frac < scale:
+        if total == MAX_DECIMAL_DIGITS:
+            return 0
+        u *= 10
+        frac += 1
+        total += 1
+    nbytes = (_bitlen(u) + 8) // 8
+    v = -<int64_t>u if neg else <int64_t>u
+    _long(b, nbytes)
+    _reserve(b, nbytes)
+    for k in range(nbytes - 1, -1, -1):
+        b.data[b.len + k] = <char>(v & 0xFF)
+        v >>= 8
+    b.len += nbytes
+    return 1
+
+
+cdef inline int _hexval(char c):
+    if c >= 48 and c <= 57:
+        return c - 48
+    if c >= 97 and c <= 102:
+        return c - 87
+    if c >= 65 and c <= 70:
+        return c - 55
+    return -1
+
+
+# ------------------------------------------------------------------ encoders
+cdef class Route:
+    """One shape of the relation: its columns, key, prefixes and the constant
+    parts of its ``source`` block."""
+
+    cdef int ncols
+    cdef int* cols  # relation column index of each shape column, in shape order
+    cdef int nkeys
+    cdef int* keys  # relation column index of each key field, in key-schema order
+    cdef bytes value_prefix
+    cdef bytes key_prefix
+    cdef bytes source_head  # version, connector, name (before source.ts_ms)
+    cdef bytes source_mid  # snapshot .. shape (between source.ts_ms and txId)
+    cdef int partitions
+    cdef list writers  # writer tuple per partition
+    cdef dict stats  # op -> stats key
+    cdef list toast_names  # per relation column: Avro string bytes of its field name, or None
+
+    def __cinit__(self):
+        self.cols = NULL
+        self.keys = NULL
+
+    def __init__(self, cols, keys, bytes value_prefix, key_prefix, bytes source_head, bytes source_mid,
+                 list writers, dict stats, list toast_names):
+        cdef int i
+        self.ncols = len(cols)
+        self.nkeys = len(keys)
+        self.cols = <int*>malloc(max(self.ncols, 1) * sizeof(int))
+        self.keys = <int*>malloc(max(self.nkeys, 1) * sizeof(int))
+        if self.cols == NULL or self.keys == NULL:
+            raise MemoryError()
+        for i in range(self.ncols):
+            self.cols[i] = cols[i]
+        for i in range(self.nkeys):
+            self.keys[i] = keys[i]
+        self.value_prefix = value_prefix
+        self.key_prefix = key_prefix if key_prefix is not None else b""
+        self.source_head = source_head
+        self.source_mid = source_mid
+        self.writers = writers
+        self.partitions = len(writers)
+        self.stats = stats
+        self.toast_names = toast_names
+
+    def __dealloc__(self):
+        free(self.cols)
+        free(self.keys)
+
+
+cdef class RelationEncoder:
+    """Encodes the changes of one relation (all its shapes, none filtered)."""
+
+    cdef readonly unsigned int oid
+    cdef int ncols
+    cdef int* wire
+    cdef int* union_size  # branches of the nullable field type: 2 or 3
+    cdef int* typed_branch  # branch of the typed value: 1 or 2
+    cdef int* precision
+    cdef int* scale
+    cdef list value_fallback  # per column: raw text bytes -> encoded nullable field
+    cdef list key_fallback  # per column: raw text bytes -> encoded key field (no null branch)
+    cdef list routes
+    # Scratch, reused between calls.
+    cdef uint8_t* state
+    cdef Py_ssize_t* start
+    cdef Py_ssize_t* size
+    cdef Buf out
+    cdef Buf key
+
+    def __cinit__(self):
+        self.wire = self.union_size = self.typed_branch = self.precision = self.scale = NULL
+        self.state = NULL
+        self.start = self.size = NULL
+        self.out.data = self.key.data = NULL
+        self.out.len = self.out.cap = self.key.len = self.key.cap = 0
+
+    def __init__(self, unsigned int oid, list columns, list routes):
+        """``columns``: per relation column ``(wire kind, union size, typed branch,
+        precision, scale, value fallback, key fallback)``."""
+        cdef int i, n = len(columns)
+        self.oid = oid
+        self.ncols = n
+        m = max(n, 1)
+        self.wire = <int*>malloc(m * sizeof(int))
+        self.union_size = <int*>malloc(m * sizeof(int))
+        self.typed_branch = <int*>malloc(m * sizeof(int))
+        self.precision = <int*>malloc(m * sizeof(int))
+        self.scale = <int*>malloc(m * sizeof(int))
+        self.state = <uint8_t*>malloc(m)
+        self.start = <Py_ssize_t*>malloc(m * sizeof(Py_ssize_t))
+        self.size = <Py_ssize_t*>malloc(m * sizeof(Py_ssize_t))
+        if (self.wire == NULL or self.union_size == NULL or self.typed_branch == NULL or self.precision == NULL
+                or self.scale == NULL or self.state == NULL or self.start == NULL or self.size == NULL):
+            raise MemoryError()
+        self.value_fallback = []
+        self.key_fallback = []
+        for i, (kind, usize, branch, precision, scale, value_fb, key_fb) in enumerate(columns):
+            self.wire[i] = WIRE[kind]
+            self.union_size[i] = usize
+            self.typed_branch[i] = branch
+            self.precision[i] = precision
+            self.scale[i] = scale
+            self.value_fallback.append(value_fb)
+            self.key_fallback.append(key_fb)
+        self.routes = list(routes)
+
+    def __dealloc__(self):
+        free(self.wire)
+        free(self.union_size)
+        free(self.typed_branch)
+        free(self.precision)
+        free(self.scale)
+        free(self.state)
+        free(self.start)
+        free(self.size)
+        free(self.out.data)
+        free(self.key.data)
+
+    cdef bint _tuple(self, const char* p, Py_ssize_t n, Py_ssize_t pos):
+        """Index a pgoutput TupleData at ``pos``; False if it is not text-only or
+        not of this relation's width."""
+        cdef int i, ncols
+        cdef uint8_t kind
+        cdef uint32_t size
+        if pos + 2 > n:
+            return 0
+        ncols = ((<uint8_t>p[pos]) << 8) | <uint8_t>p[pos + 1]
+        if ncols != self.ncols:
+            return 0
+        pos += 2
+        for i in range(ncols):
+            if pos >= n:
+                return 0
+            kind = <uint8_t>p[pos]
+            pos += 1
+            self.state[i] = kind
+            if kind == S_TEXT:
+                if pos + 4 > n:
+                    return 0
+                size = ((<uint32_t>(<uint8_t>p[pos]) << 24) | (<uint32_t>(<uint8_t>p[pos + 1]) << 16)
+                        | (<uint32_t>(<uint8_t>p[pos + 2]) << 8) | <uint32_t>(<uint8_t>p[pos + 3]))
+                pos += 4
+                if size > <uint32_t>(n - pos):
+                    return 0
+                self.start[i] = pos
+                self.size[i] = size
+                pos += size
+            elif kind != S_NULL and kind != S_TOAST:
+                return 0  # binary values (never asked for) or unknown
+        return 1
+
+    cdef int _value(self, Buf* b, const char* base, int i, bint as_key) except -1:
+        """Column ``i``'s value (state 't') as the nullable row field, or as the
+        key field (no null branch: a 2-branch union is its bare type, a
+        3-branch one loses branch 0)."""
+        cdef const char* p = base + self.start[i]
+        cdef Py_ssize_t n = self.size[i], k, used
+        cdef int w = self.wire[i]
+        cdef int64_t iv = 0
+        cdef double dv
+        cdef float fv
+        cdef uint32_t f32
+        cdef uint64_t f64
+        cdef int hi, lo
+        cdef int branch = self.typed_branch[i]
+        cdef Py_ssize_t mark = b.len
+        if as_key:
+            branch = -1 if self.union_size[i] == 2 else branch - 1
+        if w == W_PY:
+            return self._fallback(b, p, n, i, as_key)
+        if branch >= 0:
+            _long(b, branch)
+        if w == W_TEXT:
+            return _string(b, p, n)
+        if w == W_INT or w == W_LONG:
+            if _parse_int(p, n, &iv) and (w == W_LONG or -2147483648 <= iv <= 2147483647):
+                return _long(b, iv)
+        elif w == W_BOOL:
+            if n == 1 and (p[0] == 116 or p[0] == 102):  # 't' / 'f'
+                return _byte(b, 1 if p[0] == 116 else 0)
+        elif w == W_DOUBLE or w == W_FLOAT:
+            if _parse_double(p, n, &dv):
+                _reserve(b, 8)
+                if w == W_FLOAT:
+                    fv = <float>dv
+                    memcpy(&f32, &fv, 4)
+                    for k in range(4):
+                        b.data[b.len + k] = <char>((f32 >> (8 * k)) & 0xFF)
+                    b.len += 4
+                else:
+                    memcpy(&f64, &dv, 8)
+                    for k in range(8):
+                        b.data[b.len + k] = <char>((f64 >> (8 * k)) & 0xFF)
+                    b.len += 8
+                return 0
+        elif w == W_DATE:
+            if _parse_date(p, n, &iv):
+                return _long(b, iv)
+        elif w == W_TIME:
+            if _parse_time(p, n, &iv, &used) and used == n:
+                return _long(b, iv)
+        elif w == W_TIMESTAMP or w == W_TIMESTAMPTZ:
+            if _parse_timestamp(p, n, w == W_TIMESTAMPTZ, &iv):
+                return _long(b, iv)
+        elif w == W_DECIMAL:
+            if _write_decimal(b, p, n, self.precision[i], self.scale[i]):
+                return 0
+        elif w == W_BYTEA:
+            if n >= 2 and p[0] == 92 and p[1] == 120 and n % 2 == 0:  # "\x" + hex pairs
+                _long(b, (n - 2) // 2)
+                _reserve(b, (n - 2) // 2)
+                k = 2
+                while k < n:
+                    hi = _hexval(p[k])
+                    lo = _hexval(p[k + 1])
+                    if hi < 0 or lo < 0:
+                        break
+                    b.data[b.len] = <char>((hi << 4) | lo)
+                    b.len += 1
+                    k += 2
+                if k == n:
+                    return 0
+        # Not a form parsed here: undo the branch and let Python encode the field.
+        b.len = mark
+        return self._fallback(b, p, n, i, as_key)
+
+    cdef int _fallback(self, Buf* b, const char* p, Py_ssize_t n, int i, bint as_key) except -1:
+        encode = (self.key_fallback if as_key else self.value_fallback)[i]
+        encoded = encode(PyBytes_FromStringAndSize(p, n))
+        return _bytes_obj(b, encoded)
+
+    cdef int _row(self, Buf* b, const char* base, Route route) except -1:
+        cdef int j, i
+        for j in range(route.ncols):
+            i = route.cols[j]
+            if self.state[i] == S_TEXT:
+                self._value(b, base, i, 0)
+            else:
+                _byte(b, 0)  # null branch (NULL, or unchanged TOAST listed separately)
+        return 0
+
+    def encode(self, bytes frame, Py_ssize_t at, int64_t op_index, int64_t lsn, int64_t xid, int64_t ts_ms,
+               int64_t seen_ms):
+        """The messages of the change whose pgoutput message starts at byte ``at``
+        of ``frame``: a list of ``(writer, key, value, stats key)``, one per shape
+        in shape order; None if this change must take the reference path."""
+        cdef const char* base = PyBytes_AS_STRING(frame)
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(frame)
+        cdef const char* p
+        cdef uint8_t kind
+        cdef unsigned int oid
+        cdef Py_ssize_t key_start
+        cdef int j, i, unchanged
+        cdef uint32_t partition
+        cdef Route route
+        cdef Buf* b
+        cdef bint before, after
+        if at + 6 > n:
+            return None
+        p = base + at
+        kind = <uint8_t>p[0]
+        oid = ((<unsigned int>(<uint8_t>p[1]) << 24) | (<unsigned int>(<uint8_t>p[2]) << 16)
+               | (<unsigned int>(<uint8_t>p[3]) << 8) | <unsigned int>(<uint8_t>p[4]))
+        if oid != self.oid:
+            return None
+        if kind == 0x49 and p[5] == 0x4E:  # Insert 'N'
+            before, after, op = 0, 1, "c"
+        elif kind == 0x55 and p[5] == 0x4E:  # Update without an old tuple
+            before, after, op = 0, 1, "u"
+        elif kind == 0x44 and (p[5] == 0x4B or p[5] == 0x4F):  # Delete 'K' / 'O'
+            before, after, op = 1, 0, "d"
+        else:
+            return None
+        if not self._tuple(base, n, at + 6):
+            return None
+        out = []
+        for route in self.routes:
+            # Key body (what the partition is chosen by), behind its prefix.
+            if route.nkeys:
+                self.key.len = 0
+                _bytes_obj(&self.key, route.key_prefix)
+                key_start = self.key.len
+                for j in range(route.nkeys):
+                    i = route.keys[j]
+                    if self.state[i] != S_TEXT:
+                        return None  # a key column without a value: the reference path decides
+                    self._value(&self.key, base, i, 1)
+                partition = _crc32(<const uint8_t*>self.key.data + key_start, self.key.len - key_start) \
+                    % <uint32_t>route.partitions
+                key = PyBytes_FromStringAndSize(self.key.data, self.key.len)
+            else:
+                partition = <uint32_t>((lsn + op_index) % route.partitions)
+                key = None
+            b = &self.out
+            b.len = 0
+            _bytes_obj(b, route.value_prefix)
+            if before:
+                _byte(b, 2)
+                self._row(b, base, route)
+            else:
+                _byte(b, 0)
+            if after:
+                _byte(b, 2)
+                self._row(b, base, route)
+            else:
+                _byte(b, 0)
+            _bytes_obj(b, route.source_head)
+            _long(b, ts_ms)
+            _bytes_obj(b, route.source_mid)
+            _byte(b, 2)
+            _long(b, xid)
+            _byte(b, 2)
+            _long(b, lsn)
+            _long(b, op_index)
+            _byte(b, 0)  # snapshot_id: null
+            _byte(b, 2)  # op: a 1-character string
+            _byte(b, <uint8_t>ord(op))
+            _byte(b, 2)  # ts_ms: the long branch
+            _long(b, seen_ms)
+            # unchanged_toast: names of this shape's columns an UPDATE left in TOAST.
+            unchanged = 0
+            if kind == 0x55:
+                for j in range(self.ncols):
+                    if self.state[j] == S_TOAST and route.toast_names[j] is not None:
+                        unchanged += 1
+            if unchanged:
+                _long(b, unchanged)
+                for j in range(self.ncols):
+                    if self.state[j] == S_TOAST and route.toast_names[j] is not None:
+                        _bytes_obj(b, route.toast_names[j])
+            _byte(b, 0)
+            value = PyBytes_FromStringAndSize(b.data, b.len)
+            out.append((route.writers[partition], key, value, route.stats[op]))
+        return out

@@ -1,0 +1,69 @@
+"""The compiled fast path for streamed changes, and when it applies.
+
+``producer._fastcodec`` (Cython, built by ``pip install``) turns a pgoutput
+INSERT, DELETE or UPDATE message straight into the Kafka messages of its
+relation's shapes: key and value bytes, partition, without building Python
+values. This module builds its per-relation encoders from a ``RelationPlan``.
+
+Invariants:
+- The reference is the pure-Python path (``RelationPlan.events`` → psycopg
+  loaders → ``ShapeCodec``/fastavro); the compiled output is byte-identical to
+  it (``tests/unit/test_fastcodec.py``), and it is what runs whenever the
+  extension is missing or declines a change.
+- An encoder exists only for relations none of whose shapes has a row filter
+  (filters need Python values and decide move-in/move-out); per change it
+  declines UPDATEs that carry an old tuple (key change, REPLICA IDENTITY FULL)
+  and anything unusual, and per value it hands forms it does not parse to the
+  column's Python field encoder.
+- Set ``WALBRIDGE_PURE_PYTHON=1`` to run without the extension.
+"""
+
+from __future__ import annotations
+
+import os
+
+from producer.envelope import ShapeColumn, avro_string, field_encoder
+from producer.kafka_io import Writer
+from producer.shapes import RelationPlan
+
+try:
+    if os.environ.get("WALBRIDGE_PURE_PYTHON"):
+        raise ImportError("disabled by WALBRIDGE_PURE_PYTHON")
+    from producer import _fastcodec
+except ImportError:  # not built (e.g. running from a source tree without pip install)
+    _fastcodec = None
+
+AVAILABLE = _fastcodec is not None
+
+# pgoutput message kinds the encoder may take: Insert, Update, Delete.
+CHANGE_KINDS = frozenset(b"IUD")
+
+
+def _column_spec(name: str, codec) -> tuple:
+    union = codec.avro_type
+    decimal = union[-1] if isinstance(union[-1], dict) and union[-1].get("logicalType") == "decimal" else {}
+    column = ShapeColumn(name, codec, is_key=True)
+    return (codec.wire, len(union), len(union) - 1, decimal.get("precision", 0), decimal.get("scale", 0),
+            field_encoder(column, nullable=True), field_encoder(column, nullable=False))
+
+
+def relation_encoder(plan: RelationPlan, partitions: dict[str, int]):
+    """The compiled encoder of ``plan``'s relation, or None where the reference
+    path must take every change (no extension, a filtered shape, no shape).
+    Call after the shapes' writer schemas are registered (it copies the prefixes)."""
+    if _fastcodec is None or plan.filtered or not plan.routes:
+        return None
+    relation = plan.relation
+    columns = [_column_spec(col.name, codec) for col, codec in zip(relation.columns, plan.codecs)]
+    routes = []
+    for route in plan.routes:
+        codec = route.codec
+        keys = [i for col, i in zip(codec.columns, codec.indexes) if col.is_key]
+        head, mid = codec.stream_source_parts()
+        writers: list[Writer] = [(route.topic, p) for p in range(partitions[route.topic])]
+        toast_names = [codec.toast_field_name(i) for i in range(len(relation.columns))]
+        routes.append(_fastcodec.Route(
+            list(codec.indexes), keys, codec.value_prefix, codec.key_prefix, head, mid, writers,
+            {op: (route.name, op) for op in "cud"},
+            [avro_string(n) if n is not None else None for n in toast_names]))
+    return _fastcodec.RelationEncoder(relation.oid, columns, routes)

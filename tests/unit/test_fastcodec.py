@@ -1,0 +1,217 @@
+"""The compiled encoder against the reference path, byte for byte.
+
+Every supported type, its edge values (NULL, unchanged TOAST, negative and huge
+numerics, infinities, NaN, BC and 5-digit years, 24:00, time zones, escape
+bytea, arrays), as key and as row field, through INSERT, UPDATE and DELETE, on
+a full shape, a column-limited one and a keyless relation. The reference is
+``RelationPlan.events`` → ``event_message`` (psycopg loaders + fastavro).
+"""
+
+import itertools
+import struct
+import zlib
+
+import pytest
+
+from producer import fastcodec
+from producer.envelope import avro_string
+from producer.pgoutput import UNCHANGED_TOAST, Column, Delete, Insert, Relation, Update
+from producer.pgtypes import PgTypeInfo, column_codec
+from producer.shapes import RelationPlan, ShapeSpec, event_message
+
+pytestmark = pytest.mark.skipif(not fastcodec.AVAILABLE, reason="producer._fastcodec is not built")
+
+
+def numeric(p: int, s: int) -> int:
+    return ((p << 16) | (s & 0x7FF)) + 4
+
+
+def base(oid: int, name: str, typmod: int = -1, kind: str = "b") -> PgTypeInfo:
+    return PgTypeInfo(oid, name, oid, name, typmod, kind)
+
+
+def array(oid: int, name: str, elem: int) -> PgTypeInfo:
+    return PgTypeInfo(oid, name, oid, name, -1, "b", elem, "b", -1)
+
+
+# (column name, type, text values); NULL and unchanged TOAST are added per row.
+COLUMNS = [
+    ("b", base(16, "boolean"), ["t", "f"]),
+    ("i2", base(21, "smallint"), ["0", "-32768", "32767", "7"]),
+    ("i4", base(23, "integer"), ["-2147483648", "2147483647", "5", "-1"]),
+    ("i8", base(20, "bigint"), ["-9223372036854775808", "9223372036854775807", "0", "64", "-65"]),
+    ("o", base(26, "oid"), ["4294967295", "0"]),
+    ("f4", base(700, "real"), ["1.5", "-0", "3.4028235e+38", "1e-45", "NaN", "Infinity", "-Infinity", "0.1",
+                               "1.1754944e-38"]),
+    ("f8", base(701, "double precision"), ["0.1", "1e+308", "5e-324", "-1.2345678901234567", "NaN", "Infinity",
+                                           "-Infinity", "-0", "2.2250738585072014e-308"]),
+    ("t", base(25, "text"), ["", "héllo ✓", "with\nnewline and \\ backslash", "x" * 300]),
+    ("vc", base(1043, "character varying(20)", 24), ["abc", "ü"]),
+    ("bp", base(1042, "character(5)", 9), ["ab   ", "abcde"]),
+    ("nm", base(19, "name"), ["pg_catalog"]),
+    ("ch", base(18, '"char"'), ["a"]),
+    ("by", base(17, "bytea"), ["\\x", "\\xdeadbeef", "\\xDEADBEEF", "abc\\000def", "\\x0"]),
+    ("u", base(2950, "uuid"), ["a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11", "00000000-0000-0000-0000-000000000000"]),
+    ("d", base(1082, "date"), ["2024-02-29", "0001-01-01", "9999-12-31", "1970-01-01", "1969-12-31", "infinity",
+                               "-infinity", "0044-03-15 BC", "10000-01-01", "2000-03-01", "1900-02-28"]),
+    ("tm", base(1083, "time without time zone"), ["00:00:00", "23:59:59.999999", "12:34:56.5", "24:00:00",
+                                                 "01:02:03.000001"]),
+    ("ts", base(1114, "timestamp without time zone"), [
+        "2024-01-02 03:04:05", "2024-01-02 03:04:05.123456", "0001-01-01 00:00:00", "9999-12-31 23:59:59.999999",
+        "1969-12-31 23:59:59.9", "infinity", "-infinity", "0044-03-15 12:00:00 BC", "10000-01-01 00:00:00"]),
+    ("tz", base(1184, "timestamp with time zone"), [
+        "2024-01-02 03:04:05+00", "2024-01-02 03:04:05.5+00", "1900-01-01 00:00:00+00", "2024-06-01 12:00:00+02",
+        "2024-06-01 12:00:00+05:30", "1883-11-18 12:03:58-00:03:58", "infinity", "-infinity",
+        "0001-01-01 00:00:00+00", "9999-12-31 23:59:59.999999+00", "1969-12-31 23:59:59.999999+00"]),
+    ("n12", base(1700, "numeric(12,2)", numeric(12, 2)), [
+        "0.00", "-0.01", "1234567890.12", "-9999999999.99", "1.27", "-1.28", "1.28", "-1.29", "327.67", "-327.68",
+        "NaN", "Infinity", "-Infinity", "0.50"]),
+    ("n38", base(1700, "numeric(38,10)", numeric(38, 10)), [
+        "12345678901234567890.1234567890", "-0.0000000001", "1.0000000000", "-99999999.9999999999",
+        "9999999999999999999999999999.9999999999", "-92233720.3685477580", "-92233720.3685477581"]),
+    ("n5", base(1700, "numeric(5,0)", numeric(5, 0)), [
+        "99999", "-99999", "0", "-128", "128", "127", "-127", "255", "256", "-256", "32767", "-32768"]),
+    ("n18", base(1700, "numeric(18,0)", numeric(18, 0)), [
+        "999999999999999999", "-999999999999999999", "100000000000000000"]),
+    ("nu", base(1700, "numeric"), ["1.50", "NaN", "-123456789012345678901234567890.5", "Infinity"]),
+    ("nneg", base(1700, "numeric(5,-2)", numeric(5, -2)), ["12300"]),
+    ("js", base(114, "json"), ['{"a": 1}', "[]"]),
+    ("jb", base(3802, "jsonb"), ['{"a": [1, 2], "b": "ü"}']),
+    ("iv", base(1186, "interval"), ["1 day 02:00:00", "-00:00:01"]),
+    ("ttz", base(1266, "time with time zone"), ["12:00:00+02"]),
+    ("ai4", array(1007, "integer[]", 23), ["{1,2,NULL}", "{{1,2},{3,4}}", "{}"]),
+    ("atx", array(1009, "text[]", 25), ['{a,"b c",NULL}']),
+    ("ats", array(1115, "timestamp without time zone[]", 1114), ['{"2024-01-01 00:00:00",infinity}']),
+    ("en", PgTypeInfo(90001, "mood", 90001, "mood", -1, "e"), ["happy"]),
+    ("dom", PgTypeInfo(90002, "posint", 23, "integer", -1, "b"), ["42"]),
+]
+KEY_COLUMNS = ["i4", "t", "d", "tz", "n12", "u"]
+NAMES = [c[0] for c in COLUMNS]
+CODECS = [column_codec(c[1]) for c in COLUMNS]
+LSN, XID, TS_MS, SEEN_MS = 0x1_2345_6789, 987_654, 1_732_000_000_123, 1_732_000_000_456
+PARTITIONS = 5
+
+
+def relation(oid: int, keys) -> Relation:
+    return Relation(oid, "public", "all_types", "d",
+                    tuple(Column(n, c[1].oid, c[1].base_typmod, n in keys) for n, c in zip(NAMES, COLUMNS)))
+
+
+def build(oid: int, keys, specs) -> tuple[RelationPlan, object]:
+    plan = RelationPlan(relation(oid, keys), CODECS, tuple(keys), specs, "wb", "app")
+    for i, route in enumerate(plan.routes):
+        route.codec.value_prefix = b"\xc3\x01" + bytes([i]) * 8
+        route.codec.key_prefix = b"\x00\x00\x00\x00" + bytes([i + 1]) if route.codec.key_schema else None
+    encoder = fastcodec.relation_encoder(plan, {r.topic: PARTITIONS for r in plan.routes})
+    assert encoder is not None
+    return plan, encoder
+
+
+SHAPES = [ShapeSpec("public.all_types", "wb.public.all_types", None, None),
+          ShapeSpec("narrow", "wb.narrow", ("tz", "n12", "i4", "t", "d", "u", "f8", "by"), None)]
+
+
+def rows(keyed: bool):
+    """Rows cycling through every column's values; key columns never NULL."""
+    longest = max(len(c[2]) for c in COLUMNS)
+    for r in range(longest):
+        yield tuple(c[2][r % len(c[2])].encode() for c in COLUMNS)
+    # NULLs everywhere but the key.
+    yield tuple(c[2][0].encode() if keyed and n in KEY_COLUMNS else None for n, c in zip(NAMES, COLUMNS))
+
+
+def tuple_data(values) -> bytes:
+    out = struct.pack("!h", len(values))
+    for v in values:
+        if v is None:
+            out += b"n"
+        elif v is UNCHANGED_TOAST:
+            out += b"u"
+        else:
+            out += b"t" + struct.pack("!i", len(v)) + v
+    return out
+
+
+def frame(payload: bytes) -> bytes:
+    """An XLogData frame around a pgoutput message (the header is not read)."""
+    return b"w" + bytes(24) + payload
+
+
+def changes(oid: int, keyed: bool):
+    """(pgoutput message bytes, decoded change) pairs."""
+    rel = struct.pack("!I", oid)
+    for row in rows(keyed):
+        yield b"I" + rel + b"N" + tuple_data(row), Insert(oid, row)
+        toasted = tuple(UNCHANGED_TOAST if n in ("t", "js", "by") and not (keyed and n in KEY_COLUMNS) else v
+                        for n, v in zip(NAMES, row))
+        yield b"U" + rel + b"N" + tuple_data(toasted), Update(oid, None, False, toasted)
+        key_only = tuple(v if keyed and n in KEY_COLUMNS else None for n, v in zip(NAMES, row))
+        if keyed:
+            yield b"D" + rel + b"K" + tuple_data(key_only), Delete(oid, key_only, True)
+        yield b"D" + rel + b"O" + tuple_data(row), Delete(oid, row, False)
+
+
+def reference(plan: RelationPlan, change, op_index: int) -> list:
+    out = []
+    for event in plan.events(change, op_index):
+        source = event.route.codec.source_bytes(LSN, XID, TS_MS)
+        writer, key, value = event_message(event, LSN, source, SEEN_MS, PARTITIONS)
+        out.append((writer, key, value, (event.route.name, event.op)))
+    return out
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "keyless"])
+def test_byte_identical_to_reference(keyed):
+    keys = KEY_COLUMNS if keyed else ()
+    plan, encoder = build(4242, keys, SHAPES if keyed else SHAPES[:1])
+    n = 0
+    for op_index, (payload, change) in enumerate(changes(4242, keyed)):
+        fast = encoder.encode(frame(payload), 25, op_index, LSN, XID, TS_MS, SEEN_MS)
+        assert fast is not None, change
+        expected = reference(plan, change, op_index)
+        for got, want in itertools.zip_longest(fast, expected):
+            assert got == want, (change, got, want)
+        n += len(fast)
+    assert n > 40
+
+
+def test_declines_what_it_does_not_handle():
+    plan, encoder = build(7, KEY_COLUMNS, SHAPES)
+    row = next(rows(True))
+    rel = struct.pack("!I", 7)
+    old = b"K" + tuple_data(tuple(v if n in KEY_COLUMNS else None for n, v in zip(NAMES, row)))
+    declined = [
+        b"U" + rel + old + b"N" + tuple_data(row),  # an old tuple: key change or REPLICA IDENTITY FULL
+        b"I" + struct.pack("!I", 8) + b"N" + tuple_data(row),  # another relation
+        b"I" + rel + b"N" + tuple_data(row[:-1]),  # a column count that does not match
+        b"I" + rel + b"N" + tuple_data(tuple(None if n == "i4" else v for n, v in zip(NAMES, row))),  # NULL key
+        b"I" + rel + b"N" + tuple_data(row)[:-3],  # truncated
+        b"B" + bytes(20),
+    ]
+    for payload in declined:
+        assert encoder.encode(frame(payload), 25, 0, LSN, XID, TS_MS, SEEN_MS) is None, payload[:1]
+
+
+def test_filtered_relations_take_the_reference_path():
+    from producer.shape_filter import compile_filter
+
+    spec = ShapeSpec("f", "wb.f", None, compile_filter("i4 > 0", {"i4": "integer"}))
+    plan = RelationPlan(relation(9, KEY_COLUMNS), CODECS, tuple(KEY_COLUMNS), [spec], "wb", "app")
+    assert fastcodec.relation_encoder(plan, {"wb.f": 1}) is None
+
+
+def test_crc32_is_zlibs():
+    for data in (b"", b"a", bytes(range(256)) * 3):
+        assert fastcodec._fastcodec.crc32(data) == zlib.crc32(data)
+
+
+def test_stream_source_parts_match_the_source_block():
+    plan, _ = build(11, KEY_COLUMNS, SHAPES[:1])
+    codec = plan.routes[0].codec
+    head, mid = codec.stream_source_parts()
+    from producer.envelope import avro_long
+
+    src = codec.source_bytes(LSN, XID, TS_MS)
+    assert src.head == head + avro_long(TS_MS) + mid + b"\x02" + avro_long(XID) + b"\x02" + avro_long(LSN)
+    assert src.tail == b"\x00"
+    assert avro_string("x") == b"\x02x"
