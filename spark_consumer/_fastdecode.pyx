@@ -272,3 +272,129 @@ def compile_envelope(dict schema, dict slot_maps):
     slots (missing fields None, unmapped fields read and dropped). Raises
     :class:`UnsupportedWriterSchema` for anything it does not read."""
     return EnvelopeReader(_compile(schema, {}, slot_maps, schema.get("namespace")))
+
+
+# ------------------------------------------------------------ whole rows
+cdef object _POSITION_HEADER = "wb.pos"
+cdef object _CONTROL_HEADER = "wb.control"
+cdef object _SNAPSHOT_HEADER = "wb.snapshot"
+cdef frozenset _OPS = frozenset(("c", "u", "d", "r", "t"))
+
+
+cdef inline uint64_t _big_endian_u64(const uint8_t *p):
+    cdef uint64_t n = 0
+    cdef int i
+    for i in range(8):
+        n = (n << 8) | p[i]
+    return n
+
+
+cdef class RowAssembler:
+    """The builder's row of an ordinary change message in one call: headers,
+    writer lookup by wire prefix, envelope, special values, bookkeeping
+    (``decode.BatchBuilder.add`` spells out the same steps; the unit tests
+    hold the two side by side). Returns None for anything else (control
+    events, unknown prefixes, damaged headers or bodies, odd ops, deletes whose
+    key must come from the message key): the builder then takes its own path,
+    which also raises where a message is undecodable."""
+    cdef dict by_prefix  # the builder's: wire prefix -> (parsed, body offset, reader or None)
+    cdef tuple special  # (column index, column name) of columns with a special (string) branch
+    cdef tuple key_indexes
+    cdef dict name_by_field
+    cdef tuple names
+    cdef Py_ssize_t n_row
+
+    def __cinit__(self, dict by_prefix, special, key_indexes, dict name_by_field, names):
+        self.by_prefix = by_prefix
+        self.special = tuple(special)
+        self.key_indexes = tuple(key_indexes)
+        self.name_by_field = name_by_field
+        self.names = tuple(names)
+        self.n_row = len(self.names)
+
+    def add(self, topic, partition, offset, key, value, headers):
+        cdef Py_ssize_t i
+        cdef const uint8_t *p
+        cdef EnvelopeReader reader
+        cdef list values
+        if value is None or type(value) is not bytes or PyBytes_GET_SIZE(value) < 5:
+            return None
+        pos = snapshot = None
+        if headers:
+            for header in headers:
+                name = header[0]
+                if name == _POSITION_HEADER:
+                    pos = header[1]
+                elif name == _SNAPSHOT_HEADER:
+                    snapshot = header[1]
+                elif name == _CONTROL_HEADER:
+                    return None
+        lsn = op_index = None
+        if pos is not None:
+            if type(pos) is not bytes or PyBytes_GET_SIZE(pos) != 16:
+                return None
+            p = <const uint8_t *>PyBytes_AS_STRING(pos)
+            lsn = _big_endian_u64(p)
+            op_index = _big_endian_u64(p + 8)
+        p = <const uint8_t *>PyBytes_AS_STRING(value)
+        head = value[:10] if p[0] == 0xC3 else value[:5]
+        found = self.by_prefix.get(head)
+        if found is None or (<tuple>found)[2] is None:
+            return None
+        reader = <EnvelopeReader>(<tuple>found)[2]
+        try:
+            envelope = reader.read(value, (<tuple>found)[1])
+        except Exception:
+            return None
+        before, after, source, op, ts_ms, unchanged = <list>envelope
+        if not (type(op) is str and op in _OPS):
+            return None
+        if (lsn is None or snapshot is None) and source is not None:
+            if lsn is None:
+                lsn, op_index = (<list>source)[0], (<list>source)[1]
+            if snapshot is None:
+                snapshot = (<list>source)[2]
+        if op == "d":
+            row = before
+            if key is not None and self.key_indexes:
+                if row is None:
+                    return None
+                for i in self.key_indexes:
+                    if (<list>row)[i] is None:
+                        return None
+        else:
+            row = after
+        special = None
+        if row is None:
+            values = [None] * self.n_row
+        else:
+            values = <list>row
+            for i, name in self.special:
+                v = values[i]
+                if type(v) is str:
+                    if special is None:
+                        special = []
+                    special.append((name, v))
+                    values[i] = None
+        if unchanged:
+            unchanged = [self.name_by_field.get(f, f) for f in unchanged]
+        else:
+            unchanged = None
+        before_special = None
+        if op == "u" and before is not None:
+            old = dict(zip(self.names, <list>before))
+            for i, name in self.special:
+                v = old[name]
+                if type(v) is str:
+                    if before_special is None:
+                        before_special = []
+                    before_special.append((name, v))
+                    old[name] = None
+            before = old
+        else:
+            before = None
+        if snapshot is not None and type(snapshot) is not str:
+            snapshot = bytes(snapshot).decode("utf-8", "replace")
+        values += (op, lsn, op_index, topic, partition, offset, unchanged, special, None, None,
+                   snapshot, ts_ms, None, before, before_special)
+        return values

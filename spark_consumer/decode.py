@@ -489,6 +489,10 @@ class BatchBuilder:
         # for schemas that decoded
         self._by_prefix: dict[bytes, tuple[Any, int, Any]] = {}
         self._records: list[list] = []
+        # The compiled row of an ordinary change (None: every message takes the steps below).
+        self._assembler = fastdecode.row_assembler(
+            self._by_prefix, self._special, [i for i, _ in self._key_fields], self._name_by_field, self._names,
+        ) if schemas.compiled else None
 
     @property
     def count(self) -> int:
@@ -526,6 +530,11 @@ class BatchBuilder:
             headers: list | None) -> None:
         """Add one message; raises :class:`UndecodableMessage` (nothing added)
         or :class:`SchemaChangedError`."""
+        if self._assembler is not None:
+            row = self._assembler.add(topic, partition, offset, key, value, headers)
+            if row is not None:
+                self._records.append(row)
+                return
         pos = control = info = snapshot = None
         if headers:
             for name, hv in headers:

@@ -3,8 +3,10 @@
 ``spark_consumer._fastdecode`` (Cython, built by ``pip install``) reads the
 Avro body of a message straight into the parts the batch builder needs: the
 ``before``/``after`` rows as lists in the layout's column order, the
-``source`` position, ``op``, ``ts_ms`` and ``unchanged_toast``. This module
-builds a reader per writer schema from the layout.
+``source`` position, ``op``, ``ts_ms`` and ``unchanged_toast``; its
+``RowAssembler`` turns an ordinary change message (headers and body) into the
+builder's whole row in one call. This module builds a reader per writer schema
+and an assembler per builder from the layout.
 
 Invariants:
 - The reference is fastavro (``decode.decode_body``). A reader exists only for
@@ -12,6 +14,10 @@ Invariants:
   envelope, ``source`` and the row, unions, primitives, decimal bytes, arrays,
   enums); otherwise ``envelope_reader`` returns None and fastavro reads every
   message of that schema.
+- The assembler only builds rows the builder's own steps would build equally;
+  for anything else (control events, first message of a writer schema,
+  damaged headers, deletes that need the message key) it hands the message
+  back to them.
 - Whenever the compiled reader refuses a message body, fastavro decodes it and
   decides (:class:`spark_consumer.decode.UndecodableMessage` or the values), so
   which messages go to the DLQ never depends on this module.
@@ -78,3 +84,12 @@ def envelope_reader(stripped_schema: dict, row_fields: list[str]):
     except (_fastdecode.UnsupportedWriterSchema, KeyError, TypeError, ValueError):
         return None
 
+
+def row_assembler(by_prefix: dict, special: list[tuple[int, str]], key_indexes: list[int],
+                  name_by_field: dict[str, str], names: list[str]):
+    """The compiled row assembler of a builder (its writer cache ``by_prefix``,
+    special-value columns, key column indexes, Avro field → column names,
+    column names), or None without the extension."""
+    if _fastdecode is None:
+        return None
+    return _fastdecode.RowAssembler(by_prefix, special, key_indexes, name_by_field, names)

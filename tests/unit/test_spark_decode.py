@@ -528,6 +528,10 @@ def test_compiled_reader_rows_equal_fastavro_rows():
     for _, value, _ in messages:  # the compiled reader took every body itself
         if value is not None:
             reader.read(value, len(shape.value_prefix))
+    # and the compiled assembler every message but the control event and the delete without a before row
+    handed_back = [i for i, (key, value, headers) in enumerate(messages)
+                   if compiled._assembler.add(TOPIC, 1, i, key, value, headers) is None]
+    assert handed_back == [9, 14]
     fast_batch, reference_batch = compiled.to_record_batch(), reference.to_record_batch()
     assert fast_batch.schema.equals(reference_batch.schema)
     fast_rows, reference_rows = fast_batch.to_pylist(), reference_batch.to_pylist()
