@@ -26,7 +26,7 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
-from decimal import Context
+from decimal import Context, Decimal
 
 
 class CorruptBody(ValueError):
@@ -50,6 +50,12 @@ cdef enum:
     K_UNION
     K_RECORD
     K_ENUM
+    K_DECIMAL_UNSCALED  # a decimal column of the layout with the same (p <= 18, s): Unscaled values
+
+cdef int64_t[19] _POW10 = [1, 10, 100, 1000, 10000, 100000, 1000000, 10000000, 100000000, 1000000000,
+                           10000000000, 100000000000, 1000000000000, 10000000000000, 100000000000000,
+                           1000000000000000, 10000000000000000, 100000000000000000, 1000000000000000000]
+MAX_UNSCALED_PRECISION = 18
 
 _PRIMITIVE_KINDS = {"null": K_NULL, "boolean": K_BOOLEAN, "int": K_INT, "long": K_INT, "float": K_FLOAT,
                     "double": K_DOUBLE, "bytes": K_BYTES, "string": K_STRING}
@@ -65,6 +71,7 @@ cdef class Node:
     cdef Py_ssize_t n_slots
     cdef object context  # decimal: fastavro's Context(prec=precision)
     cdef int scale
+    cdef int precision
     cdef tuple symbols  # enum
 
     def __cinit__(self, int kind):
@@ -101,6 +108,53 @@ cdef inline int64_t _read_long(Cursor *c) except? -1:
         if shift > 63:
             raise CorruptBody("varint longer than 10 bytes")
     return <int64_t>((n >> 1) ^ (-(n & 1)))
+
+
+cdef class Unscaled:
+    """A decimal as its unscaled integer at its column's scale: how the compiled
+    reader hands decimal(p <= 18, s) values on, so that ``decimal_column``
+    builds their Arrow column from integers instead of ``Decimal`` objects. Never
+    reaches pyarrow itself (pyarrow would take an int as the scaled value)."""
+    cdef readonly int64_t value
+    cdef object context
+    cdef int scale
+
+    def to_decimal(self):
+        """The ``Decimal`` fastavro gives for the same bytes."""
+        return self.context.create_decimal(self.value).scaleb(-self.scale, self.context)
+
+    def __repr__(self):
+        return f"Unscaled({self.value}, scale={self.scale})"
+
+
+cdef object _read_unscaled(Node node, Cursor *c):
+    cdef int64_t size = _read_long(c)
+    cdef int64_t v
+    cdef Py_ssize_t i
+    cdef Unscaled out
+    _need(c, size)
+    if size > 8:
+        return _decimal_of(node, c, size)
+    v = 0
+    if size > 0:
+        v = -1 if c.p[0] & 0x80 else 0
+        for i in range(size):
+            v = <int64_t>((<uint64_t>v << 8) | c.p[i])
+    if v >= _POW10[node.precision] or v <= -_POW10[node.precision]:
+        return _decimal_of(node, c, size)  # more digits than declared: fastavro rounds, so does the reference
+    c.p += size
+    out = Unscaled.__new__(Unscaled)
+    out.value = v
+    out.context = node.context
+    out.scale = node.scale
+    return out
+
+
+cdef object _decimal_of(Node node, Cursor *c, int64_t size):
+    data = PyBytes_FromStringAndSize(<const char *>c.p, size)
+    c.p += size
+    context = node.context
+    return context.create_decimal(int.from_bytes(data, "big", signed=True)).scaleb(-node.scale, context)
 
 
 cdef object _read_decimal(Node node, Cursor *c):
@@ -166,6 +220,8 @@ cdef object _read(Node node, Cursor *c):
         _need(c, n)
         c.p += n
         return PyBytes_FromStringAndSize(<const char *>(c.p - n), n)
+    if kind == K_DECIMAL_UNSCALED:
+        return _read_unscaled(node, c)
     if kind == K_DECIMAL:
         return _read_decimal(node, c)
     if kind == K_ARRAY:
@@ -212,7 +268,9 @@ def _full_name(name: str, namespace: str | None) -> str:
     return name if "." in name or not namespace else f"{namespace}.{name}"
 
 
-def _compile(t, dict named, dict slot_maps, namespace):
+def _compile(t, dict named, dict slot_maps, namespace, tuple unscaled=None):
+    """``unscaled``: the (precision, scale) of the layout's decimal column this
+    type is read into, when its values may travel as :class:`Unscaled`."""
     cdef Node node
     if isinstance(t, str):
         kind = _PRIMITIVE_KINDS.get(t)
@@ -224,7 +282,7 @@ def _compile(t, dict named, dict slot_maps, namespace):
         return found
     if isinstance(t, list):
         node = Node(K_UNION)
-        node.branches = tuple(_compile(b, named, slot_maps, namespace) for b in t)
+        node.branches = tuple(_compile(b, named, slot_maps, namespace, unscaled) for b in t)
         return node
     if not isinstance(t, dict):
         raise UnsupportedWriterSchema(f"unexpected Avro type {t!r}")
@@ -239,15 +297,20 @@ def _compile(t, dict named, dict slot_maps, namespace):
         named[full] = node
         inner_ns = full.rpartition(".")[0] or None
         fields = t["fields"]
-        node.fields = tuple(_compile(f["type"], named, slot_maps, inner_ns) for f in fields)
+        unscaled_fields = slot_maps.get((full, "unscaled"), {})
+        node.fields = tuple(_compile(f["type"], named, slot_maps, inner_ns, unscaled_fields.get(f["name"]))
+                            for f in fields)
         node.slots = tuple(slot_map.get(f["name"], -1) for f in fields)
         node.n_slots = max(slot_map.values(), default=-1) + 1
         return node
     if logical is not None:
         if logical == "decimal" and base == "bytes":
-            node = Node(K_DECIMAL)
-            node.context = Context(prec=int(t["precision"]))
-            node.scale = int(t.get("scale", 0))
+            precision, scale = int(t["precision"]), int(t.get("scale", 0))
+            same = unscaled == (precision, scale) and 0 < precision <= MAX_UNSCALED_PRECISION
+            node = Node(K_DECIMAL_UNSCALED if same else K_DECIMAL)
+            node.context = Context(prec=precision)
+            node.precision = precision
+            node.scale = scale
             return node
         raise UnsupportedWriterSchema(f"logical type {logical!r} on {base!r}")
     if base == "array":
@@ -261,7 +324,7 @@ def _compile(t, dict named, dict slot_maps, namespace):
         named[full] = node
         return node
     if isinstance(base, (str, list, dict)) and base not in ("map", "fixed", "error"):
-        return _compile(base, named, slot_maps, namespace)
+        return _compile(base, named, slot_maps, namespace, unscaled)
     raise UnsupportedWriterSchema(f"Avro type {base!r} is not supported")
 
 
@@ -269,9 +332,37 @@ def compile_envelope(dict schema, dict slot_maps):
     """The reader of envelopes written with ``schema`` (logical types stripped as
     for fastavro). ``slot_maps``: {record full name: {field name: output slot}}
     for every record the schema holds; a record read becomes a list of its
-    slots (missing fields None, unmapped fields read and dropped). Raises
+    slots (missing fields None, unmapped fields read and dropped);
+    {(record full name, "unscaled"): {field name: (precision, scale)}}: decimal
+    fields read as :class:`Unscaled` where the writer declares that same
+    precision (<= 18) and scale. Raises
     :class:`UnsupportedWriterSchema` for anything it does not read."""
     return EnvelopeReader(_compile(schema, {}, slot_maps, schema.get("namespace")))
+
+
+# ------------------------------------------------------------ decimal columns
+def decimal_column(list values, int precision, int scale):
+    """The unscaled integers (None for nulls) of a decimal(precision, scale)
+    column whose values are :class:`Unscaled`, None, or ``Decimal`` with
+    exactly ``scale`` places and at most ``precision`` digits; None when any
+    value is something else (the caller then converts value by value)."""
+    cdef Py_ssize_t i
+    cdef Py_ssize_t n = len(values)
+    cdef list out = [None] * n
+    for i in range(n):
+        v = values[i]
+        if v is None:
+            continue
+        if type(v) is Unscaled:
+            out[i] = (<Unscaled>v).value
+        elif type(v) is Decimal:
+            t = v.as_tuple()
+            if t.exponent != -scale or len(t.digits) > precision:
+                return None
+            out[i] = int(v.scaleb(scale))
+        else:
+            return None
+    return out
 
 
 # ------------------------------------------------------------ whole rows
@@ -302,10 +393,12 @@ cdef class RowAssembler:
     cdef tuple key_indexes
     cdef dict name_by_field
     cdef tuple names
+    cdef tuple unscaled_names  # columns whose values may be Unscaled (``_wb_before`` holds Decimals)
     cdef Py_ssize_t n_row
 
-    def __cinit__(self, dict by_prefix, special, key_indexes, dict name_by_field, names):
+    def __cinit__(self, dict by_prefix, special, key_indexes, dict name_by_field, names, unscaled_names):
         self.by_prefix = by_prefix
+        self.unscaled_names = tuple(unscaled_names)
         self.special = tuple(special)
         self.key_indexes = tuple(key_indexes)
         self.name_by_field = name_by_field
@@ -390,6 +483,10 @@ cdef class RowAssembler:
                         before_special = []
                     before_special.append((name, v))
                     old[name] = None
+            for name in self.unscaled_names:
+                v = old[name]
+                if type(v) is Unscaled:
+                    old[name] = (<Unscaled>v).to_decimal()
             before = old
         else:
             before = None

@@ -331,6 +331,13 @@ class ShapeLayout:
     def key_columns(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.columns if c.is_key)
 
+    def unscaled_decimals(self) -> dict[str, tuple[int, int]]:
+        """{Avro field: (precision, scale)} of the Spark decimal columns the
+        compiled reader may hand on as unscaled integers."""
+        return {c.avro_field: (c.type.spark_type.precision, c.type.spark_type.scale) for c in self.columns
+                if isinstance(c.type.spark_type, DecimalType)
+                and c.type.spark_type.precision <= fastdecode.MAX_UNSCALED_PRECISION}
+
     def check_writer(self, writer_schema: dict, known: bool) -> None:
         """Raise if a message written with ``writer_schema`` cannot be read into
         this layout: :class:`UndecodableMessage` for a schema of another shape
@@ -423,7 +430,8 @@ class WriterSchemas:
             raise
         stripped = strip_logical_types(raw)
         if check and self.compiled:
-            self._readers[key] = fastdecode.envelope_reader(stripped, [c.avro_field for c in self.layout.columns])
+            self._readers[key] = fastdecode.envelope_reader(
+                stripped, [c.avro_field for c in self.layout.columns], self.layout.unscaled_decimals())
         parsed = self._parsed[key] = parse_schema(stripped)
         return parsed
 
@@ -489,9 +497,15 @@ class BatchBuilder:
         # for schemas that decoded
         self._by_prefix: dict[bytes, tuple[Any, int, Any]] = {}
         self._records: list[list] = []
+        unscaled = layout.unscaled_decimals()
+        # Row columns whose values may be fastdecode.Unscaled (compiled reads): index -> Arrow type.
+        self._unscaled = {i: arrow_schema.field(i).type for i, c in enumerate(layout.columns)
+                          if c.avro_field in unscaled} if schemas.compiled else {}
+        self._unscaled_names = [layout.columns[i].name for i in self._unscaled]
         # The compiled row of an ordinary change (None: every message takes the steps below).
         self._assembler = fastdecode.row_assembler(
             self._by_prefix, self._special, [i for i, _ in self._key_fields], self._name_by_field, self._names,
+            self._unscaled_names,
         ) if schemas.compiled else None
 
     @property
@@ -604,6 +618,9 @@ class BatchBuilder:
                     special = []
                 special.append((name, v))
                 old[name] = None
+        for name in self._unscaled_names:
+            if fastdecode.is_unscaled(old[name]):
+                old[name] = old[name].to_decimal()
         return old, special
 
     def add_dlq(self, topic: str, partition: int, offset: int, headers: list | None, error: str) -> None:
@@ -645,6 +662,9 @@ class BatchBuilder:
         before_index = n_row + len(BOOKKEEPING)
         for i, values in enumerate(zip(*records)):
             convert = self._converters[i] if i < n_row else None
+            if i in self._unscaled:
+                arrays.append(fastdecode.decimal_array(list(values), self._unscaled[i]))
+                continue
             if convert is not None:
                 values = [None if v is None else convert(v) for v in values]
             elif i == before_index and self._struct_converters:

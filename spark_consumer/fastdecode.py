@@ -23,6 +23,10 @@ Invariants:
   which messages go to the DLQ never depends on this module.
 - ``tests/unit/test_spark_decode.py`` holds both paths side by side (equal rows,
   equal errors).
+- Decimal columns of precision <= 18 read with the layout's own (precision,
+  scale) travel as :class:`Unscaled` integers to ``decimal_array``, which
+  builds their Arrow column from the integers; nowhere else may an
+  ``Unscaled`` stay (``_wb_before`` and the key fill hold ``Decimal``).
 - Set ``WALBRIDGE_PURE_PYTHON=1`` to run without the extension.
 """
 
@@ -39,6 +43,7 @@ except ImportError:  # not built (e.g. running from a source tree without pip in
     _fastdecode = None
 
 AVAILABLE = _fastdecode is not None
+MAX_UNSCALED_PRECISION = 18
 
 # Slots of the envelope list ``EnvelopeReader.read`` returns.
 ENVELOPE_SLOTS = {"before": 0, "after": 1, "source": 2, "op": 3, "ts_ms": 4, "unchanged_toast": 5}
@@ -58,11 +63,14 @@ def _record_in(avro_type: Any) -> dict | None:
     return records[0] if len(records) == 1 else None
 
 
-def envelope_reader(stripped_schema: dict, row_fields: list[str]):
+def envelope_reader(stripped_schema: dict, row_fields: list[str],
+                    unscaled_decimals: dict[str, tuple[int, int]] | None = None):
     """The compiled reader of envelopes written with ``stripped_schema`` (the
     writer schema with logical types stripped as for fastavro), reading each
     row into a list ordered as ``row_fields`` (the layout's Avro field names;
     fields the writer lacks are None, fields the layout lacks are dropped).
+    ``unscaled_decimals``: {field: (precision, scale)} of the layout's decimal
+    columns (precision <= 18) whose values may come as :class:`Unscaled`.
     None when the extension is missing or the schema is not one it reads."""
     if _fastdecode is None or stripped_schema.get("type") != "record":
         return None
@@ -74,9 +82,11 @@ def envelope_reader(stripped_schema: dict, row_fields: list[str]):
     if row is None or source is None:
         return None
     envelope_ns = stripped_schema.get("namespace")
+    row_name = _full_name(row, envelope_ns)
     slot_maps = {
         _full_name(stripped_schema, None): ENVELOPE_SLOTS,
-        _full_name(row, envelope_ns): {name: i for i, name in enumerate(row_fields)},
+        row_name: {name: i for i, name in enumerate(row_fields)},
+        (row_name, "unscaled"): dict(unscaled_decimals or {}),
         _full_name(source, envelope_ns): SOURCE_SLOTS,
     }
     try:
@@ -86,10 +96,29 @@ def envelope_reader(stripped_schema: dict, row_fields: list[str]):
 
 
 def row_assembler(by_prefix: dict, special: list[tuple[int, str]], key_indexes: list[int],
-                  name_by_field: dict[str, str], names: list[str]):
+                  name_by_field: dict[str, str], names: list[str], unscaled_names: list[str]):
     """The compiled row assembler of a builder (its writer cache ``by_prefix``,
     special-value columns, key column indexes, Avro field → column names,
-    column names), or None without the extension."""
+    column names, columns whose values may be :class:`Unscaled`), or None
+    without the extension."""
     if _fastdecode is None:
         return None
-    return _fastdecode.RowAssembler(by_prefix, special, key_indexes, name_by_field, names)
+    return _fastdecode.RowAssembler(by_prefix, special, key_indexes, name_by_field, names, unscaled_names)
+
+
+def is_unscaled(value: Any) -> bool:
+    return _fastdecode is not None and value.__class__ is _fastdecode.Unscaled
+
+
+def decimal_array(values: list, arrow_type: Any) -> Any:
+    """The Arrow decimal column of ``values`` (:class:`Unscaled`, ``Decimal``
+    or None), built from integers when every value allows (equal to
+    ``pa.array`` of the Decimals)."""
+    import pyarrow as pa
+
+    ints = _fastdecode.decimal_column(values, arrow_type.precision, arrow_type.scale) if AVAILABLE else None
+    if ints is None:
+        return pa.array([v.to_decimal() if is_unscaled(v) else v for v in values], type=arrow_type)
+    unscaled = pa.array(ints, type=pa.int64()).cast(pa.decimal128(38, 0))
+    # Same 16-byte layout: the integers are the unscaled values at arrow_type's scale.
+    return pa.Array.from_buffers(arrow_type, len(unscaled), unscaled.buffers(), unscaled.null_count)

@@ -574,6 +574,28 @@ def test_compiled_reader_refuses_exactly_what_fastavro_refuses():
 
 
 @pytest.mark.skipif(not fastdecode.AVAILABLE, reason="spark_consumer._fastdecode is not built")
+def test_unscaled_decimals_make_the_column_pyarrow_makes_of_decimals():
+    shape = Shape()
+    stripped = strip_logical_types(shape.codec.value_schema)
+    fields = [c.avro_field for c in shape.layout.columns]
+    assert shape.layout.unscaled_decimals() == {"amount": (10, 2)}  # not "huge" (50 digits, text)
+    reader = fastdecode.envelope_reader(stripped, fields, shape.layout.unscaled_decimals())
+    amount = reader.read(shape.value("c", after=ROW), len(shape.value_prefix))[1][5]
+    assert fastdecode.is_unscaled(amount) and amount.to_decimal() == Decimal("12.30")
+    t = pa.decimal128(10, 2)
+    values = [amount, None, Decimal("-0.05"), Decimal("12345678.90")]
+    expected = pa.array([Decimal("12.30"), None, Decimal("-0.05"), Decimal("12345678.90")], t)
+    assert fastdecode.decimal_array(values, t).equals(expected)
+    # a Decimal of another scale is converted value by value, as pa.array does
+    assert fastdecode.decimal_array([amount, Decimal("1.5")], t).equals(
+        pa.array([Decimal("12.30"), Decimal("1.50")], t))
+    with pytest.raises(pa.ArrowInvalid):  # 11 digits in a decimal(10, 2): refused as pa.array refuses it
+        fastdecode.decimal_array([amount, Decimal("123456789.00")], t)
+    plain = fastdecode.envelope_reader(stripped, fields)  # without the layout's decimals: Decimal values
+    assert plain.read(shape.value("c", after=ROW), len(shape.value_prefix))[1][5] == Decimal("12.30")
+
+
+@pytest.mark.skipif(not fastdecode.AVAILABLE, reason="spark_consumer._fastdecode is not built")
 def test_compiled_reader_declines_schemas_it_does_not_read():
     layout_fields = [c.avro_field for c in Shape().layout.columns]
     stripped = strip_logical_types(Shape().codec.value_schema)
