@@ -92,6 +92,11 @@ Invariants:
 - Decoding reads the writer schema with the date/time/timestamp/uuid logical
   types stripped (the binary encoding is the same), so those values arrive as
   plain ints/strings and go into Arrow without per-value Python objects.
+- Where the compiled reader (:mod:`spark_consumer.fastdecode`) is built and
+  reads the writer schema, it decodes the bodies and assembles ordinary rows;
+  the rows are those of the fastavro path (``WriterSchemas(compiled=False)``),
+  and a body it refuses is decoded by fastavro, so what is undecodable does
+  not depend on it.
 """
 
 from __future__ import annotations
@@ -475,7 +480,9 @@ class BatchBuilder:
 
     Each message becomes one Python list (row values, then bookkeeping values
     in ``BOOKKEEPING`` order, then ``BEFORE_COLUMNS``); a batch transposes them
-    into columns at once."""
+    into columns at once. Row values are fastavro's, except that decimal
+    columns of precision <= 18 may hold ``fastdecode.Unscaled`` integers
+    (compiled reads), which only ``to_record_batch`` turns into Arrow."""
 
     def __init__(self, layout: ShapeLayout, schemas: WriterSchemas, arrow_schema: Any = None):
         self.layout = layout
