@@ -393,17 +393,31 @@ cdef class RowAssembler:
     cdef tuple key_indexes
     cdef dict name_by_field
     cdef tuple names
-    cdef tuple unscaled_names  # columns whose values may be Unscaled (``_wb_before`` holds Decimals)
+    cdef tuple unscaled_indexes  # columns whose values may be Unscaled (``_wb_before`` holds Decimals)
     cdef Py_ssize_t n_row
 
-    def __cinit__(self, dict by_prefix, special, key_indexes, dict name_by_field, names, unscaled_names):
+    def __cinit__(self, dict by_prefix, special, key_indexes, dict name_by_field, names, unscaled_indexes):
         self.by_prefix = by_prefix
-        self.unscaled_names = tuple(unscaled_names)
+        self.unscaled_indexes = tuple(unscaled_indexes)
         self.special = tuple(special)
         self.key_indexes = tuple(key_indexes)
         self.name_by_field = name_by_field
         self.names = tuple(names)
         self.n_row = len(self.names)
+
+    cdef list _take_specials(self, list values):
+        """Moves string-branch values of special columns out of ``values``:
+        their [(column, text)], or None."""
+        cdef Py_ssize_t i
+        cdef list special = None
+        for i, name in self.special:
+            v = values[i]
+            if type(v) is str:
+                if special is None:
+                    special = []
+                special.append((name, v))
+                values[i] = None
+        return special
 
     def add(self, topic, partition, offset, key, value, headers):
         cdef Py_ssize_t i
@@ -462,32 +476,19 @@ cdef class RowAssembler:
             values = [None] * self.n_row
         else:
             values = <list>row
-            for i, name in self.special:
-                v = values[i]
-                if type(v) is str:
-                    if special is None:
-                        special = []
-                    special.append((name, v))
-                    values[i] = None
+            special = self._take_specials(values)
         if unchanged:
             unchanged = [self.name_by_field.get(f, f) for f in unchanged]
         else:
             unchanged = None
         before_special = None
         if op == "u" and before is not None:
-            old = dict(zip(self.names, <list>before))
-            for i, name in self.special:
-                v = old[name]
-                if type(v) is str:
-                    if before_special is None:
-                        before_special = []
-                    before_special.append((name, v))
-                    old[name] = None
-            for name in self.unscaled_names:
-                v = old[name]
+            before_special = self._take_specials(<list>before)
+            for i in self.unscaled_indexes:
+                v = (<list>before)[i]
                 if type(v) is Unscaled:
-                    old[name] = (<Unscaled>v).to_decimal()
-            before = old
+                    (<list>before)[i] = (<Unscaled>v).to_decimal()
+            before = dict(zip(self.names, <list>before))
         else:
             before = None
         if snapshot is not None and type(snapshot) is not str:

@@ -512,7 +512,7 @@ class BatchBuilder:
         # The compiled row of an ordinary change (None: every message takes the steps below).
         self._assembler = fastdecode.row_assembler(
             self._by_prefix, self._special, [i for i, _ in self._key_fields], self._name_by_field, self._names,
-            self._unscaled_names,
+            list(self._unscaled),
         ) if schemas.compiled else None
 
     @property

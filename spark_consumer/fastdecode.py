@@ -96,14 +96,14 @@ def envelope_reader(stripped_schema: dict, row_fields: list[str],
 
 
 def row_assembler(by_prefix: dict, special: list[tuple[int, str]], key_indexes: list[int],
-                  name_by_field: dict[str, str], names: list[str], unscaled_names: list[str]):
+                  name_by_field: dict[str, str], names: list[str], unscaled_indexes: list[int]):
     """The compiled row assembler of a builder (its writer cache ``by_prefix``,
     special-value columns, key column indexes, Avro field → column names,
     column names, columns whose values may be :class:`Unscaled`), or None
     without the extension."""
     if _fastdecode is None:
         return None
-    return _fastdecode.RowAssembler(by_prefix, special, key_indexes, name_by_field, names, unscaled_names)
+    return _fastdecode.RowAssembler(by_prefix, special, key_indexes, name_by_field, names, unscaled_indexes)
 
 
 def is_unscaled(value: Any) -> bool:
