@@ -596,6 +596,20 @@ def test_unscaled_decimals_make_the_column_pyarrow_makes_of_decimals():
 
 
 @pytest.mark.skipif(not fastdecode.AVAILABLE, reason="spark_consumer._fastdecode is not built")
+def test_a_decimal_beyond_its_declared_precision_fails_as_with_fastavro():
+    shape = Shape()
+    good = shape.value("c", after=ROW)
+    amount = b"\x04\x04\x04\xce"  # union branch 2, 2 bytes: 1230 (12.30)
+    assert good.count(amount) == 1
+    eleven_digits = good.replace(amount, b"\x04\x0a" + (12345678912).to_bytes(5, "big", signed=True))
+    outcomes = []
+    for b in (shape.builder(), _reference_builder(shape)):
+        b.add(TOPIC, 0, 0, None, good, pos(1))
+        outcomes.append(_outcome(b, None, eleven_digits, pos(1)))
+    assert outcomes[0] == outcomes[1] and outcomes[0][:2] == ("error", "ArrowInvalid")
+
+
+@pytest.mark.skipif(not fastdecode.AVAILABLE, reason="spark_consumer._fastdecode is not built")
 def test_compiled_reader_declines_schemas_it_does_not_read():
     layout_fields = [c.avro_field for c in Shape().layout.columns]
     stripped = strip_logical_types(Shape().codec.value_schema)
