@@ -504,16 +504,17 @@ class BatchBuilder:
         # for schemas that decoded
         self._by_prefix: dict[bytes, tuple[Any, int, Any]] = {}
         self._records: list[list] = []
+        compiled = schemas.compiled and fastdecode.AVAILABLE
         unscaled = layout.unscaled_decimals()
         # Row columns whose values may be fastdecode.Unscaled (compiled reads): index -> Arrow type.
         self._unscaled = {i: arrow_schema.field(i).type for i, c in enumerate(layout.columns)
-                          if c.avro_field in unscaled} if schemas.compiled else {}
+                          if c.avro_field in unscaled} if compiled else {}
         self._unscaled_names = [layout.columns[i].name for i in self._unscaled]
         # The compiled row of an ordinary change (None: every message takes the steps below).
         self._assembler = fastdecode.row_assembler(
             self._by_prefix, self._special, [i for i, _ in self._key_fields], self._name_by_field, self._names,
             list(self._unscaled),
-        ) if schemas.compiled else None
+        ) if compiled else None
 
     @property
     def count(self) -> int:
