@@ -92,6 +92,11 @@ Invariants:
 - Decoding reads the writer schema with the date/time/timestamp/uuid logical
   types stripped (the binary encoding is the same), so those values arrive as
   plain ints/strings and go into Arrow without per-value Python objects.
+- Where the compiled reader (:mod:`spark_consumer.fastdecode`) is built and
+  reads the writer schema, it decodes the bodies and assembles ordinary rows;
+  the rows are those of the fastavro path (``WriterSchemas(compiled=False)``),
+  and a body it refuses is decoded by fastavro, so what is undecodable does
+  not depend on it.
 """
 
 from __future__ import annotations
@@ -123,6 +128,7 @@ from pyspark.sql.types import (
 )
 
 from schemas import wire
+from spark_consumer import fastdecode
 
 SPARK_MAX_DECIMAL_PRECISION = 38
 SNAPSHOT_HEADER = "wb.snapshot"
@@ -330,6 +336,13 @@ class ShapeLayout:
     def key_columns(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.columns if c.is_key)
 
+    def unscaled_decimals(self) -> dict[str, tuple[int, int]]:
+        """{Avro field: (precision, scale)} of the Spark decimal columns the
+        compiled reader may hand on as unscaled integers."""
+        return {c.avro_field: (c.type.spark_type.precision, c.type.spark_type.scale) for c in self.columns
+                if isinstance(c.type.spark_type, DecimalType)
+                and c.type.spark_type.precision <= fastdecode.MAX_UNSCALED_PRECISION}
+
     def check_writer(self, writer_schema: dict, known: bool) -> None:
         """Raise if a message written with ``writer_schema`` cannot be read into
         this layout: :class:`UndecodableMessage` for a schema of another shape
@@ -398,7 +411,10 @@ class WriterSchemas:
     layout: ShapeLayout
     lookup: SchemaLookup
     known: frozenset[str] = frozenset()
+    # Read value bodies with the compiled reader where it applies (false: fastavro only).
+    compiled: bool = True
     _parsed: dict[tuple, Any] = field(default_factory=dict)
+    _readers: dict[tuple, Any] = field(default_factory=dict)
     # Refs found not to exist (or not to fit): the producer publishes a schema
     # before its first message, so a failed lookup is final; asking again for
     # each message of a poison burst would only hammer the registry/topic.
@@ -417,12 +433,21 @@ class WriterSchemas:
         except UndecodableMessage as e:
             self._undecodable[key] = str(e)
             raise
-        parsed = self._parsed[key] = parse_schema(strip_logical_types(raw))
+        stripped = strip_logical_types(raw)
+        if check and self.compiled:
+            self._readers[key] = fastdecode.envelope_reader(
+                stripped, [c.avro_field for c in self.layout.columns], self.layout.unscaled_decimals())
+        parsed = self._parsed[key] = parse_schema(stripped)
         return parsed
 
     def parsed(self, ref: wire.SchemaRef, data: bytes) -> Any:
         """The parsed value writer schema, checked against the layout."""
         return self._get((ref.kind, ref.ref), ref, data, True)
+
+    def reader(self, ref: wire.SchemaRef) -> Any:
+        """The compiled envelope reader of a value schema :meth:`parsed` returned,
+        or None (fastavro reads its messages)."""
+        return self._readers.get((ref.kind, ref.ref))
 
     def parsed_key(self, ref: wire.SchemaRef, data: bytes) -> Any:
         return self._get(("key", ref.kind, ref.ref), ref, data, False)
@@ -455,7 +480,9 @@ class BatchBuilder:
 
     Each message becomes one Python list (row values, then bookkeeping values
     in ``BOOKKEEPING`` order, then ``BEFORE_COLUMNS``); a batch transposes them
-    into columns at once."""
+    into columns at once. Row values are fastavro's, except that decimal
+    columns of precision <= 18 may hold ``fastdecode.Unscaled`` integers
+    (compiled reads), which only ``to_record_batch`` turns into Arrow."""
 
     def __init__(self, layout: ShapeLayout, schemas: WriterSchemas, arrow_schema: Any = None):
         self.layout = layout
@@ -469,32 +496,67 @@ class BatchBuilder:
         self._special = [(i, c.name) for i, c in enumerate(layout.columns) if c.type.has_special]
         self._converters = [c.type.convert for c in layout.columns]
         self._name_by_field = {c.avro_field: c.name for c in layout.columns}
-        self._key_fields = [c.avro_field for c in layout.columns if c.is_key]
-        self._field_names = [(c.avro_field, c.name) for c in layout.columns]
+        self._key_fields = [(i, c.avro_field) for i, c in enumerate(layout.columns) if c.is_key]
+        self._names = [c.name for c in layout.columns]
         self._struct_converters = [(c.name, c.type.convert) for c in layout.columns if c.type.convert is not None]
         self._empty_row = [None] * len(self._fields)
-        # wire prefix bytes -> (parsed writer schema, body offset), for schemas that decoded
-        self._by_prefix: dict[bytes, tuple[Any, int]] = {}
+        # wire prefix bytes -> (parsed writer schema, body offset, compiled reader or None),
+        # for schemas that decoded
+        self._by_prefix: dict[bytes, tuple[Any, int, Any]] = {}
         self._records: list[list] = []
+        compiled = schemas.compiled and fastdecode.AVAILABLE
+        unscaled = layout.unscaled_decimals()
+        # Row columns whose values may be fastdecode.Unscaled (compiled reads): index -> Arrow type.
+        self._unscaled = {i: arrow_schema.field(i).type for i, c in enumerate(layout.columns)
+                          if c.avro_field in unscaled} if compiled else {}
+        self._unscaled_names = [layout.columns[i].name for i in self._unscaled]
+        # The compiled row of an ordinary change (None: every message takes the steps below).
+        self._assembler = fastdecode.row_assembler(
+            self._by_prefix, self._special, [i for i, _ in self._key_fields], self._name_by_field, self._names,
+            list(self._unscaled),
+        ) if compiled else None
 
     @property
     def count(self) -> int:
         return len(self._records)
 
-    def _writer(self, value: bytes) -> tuple[Any, int]:
+    def _writer(self, value: bytes) -> tuple[Any, int, Any]:
         head = value[:10] if value[:1] == b"\xc3" else value[:5]
         found = self._by_prefix.get(head)
         if found is None:
             ref = parse_prefix(value)
-            found = (self.schemas.parsed(ref, value), ref.body_offset)
+            found = (self.schemas.parsed(ref, value), ref.body_offset, self.schemas.reader(ref))
             if len(head) == ref.body_offset:
                 self._by_prefix[head] = found
         return found
+
+    def _envelope(self, value: bytes) -> list:
+        """The envelope's parts as ``fastdecode.ENVELOPE_SLOTS`` orders them:
+        [before, after, source, op, ts_ms, unchanged_toast], rows as lists in
+        the layout's column order, source as [lsn, op_index, snapshot_id]."""
+        parsed, body_offset, reader = self._writer(value)
+        if reader is not None:
+            try:
+                return reader.read(value, body_offset)
+            except Exception:
+                pass  # a body the compiled reader refuses: fastavro decides (values or UndecodableMessage)
+        env = decode_body(value, body_offset, parsed)
+        fields = self._fields
+        before, after, source = env.get("before"), env.get("after"), env.get("source") or {}
+        return [None if before is None else [before.get(f) for f in fields],
+                None if after is None else [after.get(f) for f in fields],
+                [source.get("lsn"), source.get("op_index"), source.get("snapshot_id")],
+                env.get("op"), env.get("ts_ms"), env.get("unchanged_toast")]
 
     def add(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
             headers: list | None) -> None:
         """Add one message; raises :class:`UndecodableMessage` (nothing added)
         or :class:`SchemaChangedError`."""
+        if self._assembler is not None:
+            row = self._assembler.add(topic, partition, offset, key, value, headers)
+            if row is not None:
+                self._records.append(row)
+                return
         pos = control = info = snapshot = None
         if headers:
             for name, hv in headers:
@@ -519,27 +581,23 @@ class BatchBuilder:
             return
         if value is None:
             raise UndecodableMessage(f"tombstone without a {wire.CONTROL_HEADER} header")
-        parsed, body_offset = self._writer(value)
-        env = decode_body(value, body_offset, parsed)
-        op = env.get("op")
+        before, after, source, op, ts_ms, unchanged = self._envelope(value)
         if op not in OPS:
             raise UndecodableMessage(f"envelope op {op!r} is not one of c, u, d, r, t")
-        if lsn is None or snapshot is None:
-            source = env.get("source") or {}
+        if (lsn is None or snapshot is None) and source is not None:
             if lsn is None:
-                lsn, op_index = source.get("lsn"), source.get("op_index")
+                lsn, op_index = source[0], source[1]
             if snapshot is None:
-                snapshot = source.get("snapshot_id")
-        row = env["before"] if op == "d" else env["after"]
+                snapshot = source[2]
+        row = before if op == "d" else after
         if op == "d" and key is not None and self._key_fields and (
-                row is None or any(row.get(f) is None for f in self._key_fields)):
+                row is None or any(row[i] is None for i, _ in self._key_fields)):
             row = self._fill_key(row, key)
         special = None
         if row is None:
             values = list(self._empty_row)
         else:
-            get = row.get
-            values = [get(f) for f in self._fields]
+            values = row  # a fresh list per message, ours to extend
             for i, name in self._special:
                 v = values[i]
                 if v.__class__ is str:
@@ -547,19 +605,19 @@ class BatchBuilder:
                         special = []
                     special.append((name, v))
                     values[i] = None
-        unchanged = env.get("unchanged_toast")
         if unchanged:
             unchanged = [self._name_by_field.get(f, f) for f in unchanged]
-        before = before_special = None
-        if op == "u" and env["before"] is not None:
-            before, before_special = self._old_row(env["before"])
+        before_special = None
+        if op == "u" and before is not None:
+            before, before_special = self._old_row(before)
+        else:
+            before = None
         values += (op, lsn, op_index, topic, partition, offset, unchanged or None, special, None, None,
-                   _text(snapshot), env.get("ts_ms"), None, before, before_special)
+                   _text(snapshot), ts_ms, None, before, before_special)
         self._records.append(values)
 
-    def _old_row(self, record: dict) -> tuple[dict, list | None]:
-        get = record.get
-        old = {name: get(f) for f, name in self._field_names}
+    def _old_row(self, record: list) -> tuple[dict, list | None]:
+        old = dict(zip(self._names, record))
         special = None
         for _, name in self._special:
             v = old[name]
@@ -568,6 +626,9 @@ class BatchBuilder:
                     special = []
                 special.append((name, v))
                 old[name] = None
+        for name in self._unscaled_names:
+            if fastdecode.is_unscaled(old[name]):
+                old[name] = old[name].to_decimal()
         return old, special
 
     def add_dlq(self, topic: str, partition: int, offset: int, headers: list | None, error: str) -> None:
@@ -583,17 +644,17 @@ class BatchBuilder:
             None, lsn, op_index, topic, partition, offset, None, None, DLQ_CONTROL, None, None, None, error,
             None, None])
 
-    def _fill_key(self, row: dict | None, key: bytes) -> dict | None:
+    def _fill_key(self, row: list | None, key: bytes) -> list | None:
         try:
             ref = wire.parse_prefix(key)
             parsed = self.schemas.parsed_key(ref, key)
             key_record = decode_body(key, ref.body_offset, parsed)
         except (ValueError, UndecodableMessage):
             return row  # the value is what counts; an unreadable key adds nothing
-        filled = dict(row or {})
-        for f in self._key_fields:
-            if filled.get(f) is None:
-                filled[f] = key_record.get(f)
+        filled = list(row) if row is not None else list(self._empty_row)
+        for i, f in self._key_fields:
+            if filled[i] is None:
+                filled[i] = key_record.get(f)
         return filled
 
     def to_record_batch(self):
@@ -609,6 +670,9 @@ class BatchBuilder:
         before_index = n_row + len(BOOKKEEPING)
         for i, values in enumerate(zip(*records)):
             convert = self._converters[i] if i < n_row else None
+            if i in self._unscaled:
+                arrays.append(fastdecode.decimal_array(list(values), self._unscaled[i]))
+                continue
             if convert is not None:
                 values = [None if v is None else convert(v) for v in values]
             elif i == before_index and self._struct_converters:

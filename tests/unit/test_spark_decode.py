@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import pickle
+import re
 import uuid
 from decimal import Decimal
 
@@ -34,6 +35,7 @@ from pyspark.sql.types import (
 from producer.envelope import ShapeCodec, ShapeColumn
 from producer.pgtypes import PgTypeInfo, column_codec
 from schemas import wire
+from spark_consumer import fastdecode
 from spark_consumer.decode import (
     BEFORE_COLUMNS,
     BOOKKEEPING_NAMES,
@@ -469,6 +471,157 @@ def test_registry_framed_messages_decode_through_the_registry_client():
     no_registry = schema_lookup(SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092"), {})
     with pytest.raises(UndecodableMessage, match="no schema registry"):
         no_registry(wire.parse_prefix(value), value)
+
+
+# ------------------------------------------- compiled reader against fastavro
+EDGE_ROW = (
+    -(2 ** 63), False, 32767, -0.0, -1e300, Decimal("-0.01"), Decimal("0.000"), "",
+    dt.date(1, 1, 1), dt.time(0, 0), dt.datetime(1969, 12, 31, 23, 59, 59, 999999),
+    dt.datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=dt.timezone.utc), uuid.UUID(int=0),
+    [], [None], "ünïcødé \U0001F642" * 20, b"", "",
+)
+NULL_ROW = (11,) + (None,) * (len(COLUMNS) - 1)
+
+
+def _reference_builder(shape: Shape) -> BatchBuilder:
+    layout = shape.layout
+    return BatchBuilder(layout, WriterSchemas(layout, shape.lookup, shape.known(), compiled=False))
+
+
+def _every_kind_of_message(shape: Shape) -> list[tuple]:
+    """(key, value, headers) of every row kind the builder makes."""
+    key_only = (9,) + (None,) * (len(COLUMNS) - 1)
+    toasted = list(ROW)
+    toasted[15] = toasted[17] = None
+    snap = [(wire.SNAPSHOT_HEADER, b"slot@0/1")]
+    return [
+        (shape.key(ROW), shape.value("c", after=ROW, lsn=100, op_index=3), pos(100, 3)),
+        (None, shape.value("c", after=SPECIAL_ROW), pos(100, 4)),
+        (shape.key(EDGE_ROW), shape.value("c", after=EDGE_ROW), pos(100, 5)),
+        (shape.key(NULL_ROW), shape.value("c", after=NULL_ROW), pos(100, 6)),
+        (None, shape.value("u", after=tuple(toasted), unchanged=[15, 17]), pos(101)),
+        (None, shape.value("u", before=SPECIAL_ROW, after=ROW), pos(101, 1)),
+        (None, shape.value("u", before=EDGE_ROW, after=SPECIAL_ROW), pos(101, 2)),
+        (None, shape.value("u", before=ROW, after=NULL_ROW), pos(101, 3)),
+        (shape.key(key_only), shape.value("d", before=key_only), pos(102)),
+        (shape.key((10,) + key_only[1:]), shape.value("d", before=None), pos(103)),
+        (shape.key(ROW), shape.value("d", before=ROW), pos(103, 1)),
+        (shape.key(ROW), shape.value("r", after=ROW, lsn=50, snapshot_id="slot@0/1"), pos(50) + snap),
+        (shape.key(ROW), shape.value("r", after=EDGE_ROW, lsn=50, snapshot_id="slot@0/1"), pos(50)),
+        (None, shape.value("c", after=ROW, lsn=77, op_index=4), None),
+        (None, None, pos(50) + snap + [(wire.CONTROL_HEADER, b"snapshot_end"),
+                                       (wire.CONTROL_INFO_HEADER, b'{"rows": 1}')]),
+        (None, shape.value("t", lsn=60, op_index=1), pos(60, 1)),
+    ]
+
+
+@pytest.mark.skipif(not fastdecode.AVAILABLE, reason="spark_consumer._fastdecode is not built")
+def test_compiled_reader_rows_equal_fastavro_rows():
+    shape = Shape()
+    messages = _every_kind_of_message(shape)
+    compiled, reference = shape.builder(), _reference_builder(shape)
+    for b in (compiled, reference):
+        for offset, (key, value, headers) in enumerate(messages):
+            b.add(TOPIC, 1, offset, key, value, headers)
+    reader = compiled.schemas.reader(wire.parse_prefix(messages[0][1]))
+    assert reader is not None and reference.schemas.reader(wire.parse_prefix(messages[0][1])) is None
+    for _, value, _ in messages:  # the compiled reader took every body itself
+        if value is not None:
+            reader.read(value, len(shape.value_prefix))
+    # and the compiled assembler every message but the control event and the delete without a before row
+    handed_back = [i for i, (key, value, headers) in enumerate(messages)
+                   if compiled._assembler.add(TOPIC, 1, i, key, value, headers) is None]
+    assert handed_back == [9, 14]
+    fast_batch, reference_batch = compiled.to_record_batch(), reference.to_record_batch()
+    assert fast_batch.schema.equals(reference_batch.schema)
+    fast_rows, reference_rows = fast_batch.to_pylist(), reference_batch.to_pylist()
+    assert fast_rows == reference_rows
+    assert len(fast_rows) == len(messages)
+    assert fast_rows[2]["body"] == EDGE_ROW[15] and fast_rows[2]["id"] == -(2 ** 63)
+    assert fast_rows[6]["_wb_before"]["amount"] == Decimal("-0.01")
+
+
+def _outcome(builder: BatchBuilder, key, value, headers) -> tuple:
+    try:
+        builder.add(TOPIC, 0, 0, key, value, headers)
+        return "rows", repr(builder.rows())  # repr: a NaN equals itself
+    except Exception as e:
+        return "error", type(e).__name__, re.sub(r" at 0x[0-9a-f]+", "", str(e))  # fastavro names its BytesIO
+
+
+def _damaged(value: bytes, body: int) -> list[bytes]:
+    """Every truncation, every byte overwritten with a few values, extra bytes."""
+    out = [value[:n] for n in range(body, len(value))]
+    out += [value[:i] + bytes([b]) + value[i + 1:]
+            for i in range(body, len(value)) for b in (0x00, 0x01, 0x80, 0xFF)]
+    out += [value + b"\x00", value + b"\x80\x80", value[:body] + b"\xff" * 12]
+    return out
+
+
+@pytest.mark.skipif(not fastdecode.AVAILABLE, reason="spark_consumer._fastdecode is not built")
+def test_compiled_reader_refuses_exactly_what_fastavro_refuses():
+    """Damaged bodies: the same UndecodableMessage (same text), or the same rows."""
+    shape = Shape()
+    body = len(shape.value_prefix)
+    compiled, reference = shape.builder(), _reference_builder(shape)  # a failed add leaves a builder as it was
+    seen = set()
+    for value in (shape.value("u", before=EDGE_ROW, after=ROW, unchanged=[15]), shape.value("d", before=NULL_ROW)):
+        for damaged in _damaged(value, body):
+            fast = _outcome(compiled, None, damaged, pos(1))
+            assert fast == _outcome(reference, None, damaged, pos(1)), damaged.hex()
+            seen.add(fast[:2])
+    assert ("error", "UndecodableMessage") in seen and ("rows",) in {s[:1] for s in seen}
+
+
+@pytest.mark.skipif(not fastdecode.AVAILABLE, reason="spark_consumer._fastdecode is not built")
+def test_unscaled_decimals_make_the_column_pyarrow_makes_of_decimals():
+    shape = Shape()
+    stripped = strip_logical_types(shape.codec.value_schema)
+    fields = [c.avro_field for c in shape.layout.columns]
+    assert shape.layout.unscaled_decimals() == {"amount": (10, 2)}  # not "huge" (50 digits, text)
+    reader = fastdecode.envelope_reader(stripped, fields, shape.layout.unscaled_decimals())
+    amount = reader.read(shape.value("c", after=ROW), len(shape.value_prefix))[1][5]
+    assert fastdecode.is_unscaled(amount) and amount.to_decimal() == Decimal("12.30")
+    t = pa.decimal128(10, 2)
+    values = [amount, None, Decimal("-0.05"), Decimal("12345678.90")]
+    expected = pa.array([Decimal("12.30"), None, Decimal("-0.05"), Decimal("12345678.90")], t)
+    assert fastdecode.decimal_array(values, t).equals(expected)
+    # a Decimal of another scale is converted value by value, as pa.array does
+    assert fastdecode.decimal_array([amount, Decimal("1.5")], t).equals(
+        pa.array([Decimal("12.30"), Decimal("1.50")], t))
+    with pytest.raises(pa.ArrowInvalid):  # 11 digits in a decimal(10, 2): refused as pa.array refuses it
+        fastdecode.decimal_array([amount, Decimal("123456789.00")], t)
+    plain = fastdecode.envelope_reader(stripped, fields)  # without the layout's decimals: Decimal values
+    assert plain.read(shape.value("c", after=ROW), len(shape.value_prefix))[1][5] == Decimal("12.30")
+
+
+@pytest.mark.skipif(not fastdecode.AVAILABLE, reason="spark_consumer._fastdecode is not built")
+def test_a_decimal_beyond_its_declared_precision_fails_as_with_fastavro():
+    shape = Shape()
+    good = shape.value("c", after=ROW)
+    amount = b"\x04\x04\x04\xce"  # union branch 2, 2 bytes: 1230 (12.30)
+    assert good.count(amount) == 1
+    eleven_digits = good.replace(amount, b"\x04\x0a" + (12345678912).to_bytes(5, "big", signed=True))
+    outcomes = []
+    for b in (shape.builder(), _reference_builder(shape)):
+        b.add(TOPIC, 0, 0, None, good, pos(1))
+        outcomes.append(_outcome(b, None, eleven_digits, pos(1)))
+    assert outcomes[0] == outcomes[1] and outcomes[0][:2] == ("error", "ArrowInvalid")
+
+
+@pytest.mark.skipif(not fastdecode.AVAILABLE, reason="spark_consumer._fastdecode is not built")
+def test_compiled_reader_declines_schemas_it_does_not_read():
+    layout_fields = [c.avro_field for c in Shape().layout.columns]
+    stripped = strip_logical_types(Shape().codec.value_schema)
+    assert fastdecode.envelope_reader(stripped, layout_fields) is not None
+    with_map = json.loads(json.dumps(stripped))
+    with_map["fields"][0]["type"][1]["fields"][1]["type"] = ["null", {"type": "map", "values": "long"}]
+    assert fastdecode.envelope_reader(with_map, layout_fields) is None
+    with_millis = json.loads(json.dumps(stripped))
+    with_millis["fields"][0]["type"][1]["fields"][1]["type"] = [
+        "null", {"type": "long", "logicalType": "timestamp-millis"}]
+    assert fastdecode.envelope_reader(with_millis, layout_fields) is None
+    assert fastdecode.envelope_reader({"type": "record", "name": "X", "fields": []}, layout_fields) is None
 
 
 # ---------------------------------------------------------- offset planning
