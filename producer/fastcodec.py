@@ -20,18 +20,12 @@ Invariants:
 
 from __future__ import annotations
 
-import os
-
 from producer.envelope import ShapeColumn, avro_string, field_encoder
 from producer.kafka_io import Writer
 from producer.shapes import RelationPlan
+from schemas import compiled_extension
 
-try:
-    if os.environ.get("WALBRIDGE_PURE_PYTHON"):
-        raise ImportError("disabled by WALBRIDGE_PURE_PYTHON")
-    from producer import _fastcodec
-except ImportError:  # not built (e.g. running from a source tree without pip install)
-    _fastcodec = None
+_fastcodec = compiled_extension("producer._fastcodec")
 
 AVAILABLE = _fastcodec is not None
 

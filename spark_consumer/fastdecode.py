@@ -32,15 +32,11 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-try:
-    if os.environ.get("WALBRIDGE_PURE_PYTHON"):
-        raise ImportError("disabled by WALBRIDGE_PURE_PYTHON")
-    from spark_consumer import _fastdecode
-except ImportError:  # not built (e.g. running from a source tree without pip install)
-    _fastdecode = None
+from schemas import compiled_extension
+
+_fastdecode = compiled_extension("spark_consumer._fastdecode")
 
 AVAILABLE = _fastdecode is not None
 MAX_UNSCALED_PRECISION = 18
