@@ -336,6 +336,10 @@ class PostgresCluster:
             return None
         port = int(m.group(1))
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # PostgreSQL listens with SO_REUSEADDR, so a port whose old
+            # server-closed sessions linger (FIN_WAIT2/TIME_WAIT) is still
+            # usable by it; probe the same way.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:

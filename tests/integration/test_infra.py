@@ -208,10 +208,15 @@ def test_pg_reuses_existing_data_dir(pg_base_dir: Path):
             conn.execute("CREATE TABLE kept (x int)")
             conn.execute("INSERT INTO kept VALUES (42)")
             assert conn.execute("SHOW fsync").fetchone()[0] == "off"
+        # A session still open at shutdown is closed by the server, which
+        # leaves its side half-closed (FIN_WAIT2) until this client closes; the
+        # port must still count as ours, as it does for postgres itself.
+        lingering = psycopg.connect(pg.dsn(), autocommit=True)
         port = pg.port
     version_mtime = (tmp_path / "pg" / "data" / "PG_VERSION").stat().st_mtime_ns
     again = PostgresCluster(tmp_path / "pg", durable=True)
     assert again.port == port  # remembered from the reused data dir
+    lingering.close()
     with again:
         with psycopg.connect(again.dsn()) as conn:
             assert conn.execute("SELECT x FROM kept").fetchone()[0] == 42
