@@ -8,16 +8,21 @@ committed to the consumer group (which the producer's FlushTracker reads).
 The path of one micro-batch, top to bottom:
 1. :func:`spark_consumer.kafka_source.read_shape_stream` gives the batch's
    decoded rows (a fixed, replayable offset range per partition).
-2. ``_apply_batch`` collects them on the driver and hands them, grouped per
-   partition, to :func:`spark_consumer.target.apply_batch`: one target
-   transaction that skips what the progress table says is applied, writes the
-   rest with position guards and moves the progress.
+2. ``ShapeApplier.__call__`` collects them on the driver as Arrow and hands
+   them to the apply thread, which groups them per partition for
+   :func:`spark_consumer.target.apply_batch`: one target transaction that
+   skips what the progress table says is applied, writes the rest with
+   position guards and moves the progress. Meanwhile Spark reads the next
+   batch (one batch in flight; foreachBatch waits for the previous apply).
 3. Only after that commit are the group's offsets committed to Kafka.
 
 Invariants:
 - Progress in the target, not the consumer group or Spark's checkpoint, decides
   what is applied: a crash anywhere (between apply and offset commit, or before
   Spark's commit log) is repaired by the replay being skipped part by part.
+- Spark may log a batch as done before its apply commits; at every query start
+  :meth:`ShapeApplier.recover` has Spark replay such a batch
+  (:mod:`spark_consumer.checkpoint`), so nothing Spark skips is missing.
 - Each query has its own checkpoint (``<checkpoint_dir>/<shape>``), target
   connection and offset committer; queries share nothing mutable.
 """
@@ -67,27 +72,71 @@ class OffsetCommitter:
 
 
 class ShapeApplier:
-    """The foreachBatch function of one shape's query."""
+    """The foreachBatch function of one shape's query.
+
+    Driver apply is pipelined one batch deep: ``__call__`` reads batch N
+    (Spark's job), waits for batch N-1's apply to commit, hands batch N to
+    the apply thread and returns, so Spark plans and reads batch N+1 while N
+    is applied. Spark therefore logs batch N as committed before the target
+    has it; :func:`spark_consumer.checkpoint.replay_unapplied` repairs that at
+    every query start (a crash, a failed apply): at most the last committed
+    batch can be unapplied, and it is replayed. An apply error surfaces at
+    the next ``__call__`` or through :attr:`error` (the run loop restarts the
+    query)."""
 
     def __init__(self, config, shape, target, kafka_conf: dict[str, Any]):
+        from concurrent.futures import ThreadPoolExecutor
+
         self.config = config
         self.shape = shape
         self.target = target
         self.kafka_conf = kafka_conf
         self._conn = None
         self._committer: OffsetCommitter | None = None
+        self._apply_thread = ThreadPoolExecutor(1, thread_name_prefix=f"apply-{shape.shape_name}")
+        self._pending = None  # the Future of the batch being applied
         self.batches = 0
         self.rows = 0
         self.dlq = 0
 
+    @property
+    def error(self) -> BaseException | None:
+        """The error of a finished, failed apply not yet raised to Spark."""
+        pending = self._pending
+        return pending.exception() if pending is not None and pending.done() else None
+
     def close(self) -> None:
-        """Release the Kafka client and the target connection (after the query stopped)."""
+        """Finish the batch being applied, then release the Kafka client and
+        the target connection (after the query stopped)."""
+        try:
+            self._finish_pending()
+        except Exception as e:  # noqa: BLE001 - replayed at the next start
+            log.error("shape %s: the last batch's apply failed (it is replayed at the next start): %s",
+                      self.shape.shape_name, e)
+        self._apply_thread.shutdown()
         if self._committer is not None:
             self._committer.close()
             self._committer = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+    def recover(self, checkpoint: Path, topic: str) -> None:
+        """Before the query starts: have Spark replay its newest committed
+        batch if the target does not hold it (:mod:`spark_consumer.checkpoint`)."""
+        from spark_consumer.checkpoint import replay_unapplied
+        from spark_consumer.target import read_progress
+
+        progress = read_progress(self._connection(), self.config.consumer.group, topic)
+        batch = replay_unapplied(checkpoint, {p: prog.next_offset for (_, p), prog in progress.items()})
+        if batch is not None:
+            log.warning("shape %s: Spark's checkpoint has batch %d as done but the target never committed it; "
+                        "it is read and applied again", self.shape.shape_name, batch)
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def _connection(self):
         import psycopg
@@ -101,17 +150,15 @@ class ShapeApplier:
         return self._conn
 
     def __call__(self, batch_df, batch_id: int) -> None:
-        from spark_consumer.decode import arrow_rows
-        from spark_consumer.target import Part, apply_batch, commit_batch, parts_from_rows
+        from spark_consumer.target import Part, commit_batch
 
         started = time.monotonic()
-        read_s = None  # the Spark job that reads the batch (driver apply only)
-        conn = self._connection()
-        group = self.config.consumer.group
         if self.config.consumer.staged_apply:
             # Seed 004: each executor task plans and stages its partition's part
             # (in parallel, each on its own connection); the commit of all the
             # staged parts, with progress, is one decision on the driver.
+            conn = self._connection()
+            group = self.config.consumer.group
             staged = batch_df.mapInArrow(
                 functools.partial(_stage_partitions, self.config.consumer.target_dsn, group, self.target,
                                   _OFFSET_RESET[self.config.consumer.on_data_loss]),
@@ -120,21 +167,34 @@ class ShapeApplier:
                 return
             parts = [Part(r.topic, r.partition, r.start, r.end) for r in staged]
             result = commit_batch(conn, group, [(self.target, parts)])
-            newest = max((r.newest_ts_ms or 0) for r in staged)
-            n_rows = sum(r.rows for r in staged)
-        else:
-            # Arrow: fast, and timestamps arrive timezone-aware (collect() would
-            # give naive datetimes in the driver's local zone). Rows go to the
-            # planner as tuples, converted column by column (no dict per row).
-            table = batch_df.toArrow()
-            read_s = time.monotonic() - started
-            if not table.num_rows:
-                return
-            fields, rows = arrow_rows(table)
-            result = apply_batch(conn, group, self.target, parts_from_rows(rows, fields=fields),
-                                 on_offset_reset=_OFFSET_RESET[self.config.consumer.on_data_loss])
-            newest = _newest_ts_ms(table)
-            n_rows = len(rows)
+            self._applied(batch_id, result, sum(r.rows for r in staged),
+                          max((r.newest_ts_ms or 0) for r in staged), started)
+            return
+        # Arrow: fast, and timestamps arrive timezone-aware (collect() would
+        # give naive datetimes in the driver's local zone).
+        table = batch_df.toArrow()
+        read_s = time.monotonic() - started
+        self._finish_pending()  # batch N-1 committed (or its error fails this batch)
+        if table.num_rows:
+            self._pending = self._apply_thread.submit(self._apply_table, table, batch_id, started, read_s)
+
+    def _apply_table(self, table, batch_id: int, started: float, read_s: float) -> None:
+        """Apply thread: one batch in one target transaction, then the group's offsets."""
+        from spark_consumer.decode import arrow_rows
+        from spark_consumer.target import apply_batch, parts_from_rows
+
+        began = time.monotonic()
+        # Rows go to the planner as tuples, converted column by column (no dict per row).
+        fields, rows = arrow_rows(table)
+        result = apply_batch(self._connection(), self.config.consumer.group, self.target,
+                             parts_from_rows(rows, fields=fields),
+                             on_offset_reset=_OFFSET_RESET[self.config.consumer.on_data_loss])
+        self._applied(batch_id, result, len(rows), _newest_ts_ms(table), started,
+                      f" (read {read_s:.2f}s, apply {time.monotonic() - began:.2f}s)")
+
+    def _applied(self, batch_id: int, result, n_rows: int, newest: int | None, started: float,
+                 timings: str = "") -> None:
+        """After the target committed: the group's offsets, counters, metrics, log."""
         if self._committer is None:
             self._committer = OffsetCommitter(self.kafka_conf, self.config.consumer.group)
         self._committer.commit(result.offsets)
@@ -147,9 +207,7 @@ class ShapeApplier:
         self._metrics(newest, result)
         log.info("shape %s batch %d: %d rows (%d applied, %d replayed skipped, %d dead-lettered) in %.2fs%s",
                  self.shape.shape_name, batch_id, n_rows, result.total("applied"),
-                 result.total("skipped_replayed"), result.total("dlq"), time.monotonic() - started,
-                 "" if read_s is None else f" (read {read_s:.2f}s)")
-
+                 result.total("skipped_replayed"), result.total("dlq"), time.monotonic() - started, timings)
 
     def _metrics(self, newest: int | None, result) -> None:
         """``newest``: the highest ``_wb_ts_ms`` of the batch (None/0: none)."""
@@ -274,6 +332,7 @@ def start_query(spark, config, shape, kafka_conf: dict[str, Any]):
                            config.consumer.max_offsets_per_trigger, schemas=schemas,
                            on_data_loss=config.consumer.on_data_loss)
     checkpoint = Path(config.consumer.checkpoint_dir) / shape.shape_name
+    applier.recover(checkpoint, topic)
     query = (df.writeStream.queryName(f"walbridge:{shape.shape_name}").foreachBatch(applier)
              .option("checkpointLocation", str(checkpoint))
              .trigger(processingTime=f"{config.consumer.trigger_interval} seconds").start())
@@ -318,10 +377,17 @@ def run(config, master: str | None = None, stop: threading.Event | None = None,
     try:
         while not (stop and stop.is_set()):
             for i, q in enumerate(queries):
+                failure = None
                 if q.isActive:
-                    continue
-                if q.exception() is None:
+                    # An apply runs after its foreachBatch returned; when it
+                    # fails and no batch follows to raise it, stop the query here.
+                    failure = started[i].error
+                    if failure is None:
+                        continue
+                    q.stop()
+                elif q.exception() is None:
                     return  # stopped from outside
+                failure = failure or q.exception()
                 # A failed query restarts from its checkpoint: the target's
                 # progress table makes that exactly-once (a crashed Python
                 # worker, a broker restart mid-read). Too many failures stop the job.
@@ -329,10 +395,10 @@ def run(config, master: str | None = None, stop: threading.Event | None = None,
                 failures[i] = [t for t in failures[i] if now - t < QUERY_FAILURE_WINDOW] + [now]
                 if len(failures[i]) > QUERY_RESTARTS:
                     raise RuntimeError(f"query {q.name} failed {len(failures[i])} times in "
-                                       f"{QUERY_FAILURE_WINDOW:.0f}s; last: {q.exception()}")
+                                       f"{QUERY_FAILURE_WINDOW:.0f}s; last: {failure}")
                 delay = min(2.0 ** len(failures[i]), 30.0)
                 log.error("query %s failed (%s); restarting it from its checkpoint in %.0fs", q.name,
-                          (str(q.exception()).strip().splitlines() or ["?"])[0][:300], delay)
+                          (str(failure).strip().splitlines() or ["?"])[0][:300], delay)
                 if stop is not None and stop.wait(delay):
                     return
                 started[i].close()

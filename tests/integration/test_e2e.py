@@ -3,10 +3,12 @@ target PostgreSQL, with pgbench as the workload."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 
 import psycopg
+import pytest
 
 from producer.config import parse_config
 from producer.embedded import find_pg_bin
@@ -56,33 +58,43 @@ def _verify_ok(cfg):
     return all(d.ok for d in diffs), diffs
 
 
-def test_pgbench_end_to_end_equal_and_slot_released(source_db, target_db, kafka_broker, topic_prefix, tmp_path):
-    from spark_consumer.job import run
+class ConsumerThread:
+    """The Spark consumer in-process (``local[2]``); ``errors`` holds what ended it."""
 
+    def __init__(self, cfg: dict):
+        self.config = parse_config(cfg)
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from spark_consumer.job import run
+
+        try:
+            run(self.config, "local[2]", self.stop)
+        except BaseException as e:
+            self.errors.append(e)
+
+    def __enter__(self) -> ConsumerThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+
+def test_pgbench_end_to_end_equal_and_slot_released(source_db, target_db, kafka_broker, topic_prefix, tmp_path):
     _prepare_source(source_db)
     cfg = e2e_config(source_db, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def consumer():
-        try:
-            run(parse_config(cfg), "local[2]", stop)
-        except BaseException as e:
-            errors.append(e)
-
-    with ProducerThread(cfg):
-        spark = threading.Thread(target=consumer, daemon=True)
-        spark.start()
-        try:
-            pgbench(source_db, "-n", "-c", "2", "-T", "8")
-            ok = wait_for(lambda: _verify_ok(cfg)[0] or errors, timeout=240, interval=2, what="target == source")
-            assert ok is True, [str(e) for e in errors] or _verify_ok(cfg)[1]
-            # Once the consumer caught up, the slot is confirmed to the last commit.
-            wait_for(lambda: _caught_up(cfg), timeout=60, what="confirmed_flush_lsn at the last commit")
-        finally:
-            stop.set()
-            spark.join(60)
-    assert not errors
+    with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
+        pgbench(source_db, "-n", "-c", "2", "-T", "8")
+        ok = wait_for(lambda: _verify_ok(cfg)[0] or consumer.errors, timeout=240, interval=2,
+                      what="target == source")
+        assert ok is True, [str(e) for e in consumer.errors] or _verify_ok(cfg)[1]
+        # Once the consumer caught up, the slot is confirmed to the last commit.
+        wait_for(lambda: _caught_up(cfg), timeout=60, what="confirmed_flush_lsn at the last commit")
+    assert not consumer.errors
     from prometheus_client import REGISTRY
 
     applied = REGISTRY.get_sample_value("walbridge_apply_rows_total", {"shape": "public.pgbench_accounts"})
@@ -94,6 +106,37 @@ def test_pgbench_end_to_end_equal_and_slot_released(source_db, target_db, kafka_
         history = conn.execute("SELECT count(*), count(DISTINCT (_wb_lsn, _wb_op_index)) FROM public.pgbench_history"
                                " WHERE _wb_snapshot_id IS NULL").fetchone()
         assert history[0] == history[1] > 0
+
+
+def test_failed_apply_after_spark_logged_the_batch_is_replayed(source_db, target_db, kafka_broker, topic_prefix,
+                                                                tmp_path, monkeypatch, caplog):
+    """The pipelined apply fails after Spark logged its batch as done: the
+    query restarts, the batch is read and applied again, nothing is lost."""
+    from spark_consumer import target as target_mod
+
+    _prepare_source(source_db)
+    cfg = e2e_config(source_db, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
+    cfg["shapes"] = [s for s in SHAPES if s["table"] == "public.pgbench_accounts" and "name" not in s]
+    cfg["consumer"]["max_offsets_per_trigger"] = 20000
+    calls = []
+    real_apply = target_mod.apply_batch
+
+    def failing_third_apply(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected: the target went away mid-apply")
+        return real_apply(*args, **kwargs)
+
+    monkeypatch.setattr(target_mod, "apply_batch", failing_third_apply)
+    caplog.set_level("INFO", logger="walbridge.consumer")
+    with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
+        ok = wait_for(lambda: _verify_ok(cfg)[0] or consumer.errors, timeout=240, interval=2,
+                      what="target == source")
+        assert ok is True, [str(e) for e in consumer.errors] or _verify_ok(cfg)[1]
+    assert not consumer.errors
+    assert len(calls) > 3
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("never committed it; it is read and applied again" in m for m in messages), messages[-20:]
 
 
 class ConsumerProcess(ProducerProcess):
@@ -126,12 +169,44 @@ def _applied_batches(target_db) -> int:
         return 0
 
 
+def _committed_not_applied(cfg, shape: str) -> bool:
+    """Has Spark logged a batch of ``shape`` as done that the target has not
+    committed yet (the pipelined apply's window)?"""
+    from pathlib import Path
+
+    from spark_consumer.checkpoint import batch_applied
+
+    checkpoint = Path(cfg["consumer"]["checkpoint_dir"]) / shape
+    commits = sorted(int(f.name) for f in (checkpoint / "commits").glob("[0-9]*"))
+    if not commits or commits[-1] == 0:
+        return False
+
+    def offsets(batch_id):
+        try:
+            return json.loads((checkpoint / "offsets" / str(batch_id)).read_text().splitlines()[2])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    with psycopg.connect(cfg["consumer"]["target_dsn"]) as conn:
+        next_offsets = dict(conn.execute("SELECT partition, next_offset FROM _walbridge.progress "
+                                         "WHERE consumer_group = %s AND topic = %s",
+                                         (cfg["consumer"]["group"], f"{cfg['kafka']['topic_prefix']}.{shape}")))
+    start, end = offsets(commits[-1] - 1), offsets(commits[-1])
+    return start is not None and end is not None and not batch_applied(start, end, next_offsets)
+
+
+@pytest.mark.parametrize("apply_mode", ["pipelined", "staged"])
 def test_consumer_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(source_db, target_db, kafka_broker,
-                                                                         topic_prefix, tmp_path):
+                                                                         topic_prefix, tmp_path, apply_mode):
     _prepare_source(source_db)
     cfg = e2e_config(source_db, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
-    cfg["consumer"]["max_offsets_per_trigger"] = 3000  # many small batches: kills land mid-stream
-    cfg["consumer"]["staged_apply"] = True  # executors stage, the driver commits: crash between the two
+    if apply_mode == "staged":
+        cfg["consumer"]["max_offsets_per_trigger"] = 3000  # many small batches: kills land mid-stream
+        cfg["consumer"]["staged_apply"] = True  # executors stage, the driver commits: crash between the two
+    else:
+        # The driver applies batch N while Spark reads N+1 and has already
+        # logged N as done: kill in that window, so the restart must replay N.
+        cfg["consumer"]["max_offsets_per_trigger"] = 10000
     path = write_toml(cfg, tmp_path / "wb.toml")
     log = tmp_path / "consumer.log"
     load_done = threading.Event()
@@ -140,6 +215,15 @@ def test_consumer_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sourc
         pgbench(source_db, "-n", "-c", "2", "-T", "20")
         load_done.set()
 
+    def kill_moment():
+        if apply_mode == "staged":
+            before = _applied_batches(target_db)
+            wait_for(lambda: _applied_batches(target_db) > before, timeout=120, interval=0.1,
+                     what="a batch being applied")
+        else:
+            wait_for(lambda: _committed_not_applied(cfg, "public.pgbench_accounts"), timeout=120, interval=0.01,
+                     what="a batch logged by Spark, not yet in the target")
+
     with ProducerThread(cfg):
         consumer = ConsumerProcess(path, log).start()
         try:
@@ -147,9 +231,7 @@ def test_consumer_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sourc
                      what="consumer applying")
             threading.Thread(target=load, daemon=True).start()
             for _ in range(2):
-                before = _applied_batches(target_db)
-                wait_for(lambda: _applied_batches(target_db) > before, timeout=120, interval=0.1,
-                         what="a batch being applied")
+                kill_moment()
                 consumer.kill9()
                 consumer = ConsumerProcess(path, log).start()
             load_done.wait(60)
@@ -158,6 +240,8 @@ def test_consumer_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sourc
             wait_for(lambda: _caught_up(cfg), timeout=60, what="slot at the last commit")
         finally:
             consumer.stop()
+    if apply_mode == "pipelined":
+        assert "never committed it; it is read and applied again" in log.read_text()
     with psycopg.connect(target_db) as conn:
         history = conn.execute("SELECT count(*), count(DISTINCT (_wb_lsn, _wb_op_index)) FROM public.pgbench_history"
                                " WHERE _wb_snapshot_id IS NULL").fetchone()

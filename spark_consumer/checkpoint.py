@@ -1,0 +1,95 @@
+"""Spark's checkpoint of one shape query, checked against the target before the
+query starts, so that a batch Spark logged as done but the target never
+committed is read and applied again.
+
+Why it can happen: the driver apply is pipelined one batch deep
+(:class:`spark_consumer.job.ShapeApplier`): foreachBatch N returns once batch
+N is read and batch N-1's apply has committed, and Spark then writes
+``commits/N`` while N is still being applied. A crash (``kill -9``, a failed
+apply) in that window leaves ``commits/N`` without N in the target, and Spark
+alone would resume after N.
+
+Invariants:
+- Only the newest committed batch can be unapplied: foreachBatch N+1 waits
+  for N's apply before it returns, and Spark writes ``commits/N+1`` only after
+  that. So :func:`replay_unapplied` looks at that one batch.
+- A batch counts as applied only when every partition its offset range moved
+  shows target progress inside that range (``start < next_offset <= end``):
+  one target transaction applies all of a batch's parts, so its progress moves
+  on every partition that had rows. Anything else (no progress row, progress
+  beyond the batch's end after an offset reset, a recreated topic, an
+  unreadable log entry) counts as unapplied: replaying an applied batch is
+  harmless (progress skips it part by part), skipping an unapplied one is not.
+- The repair is what Spark does for a batch it had not committed: with
+  ``commits/N`` and every later ``offsets/`` entry removed (with Hadoop's
+  ``.crc`` side files), the restarted query re-runs batch N over the same
+  offset range ``[offsets/N-1, offsets/N)``.
+
+Layout read here (Spark's HDFSMetadataLog, format ``v1``): ``offsets/<id>``
+is a version line, a metadata line, then one line per source (this query has
+one: the source's offset JSON, see :mod:`spark_consumer.kafka_source`);
+``commits/<id>`` marks batch ``<id>`` done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+from spark_consumer.kafka_source import offsets_from_json, recreated
+
+log = logging.getLogger("walbridge.consumer")
+
+
+def batch_applied(start: dict | None, end: dict | None, next_offsets: Mapping[int, int]) -> bool:
+    """Did the target commit the batch whose source offsets go from ``start``
+    (None: the first batch, which starts at the topic's beginning) to ``end``?
+    ``next_offsets``: the target's progress per partition of the topic."""
+    if end is None or recreated(start, end):
+        return False
+    begin = offsets_from_json(start)
+    for partition, stop in offsets_from_json(end).items():
+        first = begin.get(partition, 0)
+        if stop > first and not first < next_offsets.get(partition, 0) <= stop:
+            return False
+    return True
+
+
+def _batch_ids(log_dir: Path) -> list[int]:
+    if not log_dir.is_dir():
+        return []
+    return sorted(int(f.name) for f in log_dir.iterdir() if f.name.isdigit())
+
+
+def _source_offsets(checkpoint: Path, batch_id: int) -> dict | None:
+    try:
+        lines = (checkpoint / "offsets" / str(batch_id)).read_text().splitlines()
+        return json.loads(lines[2]) if len(lines) == 3 and lines[0] == "v1" else None
+    except (OSError, ValueError):
+        return None
+
+
+def _remove(log_dir: Path, batch_id: int) -> None:
+    for name in (str(batch_id), f".{batch_id}.crc"):
+        (log_dir / name).unlink(missing_ok=True)
+
+
+def replay_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
+    """Un-commit the newest batch in the query's ``checkpoint`` if the target
+    has not applied it (see the module's invariants); returns its id, or None
+    when there was nothing to repair. Call it only while the query is stopped."""
+    committed = _batch_ids(checkpoint / "commits")
+    if not committed:
+        return None
+    newest = committed[-1]
+    start = _source_offsets(checkpoint, newest - 1) if newest > 0 else None
+    if (newest == 0 or start is not None) and batch_applied(start, _source_offsets(checkpoint, newest),
+                                                            next_offsets):
+        return None
+    for later in _batch_ids(checkpoint / "offsets"):
+        if later > newest:
+            _remove(checkpoint / "offsets", later)
+    _remove(checkpoint / "commits", newest)
+    return newest

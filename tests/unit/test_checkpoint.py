@@ -1,0 +1,89 @@
+"""spark_consumer.checkpoint: which committed batch the target lacks, and the
+un-commit that makes Spark replay it (on a checkpoint laid out as Spark's)."""
+
+import json
+
+import pytest
+
+from spark_consumer.checkpoint import batch_applied, replay_unapplied
+
+META = '{"batchWatermarkMs":0,"batchTimestampMs":1795361932090,"conf":{}}'
+
+
+def write_batches(checkpoint, offsets: list[dict], committed: int):
+    """``offsets[i]``: the source offsets of batch i; batches 0..committed have commits."""
+    (checkpoint / "offsets").mkdir(parents=True)
+    (checkpoint / "commits").mkdir()
+    for i, off in enumerate(offsets):
+        (checkpoint / "offsets" / str(i)).write_text(f"v1\n{META}\n{json.dumps(off)}")
+        (checkpoint / "offsets" / f".{i}.crc").write_bytes(b"crc")
+    for i in range(committed + 1):
+        (checkpoint / "commits" / str(i)).write_text('v1\n{"nextBatchWatermarkMs":0}')
+        (checkpoint / "commits" / f".{i}.crc").write_bytes(b"crc")
+
+
+def names(d):
+    return sorted(p.name for p in d.iterdir())
+
+
+@pytest.mark.parametrize("start,end,progress,applied", [
+    # progress inside the range on every partition that moved
+    ({"0": 10, "1": 5}, {"0": 20, "1": 5}, {0: 20, 1: 5}, True),
+    ({"0": 10, "1": 5}, {"0": 20, "1": 9}, {0: 20, 1: 9}, True),
+    ({"0": 10, "1": 5}, {"0": 20, "1": 9}, {0: 15, 1: 6}, True),  # offsets without rows at the end
+    # not applied: progress still at the batch's start on a moved partition
+    ({"0": 10, "1": 5}, {"0": 20, "1": 9}, {0: 10, 1: 5}, False),
+    ({"0": 10, "1": 5}, {"0": 20, "1": 9}, {0: 20, 1: 5}, False),
+    ({"0": 10}, {"0": 20}, {}, False),  # no progress row at all
+    # progress beyond the batch's end: offsets were reset; replay (apply decides by position)
+    ({"0": 10}, {"0": 20}, {0: 500}, False),
+    # the first batch (no start): from offset 0
+    (None, {"0": 3, "1": 0}, {0: 3}, True),
+    (None, {"0": 3, "1": 0}, {}, False),
+    # nothing moved: nothing to apply
+    ({"0": 10}, {"0": 10}, {}, True),
+    # a recreated topic, an unreadable entry
+    ({"0": 10, "topic_id": "a"}, {"0": 20, "topic_id": "b"}, {0: 20}, False),
+    ({"0": 10}, None, {0: 20}, False),
+    # the topic ids themselves are not partitions
+    ({"0": 10, "topic_id": "a"}, {"0": 20, "topic_id": "a"}, {0: 20}, True),
+])
+def test_batch_applied(start, end, progress, applied):
+    assert batch_applied(start, end, progress) is applied
+
+
+def test_applied_newest_batch_leaves_the_checkpoint_alone(tmp_path):
+    write_batches(tmp_path, [{"0": 5}, {"0": 9}, {"0": 12}], committed=1)
+    before = {d: names(tmp_path / d) for d in ("offsets", "commits")}
+    assert replay_unapplied(tmp_path, {0: 9}) is None
+    assert {d: names(tmp_path / d) for d in ("offsets", "commits")} == before
+
+
+def test_unapplied_newest_batch_is_uncommitted_with_every_later_offset_entry(tmp_path):
+    # Spark committed batch 1 and planned batch 2; the target only has batch 0.
+    write_batches(tmp_path, [{"0": 5}, {"0": 9}, {"0": 12}], committed=1)
+    assert replay_unapplied(tmp_path, {0: 5}) == 1
+    # Spark now re-runs batch 1 over [offsets/0, offsets/1).
+    assert names(tmp_path / "commits") == [".0.crc", "0"]
+    assert names(tmp_path / "offsets") == [".0.crc", ".1.crc", "0", "1"]
+    assert replay_unapplied(tmp_path, {0: 5}) is None  # the newest committed is now batch 0, applied
+
+
+def test_unapplied_first_batch(tmp_path):
+    write_batches(tmp_path, [{"0": 5, "1": 2}], committed=0)
+    assert replay_unapplied(tmp_path, {}) == 0
+    assert names(tmp_path / "commits") == []
+    assert names(tmp_path / "offsets") == [".0.crc", "0"]
+
+
+def test_unreadable_entry_counts_as_unapplied(tmp_path):
+    write_batches(tmp_path, [{"0": 5}, {"0": 9}], committed=1)
+    (tmp_path / "offsets" / "0").write_text("garbage")
+    assert replay_unapplied(tmp_path, {0: 9}) == 1
+
+
+def test_empty_or_missing_checkpoint(tmp_path):
+    assert replay_unapplied(tmp_path / "missing", {}) is None
+    write_batches(tmp_path, [{"0": 5}], committed=-1)  # planned, never committed: Spark re-runs it anyway
+    assert replay_unapplied(tmp_path, {}) is None
+    assert names(tmp_path / "offsets") == [".0.crc", "0"]
