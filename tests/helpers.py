@@ -93,6 +93,32 @@ class ProducerThread:
             raise self.error
 
 
+class ConsumerThread:
+    """The Spark consumer in-process (``local[2]``); ``errors`` holds what ended it."""
+
+    def __init__(self, config: Config | dict):
+        self.config = config if isinstance(config, Config) else parse_config(config)
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from spark_consumer.job import run
+
+        try:
+            run(self.config, "local[2]", self.stop)
+        except BaseException as e:  # surfaced by the test
+            self.errors.append(e)
+
+    def __enter__(self) -> ConsumerThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(120)
+
+
 class ProducerProcess:
     """``walbridge producer`` as a real process, for kill -9 tests."""
 

@@ -14,8 +14,8 @@ from producer.config import parse_config
 from producer.embedded import find_pg_bin
 from producer.pgoutput import lsn_to_int
 from producer.verify import verify
-from tests.helpers import (ProducerProcess, ProducerThread, data_records, make_config, read_topic, wait_for,
-                           write_toml)
+from tests.helpers import (ConsumerThread, ProducerProcess, ProducerThread, data_records, make_config, read_topic,
+                           wait_for, write_toml)
 
 SHAPES = [
     {"table": "public.pgbench_accounts"},
@@ -56,32 +56,6 @@ def _caught_up(cfg) -> bool:
 def _verify_ok(cfg):
     diffs = verify(parse_config(cfg))
     return all(d.ok for d in diffs), diffs
-
-
-class ConsumerThread:
-    """The Spark consumer in-process (``local[2]``); ``errors`` holds what ended it."""
-
-    def __init__(self, cfg: dict):
-        self.config = parse_config(cfg)
-        self.stop = threading.Event()
-        self.errors: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        from spark_consumer.job import run
-
-        try:
-            run(self.config, "local[2]", self.stop)
-        except BaseException as e:
-            self.errors.append(e)
-
-    def __enter__(self) -> ConsumerThread:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join(60)
 
 
 def test_pgbench_end_to_end_equal_and_slot_released(source_db, target_db, kafka_broker, topic_prefix, tmp_path):

@@ -14,32 +14,8 @@ from producer.config import parse_config
 from producer.reconcile import reconcile
 from producer.verify import verify
 from spark_consumer.target import read_backfills
-from tests.helpers import ProducerThread, make_config, wait_for
+from tests.helpers import ConsumerThread, ProducerThread, make_config, wait_for
 from tests.integration.test_e2e import SHAPES, _caught_up, _prepare_source, _verify_ok, pgbench
-
-
-class Consumer:
-    """The Spark consumer in a thread of this process."""
-
-    def __init__(self, cfg: dict):
-        self.cfg, self.stop, self.errors = cfg, threading.Event(), []
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        from spark_consumer.job import run
-
-        try:
-            run(parse_config(self.cfg), "local[2]", self.stop)
-        except BaseException as e:  # surfaced by the test
-            self.errors.append(e)
-
-    def __enter__(self) -> Consumer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join(120)
 
 
 def _config(source_db, target_db, bootstrap, prefix, tmp_path, shapes=SHAPES):
@@ -50,7 +26,7 @@ def _config(source_db, target_db, bootstrap, prefix, tmp_path, shapes=SHAPES):
                        ack={"consumer_groups": [group], "interval": 0.5})
 
 
-def _wait_equal(cfg, consumer: Consumer, timeout: float = 300) -> None:
+def _wait_equal(cfg, consumer: ConsumerThread, timeout: float = 300) -> None:
     try:
         ok = wait_for(lambda: _verify_ok(cfg)[0] or consumer.errors, timeout=timeout, interval=3,
                       what="target == source")
@@ -112,7 +88,7 @@ def test_damaged_target_is_reconciled_while_pgbench_runs(source_db, target_db, k
     cfg = _config(source_db, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
     load = threading.Thread(target=pgbench, args=(source_db, "-n", "-c", "2", "-T", "60", "-R", "100"),
                             daemon=True)
-    with ProducerThread(cfg), Consumer(cfg) as consumer:
+    with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
         pgbench(source_db, "-n", "-c", "2", "-T", "3")  # some history for the keyless shape
         _wait_equal(cfg, consumer)
         load.start()
@@ -141,13 +117,13 @@ def test_shape_added_to_running_pipeline_is_filled_then_followed(source_db, targ
     _prepare_source(source_db)
     first = [s for s in SHAPES if s["table"] != "public.pgbench_tellers"]
     cfg = _config(source_db, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path, first)
-    with ProducerThread(cfg), Consumer(cfg) as consumer:
+    with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
         pgbench(source_db, "-n", "-c", "2", "-T", "4")  # tellers change while not a shape
         _wait_equal(cfg, consumer)
     cfg["shapes"] = SHAPES  # the deployment rolls out a config with one more shape
     load = threading.Thread(target=pgbench, args=(source_db, "-n", "-c", "2", "-T", "25", "-R", "100"),
                             daemon=True)
-    with ProducerThread(cfg), Consumer(cfg) as consumer:
+    with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
         load.start()
         wait_for(lambda: any(b["shape"] == "public.pgbench_tellers" and b["completed_at"]
                              for b in _backfills(target_db, cfg)), timeout=180, interval=1,
@@ -166,7 +142,7 @@ def test_broker_that_lost_everything_during_pgbench_is_recovered(source_db, targ
     cfg = _config(source_db, target_db, private_kafka_broker.bootstrap, topic_prefix, tmp_path)
     load = threading.Thread(target=pgbench, args=(source_db, "-n", "-c", "2", "-T", "40", "-R", "100"),
                             daemon=True)
-    with ProducerThread(cfg), Consumer(cfg) as consumer:
+    with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
         _wait_equal(cfg, consumer)
         load.start()
         wait_for(lambda: _applied(target_db) > 0, timeout=60, what="live changes applied")
@@ -212,7 +188,7 @@ def test_a_failed_query_is_restarted_from_its_checkpoint(source_db, target_db, k
         return real_call(self, batch_df, batch_id)
 
     monkeypatch.setattr(ShapeApplier, "__call__", flaky)
-    with ProducerThread(cfg), Consumer(cfg) as consumer:
+    with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
         _wait_equal(cfg, consumer, timeout=180)
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("UPDATE items SET v = -v WHERE id <= 10")
