@@ -71,6 +71,9 @@ class OffsetCommitter:
         self._consumer.close()
 
 
+RECOVER_ATTEMPTS = 5  # target connection attempts at a query's start (backoff 2, 4, 8, 16 s)
+
+
 class ShapeApplier:
     """The foreachBatch function of one shape's query.
 
@@ -124,10 +127,23 @@ class ShapeApplier:
     def recover(self, checkpoint: Path, topic: str) -> None:
         """Before the query starts: have Spark replay its newest committed
         batch if the target does not hold it (:mod:`spark_consumer.checkpoint`)."""
+        import psycopg
+
         from spark_consumer.checkpoint import replay_unapplied
         from spark_consumer.target import read_progress
 
-        progress = read_progress(self._connection(), self.config.consumer.group, topic)
+        for attempt in range(1, RECOVER_ATTEMPTS + 1):
+            try:
+                progress = read_progress(self._connection(), self.config.consumer.group, topic)
+                break
+            except psycopg.OperationalError as e:
+                # As a failed batch would be: retried with backoff, then fatal.
+                if attempt == RECOVER_ATTEMPTS:
+                    raise
+                delay = min(2.0 ** attempt, 30.0)
+                log.warning("shape %s: cannot read progress from the target (%s); retrying in %.0fs",
+                            self.shape.shape_name, str(e).strip().splitlines()[0] if str(e).strip() else e, delay)
+                time.sleep(delay)
         batch = replay_unapplied(checkpoint, {p: prog.next_offset for (_, p), prog in progress.items()})
         if batch is not None:
             log.warning("shape %s: Spark's checkpoint has batch %d as done but the target never committed it; "
