@@ -76,10 +76,9 @@ def _remove(log_dir: Path, batch_id: int) -> None:
         (log_dir / name).unlink(missing_ok=True)
 
 
-def replay_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
-    """Un-commit the newest batch in the query's ``checkpoint`` if the target
-    has not applied it (see the module's invariants); returns its id, or None
-    when there was nothing to repair. Call it only while the query is stopped."""
+def newest_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
+    """The newest batch the query's ``checkpoint`` has as committed, if the
+    target has not applied it (see the module's invariants); else None."""
     committed = _batch_ids(checkpoint / "commits")
     if not committed:
         return None
@@ -87,6 +86,16 @@ def replay_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int |
     start = _source_offsets(checkpoint, newest - 1) if newest > 0 else None
     if (newest == 0 or start is not None) and batch_applied(start, _source_offsets(checkpoint, newest),
                                                             next_offsets):
+        return None
+    return newest
+
+
+def replay_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
+    """Un-commit :func:`newest_unapplied`'s batch, so that Spark re-runs it;
+    returns its id, or None when there was nothing to repair. Call it only
+    while the query is stopped."""
+    newest = newest_unapplied(checkpoint, next_offsets)
+    if newest is None:
         return None
     for later in _batch_ids(checkpoint / "offsets"):
         if later > newest:

@@ -3,7 +3,6 @@ target PostgreSQL, with pgbench as the workload."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import threading
 
@@ -148,25 +147,13 @@ def _committed_not_applied(cfg, shape: str) -> bool:
     committed yet (the pipelined apply's window)?"""
     from pathlib import Path
 
-    from spark_consumer.checkpoint import batch_applied
-
-    checkpoint = Path(cfg["consumer"]["checkpoint_dir"]) / shape
-    commits = sorted(int(f.name) for f in (checkpoint / "commits").glob("[0-9]*"))
-    if not commits or commits[-1] == 0:
-        return False
-
-    def offsets(batch_id):
-        try:
-            return json.loads((checkpoint / "offsets" / str(batch_id)).read_text().splitlines()[2])
-        except (OSError, IndexError, ValueError):
-            return None
+    from spark_consumer.checkpoint import newest_unapplied
 
     with psycopg.connect(cfg["consumer"]["target_dsn"]) as conn:
         next_offsets = dict(conn.execute("SELECT partition, next_offset FROM _walbridge.progress "
                                          "WHERE consumer_group = %s AND topic = %s",
                                          (cfg["consumer"]["group"], f"{cfg['kafka']['topic_prefix']}.{shape}")))
-    start, end = offsets(commits[-1] - 1), offsets(commits[-1])
-    return start is not None and end is not None and not batch_applied(start, end, next_offsets)
+    return newest_unapplied(Path(cfg["consumer"]["checkpoint_dir"]) / shape, next_offsets) is not None
 
 
 @pytest.mark.parametrize("apply_mode", ["pipelined", "staged"])
