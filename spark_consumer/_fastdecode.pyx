@@ -160,10 +160,7 @@ cdef object _decimal_of(Node node, Cursor *c, int64_t size):
 cdef object _read_decimal(Node node, Cursor *c):
     cdef int64_t size = _read_long(c)
     _need(c, size)
-    data = PyBytes_FromStringAndSize(<const char *>c.p, size)
-    c.p += size
-    context = node.context
-    return context.create_decimal(int.from_bytes(data, "big", signed=True)).scaleb(-node.scale, context)
+    return _decimal_of(node, c, size)
 
 
 cdef object _read(Node node, Cursor *c):

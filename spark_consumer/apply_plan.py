@@ -417,6 +417,11 @@ def field_index(fields: Sequence[str] | None, name: str) -> int | None:
         raise PlanError(f"rows have no {name!r} field") from None
 
 
+def field_getter(fields: Sequence[str] | None, name: str):
+    """``row -> row[name]`` for Mapping rows, or rows laid out by ``fields``."""
+    return itemgetter(name) if fields is None else itemgetter(field_index(fields, name))
+
+
 def _getter(fields: Sequence[str] | None, name: str):
     """``row -> row[name]`` for Mapping rows (None if absent) or rows laid out by ``fields``."""
     i = field_index(fields, name)
@@ -788,7 +793,7 @@ def split_replayed(rows: Sequence, progress: Progress | None, *, where: str = ""
     if progress is None:
         return list(rows), 0, False
     nxt = progress.next_offset
-    offset_of = itemgetter("_wb_offset" if fields is None else field_index(fields, "_wb_offset"))
+    offset_of = field_getter(fields, "_wb_offset")
     lsn_of, opi_of = _getter(fields, "_wb_lsn"), _getter(fields, "_wb_op_index")
     todo, skipped = [], 0
     for row in rows:

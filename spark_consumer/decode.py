@@ -509,7 +509,6 @@ class BatchBuilder:
         # Row columns whose values may be fastdecode.Unscaled (compiled reads): index -> Arrow type.
         self._unscaled = {i: arrow_schema.field(i).type for i, c in enumerate(layout.columns)
                           if c.avro_field in unscaled} if compiled else {}
-        self._unscaled_names = [layout.columns[i].name for i in self._unscaled]
         # The compiled row of an ordinary change (None: every message takes the steps below).
         self._assembler = fastdecode.row_assembler(
             self._by_prefix, self._special, [i for i, _ in self._key_fields], self._name_by_field, self._names,
@@ -598,13 +597,7 @@ class BatchBuilder:
             values = list(self._empty_row)
         else:
             values = row  # a fresh list per message, ours to extend
-            for i, name in self._special:
-                v = values[i]
-                if v.__class__ is str:
-                    if special is None:
-                        special = []
-                    special.append((name, v))
-                    values[i] = None
+            special = self._take_specials(values)
         if unchanged:
             unchanged = [self._name_by_field.get(f, f) for f in unchanged]
         before_special = None
@@ -616,20 +609,25 @@ class BatchBuilder:
                    _text(snapshot), ts_ms, None, before, before_special)
         self._records.append(values)
 
-    def _old_row(self, record: list) -> tuple[dict, list | None]:
-        old = dict(zip(self._names, record))
+    def _take_specials(self, values: list) -> list | None:
+        """Moves the special-value texts (NaN, infinity, ...: a special column's
+        string branch) out of ``values``: their [(column, text)], or None."""
         special = None
-        for _, name in self._special:
-            v = old[name]
+        for i, name in self._special:
+            v = values[i]
             if v.__class__ is str:
                 if special is None:
                     special = []
                 special.append((name, v))
-                old[name] = None
-        for name in self._unscaled_names:
-            if fastdecode.is_unscaled(old[name]):
-                old[name] = old[name].to_decimal()
-        return old, special
+                values[i] = None
+        return special
+
+    def _old_row(self, record: list) -> tuple[dict, list | None]:
+        special = self._take_specials(record)
+        for i in self._unscaled:
+            if fastdecode.is_unscaled(record[i]):
+                record[i] = record[i].to_decimal()
+        return dict(zip(self._names, record)), special
 
     def add_dlq(self, topic: str, partition: int, offset: int, headers: list | None, error: str) -> None:
         """The row of a message sent to the DLQ (row columns null)."""

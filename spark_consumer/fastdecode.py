@@ -39,7 +39,8 @@ from schemas import compiled_extension
 _fastdecode = compiled_extension("spark_consumer._fastdecode")
 
 AVAILABLE = _fastdecode is not None
-MAX_UNSCALED_PRECISION = 18
+# Decimals up to this precision may travel as Unscaled (none without the extension).
+MAX_UNSCALED_PRECISION = _fastdecode.MAX_UNSCALED_PRECISION if AVAILABLE else 0
 
 # Slots of the envelope list ``EnvelopeReader.read`` returns.
 ENVELOPE_SLOTS = {"before": 0, "after": 1, "source": 2, "op": 3, "ts_ms": 4, "unchanged_toast": 5}

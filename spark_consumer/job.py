@@ -142,7 +142,7 @@ class ShapeApplier:
                     raise
                 delay = min(2.0 ** attempt, 30.0)
                 log.warning("shape %s: cannot read progress from the target (%s); retrying in %.0fs",
-                            self.shape.shape_name, str(e).strip().splitlines()[0] if str(e).strip() else e, delay)
+                            self.shape.shape_name, _first_line(e), delay)
                 time.sleep(delay)
         batch = replay_unapplied(checkpoint, {p: prog.next_offset for (_, p), prog in progress.items()})
         if batch is not None:
@@ -370,6 +370,11 @@ def _wait_for_schemas(opts, discover, timeout: float = 600.0):
             time.sleep(2.0)
 
 
+def _first_line(error: BaseException) -> str:
+    """An error's first line, for a log line (Spark's and libpq's run long)."""
+    return (str(error).strip().splitlines() or ["?"])[0][:300]
+
+
 QUERY_RESTARTS = 5  # failures of one query tolerated within QUERY_FAILURE_WINDOW
 QUERY_FAILURE_WINDOW = 600.0
 
@@ -414,7 +419,7 @@ def run(config, master: str | None = None, stop: threading.Event | None = None,
                                        f"{QUERY_FAILURE_WINDOW:.0f}s; last: {failure}")
                 delay = min(2.0 ** len(failures[i]), 30.0)
                 log.error("query %s failed (%s); restarting it from its checkpoint in %.0fs", q.name,
-                          (str(failure).strip().splitlines() or ["?"])[0][:300], delay)
+                          _first_line(failure), delay)
                 if stop is not None and stop.wait(delay):
                     return
                 started[i].close()

@@ -112,7 +112,8 @@ from psycopg.types.json import Jsonb
 from schemas.buckets import SESSION_SETTINGS, in_scope
 from spark_consumer.apply_plan import (
     APPEND, DEFAULT_GC_CONTROLS, DELETE, REMOVE, STAGE_EXTRA, UPSERT, ApplyPlan, Cut, OffsetResetError, PlanError, Position,
-    Progress, ShapeTarget, TargetColumn, classify_cuts, field_index, make_cut, plan_batch, split_replayed,
+    Progress, ShapeTarget, TargetColumn, classify_cuts, field_getter, field_index, make_cut, plan_batch,
+    split_replayed,
 )
 
 __all__ = [
@@ -232,7 +233,7 @@ def parts_from_rows(rows: Iterable, ranges: Mapping[tuple[str, int], tuple[int, 
             return (r["_wb_topic"], int(r["_wb_partition"]))
     else:
         tp_of = itemgetter(field_index(fields, "_wb_topic"), field_index(fields, "_wb_partition"))
-    offset_of = _field_getter(fields, "_wb_offset")
+    offset_of = field_getter(fields, "_wb_offset")
     grouped: dict[tuple[str, int], list] = defaultdict(list)
     for r in rows:
         grouped[tp_of(r)].append(r)
@@ -246,11 +247,6 @@ def parts_from_rows(rows: Iterable, ranges: Mapping[tuple[str, int], tuple[int, 
             start, end = min(offsets), max(offsets) + 1
         parts.append(Part(tp[0], int(tp[1]), int(start), int(end), rs, fields))
     return parts
-
-
-def _field_getter(fields: Sequence[str] | None, name: str):
-    """``row -> row[name]`` for mapping rows, or rows laid out by ``fields``."""
-    return itemgetter(name) if fields is None else itemgetter(field_index(fields, name))
 
 
 # ----------------------------------------------------------------- results
@@ -1025,7 +1021,7 @@ def apply_shapes(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
 def _check_range(part: Part) -> None:
     if not part.rows:
         return
-    offsets = list(map(_field_getter(part.fields, "_wb_offset"), part.rows))
+    offsets = list(map(field_getter(part.fields, "_wb_offset"), part.rows))
     lo, hi = min(offsets), max(offsets)
     if lo < part.start or hi >= part.end:
         raise ValueError(f"{part.topic}[{part.partition}]: rows at offsets {lo}..{hi} are outside the part's "
