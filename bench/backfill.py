@@ -39,9 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.producer import ProducerProc, write_config  # noqa: E402
-from producer.backfill import read_states, request_backfill, requests_topic  # noqa: E402
-from producer.config import load_config  # noqa: E402
-from producer.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
+from producer.backfill_requests import read_states, request_backfill  # noqa: E402
+from schemas import wire  # noqa: E402
+from schemas.config import load_config  # noqa: E402
+from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
 from schemas.reader import SchemaResolver  # noqa: E402
 
 
@@ -120,7 +121,7 @@ def main() -> None:
             rid = request_backfill(config, "public.pgbench_accounts", reason="bench")
             conf = {"bootstrap.servers": broker.bootstrap}
             while True:
-                state = read_states(conf, requests_topic("bench"))[0].get(rid, {})
+                state = read_states(conf, wire.backfills_topic("bench"))[0].get(rid, {})
                 if state.get("state") == "done":
                     break
                 if producer.proc.poll() is not None:

@@ -36,8 +36,8 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from producer.config import parse_config  # noqa: E402
-from producer.embedded import PostgresCluster, TansuBroker  # noqa: E402
+from schemas.config import parse_config  # noqa: E402
+from walbridge.embedded import PostgresCluster, TansuBroker  # noqa: E402
 from producer.pipeline import run_producer  # noqa: E402
 
 

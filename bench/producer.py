@@ -38,7 +38,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from producer.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
+from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
 from producer.pgoutput import lsn_to_int  # noqa: E402
 
 
@@ -74,7 +74,7 @@ class ProducerProc:
     def __init__(self, config: Path, log: Path):
         self.log = log
         self._log_start = len(log.read_text(errors="replace")) if log.exists() else 0
-        self.proc = subprocess.Popen([sys.executable, "-m", "producer.cli", "producer", "-c", str(config)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "walbridge.cli", "producer", "-c", str(config)],
                                      cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
         self.peak_rss = 0
         self._sampling = True

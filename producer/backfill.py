@@ -34,17 +34,14 @@ Invariants:
   encoding run in the pipeline's thread.
 - Backfill messages carry ``wb.backfill``; partition tails (replay
   de-duplication) skip them, so they never hide a streamed change.
-- Requests and state live in the topic ``<prefix>._backfills`` (one partition,
-  JSON keyed by request id, the latest record wins): ``requested`` →
-  ``running`` → ``done``. A producer that restarts re-runs every request not
-  ``done``, from a new snapshot: the interrupted attempt's rows are older than
-  the new S and are overwritten or, lacking a ``backfill_end``, simply never
-  trigger garbage collection.
+- Requests and their state: :mod:`producer.backfill_requests`. A producer
+  that restarts re-runs every request not ``done``, from a new snapshot: the
+  interrupted attempt's rows are older than the new S and are overwritten or,
+  lacking a ``backfill_end``, simply never trigger garbage collection.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -53,12 +50,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
 from producer.catalog import TableInfo
-from producer.kafka_io import client_config, ensure_topics, read_to_end
 from producer.replication import ReplicationConnection, connect
 from producer.snapshot import copy_chunks
 from schemas import buckets
@@ -66,51 +60,6 @@ from schemas import buckets
 log = logging.getLogger("walbridge.backfill")
 
 QUEUE_CHUNKS = 4
-STATES = ("requested", "running", "done", "failed")
-
-
-def requests_topic(topic_prefix: str) -> str:
-    return f"{topic_prefix}._backfills"
-
-
-# ------------------------------------------------------------------ requests
-def publish_state(producer: Producer, topic: str, record: dict) -> None:
-    producer.produce(topic, json.dumps(record).encode(), record["request_id"].encode())
-
-
-def request_backfill(config, shape: str, scope: dict | None = None, reason: str = "manual") -> str:
-    """Ask the producer (running or not) to backfill ``shape``; returns the request id."""
-    names = [s.shape_name for s in config.shapes]
-    if shape not in names:
-        raise ValueError(f"no shape named {shape!r} in the config (shapes: {', '.join(names)})")
-    request_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    record = {"request_id": request_id, "shape": shape, "scope": scope, "reason": reason, "state": "requested",
-              "requested_at": time.time()}
-    conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
-    ensure_topics(AdminClient(conf), [requests_topic(config.kafka.topic_prefix)], 1,
-                  config.kafka.replication_factor)
-    producer = Producer(conf)
-    publish_state(producer, requests_topic(config.kafka.topic_prefix), record)
-    if producer.flush(30):
-        raise RuntimeError("the backfill request could not be delivered to Kafka within 30s")
-    return request_id
-
-
-def read_states(kafka_conf: dict[str, Any], topic: str) -> tuple[dict[str, dict], int]:
-    """The latest record of every request, and the offset after the last one read."""
-    states: dict[str, dict] = {}
-    end = 0
-    for msg in read_to_end(kafka_conf, topic, "backfills"):
-        end = msg.offset() + 1
-        try:
-            record = json.loads(msg.value())
-            states[record["request_id"]] = record
-        except (TypeError, ValueError, KeyError):
-            log.warning("ignoring an unreadable record at %s[0]@%d", topic, msg.offset())
-    return states, end
-
-
-# -------------------------------------------------------------------- reader
 _DONE = object()
 
 

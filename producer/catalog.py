@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from producer.config import Config
+from schemas.config import Config
 from producer.pgtypes import PgTypeInfo
 
 
@@ -148,7 +148,7 @@ def plan_publication(tables: list[TableInfo], keyless_policy: str) -> Publicatio
 def check_source(conn: psycopg.Connection, config: Config) -> dict[str, TableInfo]:
     """Validate the shapes against the live catalog; returns table infos by
     ``schema.table``. Read-only."""
-    from producer.shape_filter import FilterError, compile_filter
+    from schemas.shape_filter import FilterError, compile_filter
 
     problems: list[str] = []
     wal_level = conn.execute("SHOW wal_level").fetchone()[0]

@@ -21,9 +21,9 @@ Invariants:
 from __future__ import annotations
 
 from producer.envelope import ShapeColumn, avro_string, field_encoder
-from producer.kafka_io import Writer
 from producer.shapes import RelationPlan
 from schemas import compiled_extension
+from schemas.kafka import Writer
 
 _fastcodec = compiled_extension("producer._fastcodec")
 

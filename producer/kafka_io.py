@@ -1,5 +1,5 @@
-"""Kafka shell of the producer: topics, schema publication, partition tails and
-the idempotent producer with its delivery bookkeeping.
+"""Kafka shell of the producer: producer settings, partitioning, partition
+tails and the delivery bookkeeping of the idempotent producer.
 
 Invariants:
 - The producer is idempotent with ``acks=all``; a delivery error is fatal (the
@@ -10,35 +10,19 @@ Invariants:
 - Partition tails are found by reading, never by trusting the broker's reported
   end offset (Tansu reports the last batch's base offset + 1): reading starts a
   little before the reported end and goes until end-of-partition.
-- A writer schema is published (registry, or the ``<prefix>._schemas`` topic,
-  flushed) before the first message that uses it is produced.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-import uuid
 import zlib
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka import KafkaError, TopicPartition
 
 from schemas import wire
-
-log = logging.getLogger(__name__)
-
-Writer = tuple[str, int]
-
-
-def client_config(bootstrap: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    conf: dict[str, Any] = {"bootstrap.servers": bootstrap}
-    conf.update(extra or {})
-    return conf
+from schemas.kafka import Writer, scan, scan_consumer
 
 
 def producer_config(base: dict[str, Any]) -> dict[str, Any]:
@@ -67,36 +51,6 @@ def partition_for(key_body: bytes | None, fallback: int, partitions: int) -> int
     return zlib.crc32(key_body) % partitions
 
 
-def ensure_topics(admin: AdminClient, topics: Iterable[str], partitions: int, replication: int,
-                  config: dict[str, str] | None = None, timeout: float = 30.0) -> dict[str, int]:
-    """Create missing topics; returns each topic's actual partition count."""
-    topics = list(dict.fromkeys(topics))
-    existing = admin.list_topics(timeout=timeout).topics
-    missing = [t for t in topics if t not in existing]
-    if missing:
-        futures = admin.create_topics(
-            [NewTopic(t, num_partitions=partitions, replication_factor=replication, config=config or {})
-             for t in missing], request_timeout=timeout)
-        for topic, fut in futures.items():
-            try:
-                fut.result()
-                log.info("created topic %s with %d partitions", topic, partitions)
-            except KafkaException as e:
-                if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                    raise
-    deadline = time.monotonic() + timeout
-    while True:
-        meta = admin.list_topics(timeout=timeout).topics
-        counts = {t: len(meta[t].partitions) for t in topics if t in meta and meta[t].partitions}
-        if len(counts) == len(topics) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    absent = [t for t in topics if t not in counts]
-    if absent:
-        raise RuntimeError(f"topics not visible after creation: {', '.join(absent)}")
-    return counts
-
-
 @dataclass(frozen=True)
 class Tail:
     """The last walbridge message of a partition."""
@@ -105,61 +59,6 @@ class Tail:
     position: tuple[int, int]
     control: str | None  # e.g. "snapshot_end" when the last message is a control event
     snapshot_id: str | None  # set on snapshot reads
-
-
-def scan_consumer(conf: dict[str, Any], purpose: str) -> Consumer:
-    # A scan ends at end-of-partition, which an empty fetch reports: the broker
-    # must not hold that fetch for the default 500 ms (each restart reads the
-    # partition tails and the backfill requests this way).
-    return Consumer({"fetch.wait.max.ms": 10, **conf, "group.id": f"walbridge-{purpose}-{uuid.uuid4().hex}",
-                     "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "earliest"})
-
-
-def _scan(consumer: Consumer, ranges: dict[Writer, tuple[int, int | None]], timeout: float):
-    """Yield the messages of several partitions at once, each from its start to
-    its stop (exclusive) or to end-of-partition (stop None). Order is per
-    partition only."""
-    if not ranges:
-        return
-    consumer.assign([TopicPartition(t, p, start if start > 0 else OFFSET_BEGINNING)
-                     for (t, p), (start, _) in ranges.items()])
-    open_ = set(ranges)
-    deadline = time.monotonic() + timeout
-    try:
-        while open_:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {len(open_)} partition(s) timed out, e.g. {next(iter(open_))}")
-            msg = consumer.poll(0.2)
-            if msg is None:
-                continue
-            writer = (msg.topic(), msg.partition())
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    open_.discard(writer)
-                    continue
-                raise KafkaException(msg.error())
-            if writer not in open_:
-                continue
-            stop = ranges[writer][1]
-            if stop is not None and msg.offset() >= stop:
-                open_.discard(writer)
-                continue
-            yield msg
-    finally:
-        consumer.unassign()
-
-
-def read_to_end(conf: dict[str, Any], topic: str, purpose: str = "read", timeout: float = 30.0):
-    """Every message of every partition of ``topic``, from the beginning to
-    end-of-partition (as Fetch reports it); nothing if the topic does not exist."""
-    consumer = scan_consumer(conf, purpose)
-    try:
-        meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
-        if meta is None or meta.error is not None or not meta.partitions:
-            return
-        yield from _scan(consumer, {(topic, p): (0, None) for p in sorted(meta.partitions)}, timeout)
-    finally:
-        consumer.close()
 
 
 def _tail_of(msg: Any) -> Tail | None:
@@ -192,7 +91,7 @@ def read_tails(conf: dict[str, Any], writers: Iterable[Writer], timeout: float =
         window = 1
         todo = {w: (max(low, end - window), None) for w, (low, end) in bounds.items()}
         while todo:
-            for msg in _scan(consumer, todo, timeout):
+            for msg in scan(consumer, todo, timeout):
                 tail = _tail_of(msg)
                 if tail is not None:
                     tails[(msg.topic(), msg.partition())] = tail
@@ -211,84 +110,13 @@ def read_positions(conf: dict[str, Any], start_offsets: dict[Writer, int],
     consumer = scan_consumer(conf, "replay")
     result: dict[Writer, dict[int, int]] = defaultdict(dict)
     try:
-        for msg in _scan(consumer, {w: (o, None) for w, o in start_offsets.items()}, timeout):
+        for msg in scan(consumer, {w: (o, None) for w, o in start_offsets.items()}, timeout):
             pos = wire.header(msg.headers(), wire.POSITION_HEADER)
             if pos is not None:
                 result[(msg.topic(), msg.partition())][wire.parse_position(pos)[0]] = msg.offset()
         return dict(result)
     finally:
         consumer.close()
-
-
-def group_offsets(admin: AdminClient, groups: Iterable[str], writers: list[Writer],
-                  timeout: float = 10.0) -> dict[str, dict[Writer, int]]:
-    """Each group's committed offset (the next offset it will read) per
-    writer; 0 where the group has committed nothing."""
-    from confluent_kafka import ConsumerGroupTopicPartitions
-
-    result: dict[str, dict[Writer, int]] = {}
-    for group in groups:
-        req = [ConsumerGroupTopicPartitions(group, [TopicPartition(t, p) for t, p in writers])]
-        res = admin.list_consumer_group_offsets(req, request_timeout=timeout)[group].result()
-        result[group] = {(tp.topic, tp.partition): max(tp.offset, 0) for tp in res.topic_partitions}
-    return result
-
-
-_registry_clients: dict[str, Any] = {}
-_registry_lock = threading.Lock()
-
-
-def registry_client(url: str, extra: dict[str, Any] | None = None):
-    """One client per URL per process (so ``mock://`` registries are shared
-    in-process by producer, consumer and tests)."""
-    from confluent_kafka.schema_registry import SchemaRegistryClient
-
-    with _registry_lock:
-        if url not in _registry_clients:
-            _registry_clients[url] = SchemaRegistryClient.new_client({"url": url, **(extra or {})})
-        return _registry_clients[url]
-
-
-class SchemaPublisher:
-    """Makes writer schemas findable and returns the wire prefix to use."""
-
-    def __init__(self, producer: Producer, topic_prefix: str, registry_url: str | None):
-        self._producer = producer
-        self._schemas_topic = topic_prefix + wire.SCHEMAS_TOPIC_SUFFIX
-        self._registry = registry_client(registry_url) if registry_url else None
-        self._prefixes: dict[tuple[str, str], bytes] = {}
-
-    @property
-    def schemas_topic(self) -> str | None:
-        return None if self._registry else self._schemas_topic
-
-    def prefix(self, subject: str, schema: dict) -> bytes:
-        text = wire.canonical_json(schema)
-        cached = self._prefixes.get((subject, text))
-        if cached is not None:
-            return cached
-        if self._registry is not None:
-            from confluent_kafka.schema_registry import Schema
-
-            schema_id = self._registry.register_schema(subject, Schema(text, "AVRO"))
-            prefix = wire.confluent_prefix(schema_id)
-        else:
-            fp = wire.schema_fingerprint(schema)
-            outcome: list = []
-            self._producer.produce(self._schemas_topic, key=fp.hex().encode(), value=text.encode(),
-                                   headers=[("wb.subject", subject.encode())],
-                                   on_delivery=lambda err, msg: outcome.append(err))
-            # Wait for this message only: a flush() would also wait for every
-            # change still queued (a new relation mid-stream stalls the stream).
-            deadline = time.monotonic() + 30
-            while not outcome and time.monotonic() < deadline:
-                self._producer.poll(0.05)
-            if not outcome or outcome[0] is not None:
-                raise RuntimeError(f"could not publish schema for {subject} to {self._schemas_topic}"
-                                   + (f": {outcome[0].str()}" if outcome else ""))
-            prefix = wire.single_object_prefix(fp)
-        self._prefixes[(subject, text)] = prefix
-        return prefix
 
 
 class DeliveryLedger:

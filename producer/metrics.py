@@ -1,4 +1,5 @@
-"""Prometheus metrics of the producer (``[metrics] port``).
+"""Prometheus metrics of the producer (served on ``[metrics] port`` by the
+``walbridge`` command).
 
 Invariants:
 - Metrics are process-global (prometheus-client's default registry) and only
@@ -8,7 +9,7 @@ Invariants:
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, start_http_server
+from prometheus_client import Counter, Gauge
 
 EVENTS = Counter("walbridge_events", "Change events produced, by shape and op", ["shape", "op"])
 TRANSACTIONS = Counter("walbridge_transactions", "Source transactions streamed")
@@ -23,22 +24,3 @@ PRODUCE_LATENCY = Gauge("walbridge_produce_latency_seconds",
                         "Source commit time to Kafka acknowledgement, last transaction")
 SNAPSHOT_PROGRESS = Gauge("walbridge_snapshot_rows_read", "Rows read by the running (or last) snapshot")
 SNAPSHOT_TOTAL = Gauge("walbridge_snapshot_rows_estimate", "Rows the running (or last) snapshot expects")
-
-# Consumer side (the Spark driver process).
-APPLIED_ROWS = Counter("walbridge_apply_rows", "Changes applied to the target, by shape", ["shape"])
-APPLY_SKIPPED = Counter("walbridge_apply_replayed_skipped", "Replayed changes skipped by progress", ["shape"])
-APPLY_BATCHES = Counter("walbridge_apply_batches", "Micro-batches committed to the target", ["shape"])
-APPLY_LATENCY = Gauge("walbridge_apply_latency_seconds",
-                      "Time from the producer reading a change to its target commit, newest change of the last "
-                      "batch", ["shape"])
-DLQ_MESSAGES = Counter("walbridge_dlq_messages", "Undecodable messages sent to the dead-letter topic", ["shape"])
-
-_started_port: int | None = None
-
-
-def serve(port: int | None) -> None:
-    """Expose /metrics on ``port`` (once per process; 0 or None: off)."""
-    global _started_port
-    if port and _started_port is None:
-        start_http_server(port, addr="0.0.0.0")
-        _started_port = port

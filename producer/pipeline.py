@@ -61,19 +61,21 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from producer import backfill, catalog, metrics, pgoutput
+from producer.backfill_requests import publish_state, read_states
 from producer.catalog import TableInfo
-from producer.config import Config, redact_dsn
 from producer.fastcodec import CHANGE_KINDS, relation_encoder
 from producer.flush_tracker import FlushTracker, LogOffset, WriterAlignment
-from producer.kafka_io import (DeliveryLedger, SchemaPublisher, Tail, Writer, client_config, ensure_topics,
-                               group_offsets, partition_for, producer_config, read_tails, scan_consumer)
+from producer.kafka_io import DeliveryLedger, Tail, partition_for, producer_config, read_positions, read_tails
 from producer.pgoutput import Begin, Commit, Delete, Insert, Keepalive, Relation, Truncate, TypeMsg, Update
 from producer.pgtypes import column_codec
 from producer.replication import ReplicationConnection, ReplicationError, connect
-from producer.shape_filter import compile_filter
 from producer.shapes import Event, RelationPlan, ShapeSpec, event_message
 from producer.snapshot import plan_pieces, relpages, run_snapshot
 from schemas import wire
+from schemas.config import Config, redact_dsn
+from schemas.kafka import Writer, client_config, ensure_topics, group_offsets, scan_consumer
+from schemas.publisher import SchemaPublisher
+from schemas.shape_filter import compile_filter
 
 log = logging.getLogger("walbridge.producer")
 
@@ -135,8 +137,8 @@ class Pipeline:
         self.stalled_writers: list[Writer] = []
         self.stalled_groups: list[str] = []
         self.snapshot_progress: dict[str, Any] = {}
-        self.status_topic = f"{config.kafka.topic_prefix}._status"
-        self.backfills_topic = backfill.requests_topic(config.kafka.topic_prefix)
+        self.status_topic = wire.status_topic(config.kafka.topic_prefix)
+        self.backfills_topic = wire.backfills_topic(config.kafka.topic_prefix)
         self.backfill_requests: dict[str, dict] = {}  # request id -> latest state record
         self._backfill_queue: list[dict] = []
         self._backfill: backfill.Backfill | None = None
@@ -207,7 +209,6 @@ class Pipeline:
     # ------------------------------------------------------------------- run
     def run(self) -> None:
         cfg = self.config
-        metrics.serve(cfg.metrics.port)
         self.prepare()
         self.repl = ReplicationConnection(cfg.source.dsn, cfg.source.slot)
         slot = catalog.slot_state(self.catalog_conn, cfg.source.slot)
@@ -581,8 +582,6 @@ class Pipeline:
         transactions are tracked against the right offsets."""
         if not self.ack_groups:
             return
-        from producer.kafka_io import read_positions
-
         committed = self.committed_offsets(self.writers())
         self.replayed_offsets = read_positions(self._kafka_conf, committed)
 
@@ -641,6 +640,7 @@ class Pipeline:
                                         self.stats.snapshot_rows)
                 self.stats.snapshot_rows += 1
             self.snapshot_progress["rows"] = self.stats.snapshot_rows
+            metrics.SNAPSHOT_ROWS.inc(len(rows))
             self.kafka.poll(0)
             if time.monotonic() - self._last_status >= STATUS_INTERVAL:
                 self._last_status = time.monotonic()
@@ -653,7 +653,7 @@ class Pipeline:
         self._flush_all()
         info = f'{{"snapshot_id": "{snapshot_id}", "lsn": {lsn}, "rows": {rows}}}'.encode()
         for writer in self.writers():
-            self._send(writer, None, None, [pos_header, snap_header, (wire.CONTROL_HEADER, b"snapshot_end"),
+            self._send(writer, None, None, [pos_header, snap_header, (wire.CONTROL_HEADER, wire.SNAPSHOT_END.encode()),
                                             (wire.CONTROL_INFO_HEADER, info)])
         self._flush_all()
         self.snapshot_progress.update(rows=rows, done=True, finished=time.time())
@@ -673,7 +673,7 @@ class Pipeline:
     # ------------------------------------------------------------- backfills
     def _load_backfill_requests(self, new_topics: set[str]) -> None:
         """Requests not done yet are (re)started; shapes whose topics are new get one."""
-        states, end = backfill.read_states(self._kafka_conf, self.backfills_topic)
+        states, end = read_states(self._kafka_conf, self.backfills_topic)
         self.backfill_requests = states
         shapes = {s.shape_name: s for s in self.config.shapes}
         for record in sorted(states.values(), key=lambda r: r.get("requested_at", 0)):
@@ -718,7 +718,7 @@ class Pipeline:
     def _set_state(self, record: dict, state: str, **extra) -> None:
         record = {**record, **extra, "state": state, "updated_at": time.time()}
         self.backfill_requests[record["request_id"]] = record
-        backfill.publish_state(self.kafka, self.backfills_topic, record)
+        publish_state(self.kafka, self.backfills_topic, record)
 
     def _start_backfill(self, request: dict) -> None:
         shape = next((s for s in self.config.shapes if s.shape_name == request["shape"]), None)
@@ -786,13 +786,14 @@ class Pipeline:
                     self._send_read(route, values, bf.source, now_ms, bf.headers, bf.sent)
                     bf.sent += 1
             bf.rows += len(chunk)
+            metrics.SNAPSHOT_ROWS.inc(len(chunk))
             return True
         # Every read is produced: end the backfill on every partition, after its reads.
         topic = bf.route.topic
         info = json.dumps({"backfill_id": bf.backfill_id, "shape": bf.shape, "lsn": lsn,
                            "partitions": self.partitions[topic], "rows": bf.sent,
                            "scope": bf.request.get("scope")}).encode()
-        headers = bf.headers + [(wire.CONTROL_HEADER, b"backfill_end"), (wire.CONTROL_INFO_HEADER, info)]
+        headers = bf.headers + [(wire.CONTROL_HEADER, wire.BACKFILL_END.encode()), (wire.CONTROL_INFO_HEADER, info)]
         for p in range(self.partitions[topic]):
             self._send((topic, p), None, None, headers)
         bf.end_counts = {(topic, p): self.ledger.produced[(topic, p)] for p in range(self.partitions[topic])}

@@ -8,7 +8,7 @@ Invariants:
   changes a row's key is two events (delete of the old key, then insert of the new
   one), so every message a shape sends has its own position and positions strictly
   increase within a topic-partition (the restart de-duplication relies on it).
-- Filters use SQL NULL semantics (:mod:`producer.shape_filter`). Where the old row
+- Filters use SQL NULL semantics (:mod:`schemas.shape_filter`). Where the old row
   is known (REPLICA IDENTITY FULL) an UPDATE becomes ``c`` when the row moves into a
   shape, ``d`` when it moves out, ``u`` when it stays, nothing when it stays out.
   Where only the new row is known, a matching row is sent as ``u`` (apply is an
@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from producer.envelope import ShapeCodec, ShapeColumn, SourceBytes
-from producer.kafka_io import Writer, partition_for
+from producer.kafka_io import partition_for
 from producer.pgoutput import UNCHANGED_TOAST, Delete, Insert, Relation, Update
 from producer.pgtypes import ColumnCodec
-from producer.shape_filter import RowFilter
+from schemas.kafka import Writer
+from schemas.shape_filter import RowFilter
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Decoding walbridge messages with stock parts: finds each message's writer
 schema (Schema Registry by id, or the ``<prefix>._schemas`` topic by
-fingerprint) and reads the Avro body with fastavro.
+fingerprint) and reads the Avro body with fastavro. The other side of
+:mod:`schemas.publisher`.
 
 Invariants:
 - A writer schema is looked up once per id/fingerprint and cached; an unknown
@@ -19,13 +20,30 @@ from typing import Any
 from fastavro import parse_schema, schemaless_reader
 
 from schemas import wire
+from schemas.kafka import read_to_end
+from schemas.registry import registry_client
+
+
+def read_schemas_topic(conf: dict[str, Any], schemas_topic: str,
+                       timeout: float = 30.0) -> list[tuple[str, str, dict]]:
+    """``(subject, fingerprint hex, schema)`` of every record of the schemas
+    topic, in publication order (read to end-of-partition, as it is reported
+    by Fetch)."""
+    out: list[tuple[int, int, str, str, dict]] = []
+    for msg in read_to_end(conf, schemas_topic, "schemas", timeout):
+        subject = wire.header(msg.headers(), wire.SUBJECT_HEADER)
+        if subject is None or msg.key() is None or msg.value() is None:
+            continue
+        out.append((msg.partition(), msg.offset(), subject.decode(), msg.key().decode(), json.loads(msg.value())))
+    out.sort(key=lambda r: (r[0], r[1]))
+    return [(subject, fp, schema) for _, _, subject, fp, schema in out]
 
 
 class SchemaResolver:
     def __init__(self, kafka_conf: dict[str, Any] | None = None, topic_prefix: str | None = None,
                  registry_url: str | None = None):
         self._kafka_conf = kafka_conf
-        self._schemas_topic = topic_prefix + wire.SCHEMAS_TOPIC_SUFFIX if topic_prefix else None
+        self._schemas_topic = wire.schemas_topic(topic_prefix) if topic_prefix else None
         self._registry_url = registry_url
         self._by_id: dict[int, Any] = {}
         self._by_fp: dict[bytes, Any] = {}
@@ -49,7 +67,8 @@ class SchemaResolver:
         return parsed
 
     def raw_schema(self, data: bytes) -> dict:
-        """The writer schema (as JSON) of an encoded key or value."""
+        """The writer schema (as JSON) of an encoded key or value. A registry
+        that does not know the id raises its own ``SchemaRegistryError``."""
         ref = wire.parse_prefix(data)
         if ref.kind == "confluent":
             return json.loads(self._registry_schema(ref.ref))
@@ -59,19 +78,14 @@ class SchemaResolver:
     def _registry_schema(self, schema_id: int) -> str:
         if not self._registry_url:
             raise ValueError(f"message uses registry schema id {schema_id} but no schema registry is configured")
-        from producer.kafka_io import registry_client
-
         return registry_client(self._registry_url).get_schema(schema_id).schema_str
 
     def _load_schemas_topic(self) -> None:
         if not self._schemas_topic or self._kafka_conf is None:
             raise ValueError("single-object encoded message but no schemas topic is configured")
-        from producer.kafka_io import read_to_end
-
-        for msg in read_to_end(self._kafka_conf, self._schemas_topic, "schemas"):
-            fp = bytes.fromhex(msg.key().decode())
+        for _, fp_hex, raw in read_schemas_topic(self._kafka_conf, self._schemas_topic):
+            fp = bytes.fromhex(fp_hex)
             if fp not in self._by_fp:
-                raw = json.loads(msg.value())
                 self._raw_by_fp[fp] = raw
                 self._by_fp[fp] = parse_schema(raw)
 

@@ -34,15 +34,70 @@ from fastavro.schema import fingerprint, to_parsing_canonical_form
 
 CONFLUENT_MAGIC = 0x00
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
+
+# Headers of data topics.
 POSITION_HEADER = "wb.pos"
 CONTROL_HEADER = "wb.control"
 CONTROL_INFO_HEADER = "wb.control.info"
 SNAPSHOT_HEADER = "wb.snapshot"
 BACKFILL_HEADER = "wb.backfill"
-SCHEMAS_TOPIC_SUFFIX = "._schemas"
+# Header of ``<prefix>._schemas`` records: the subject (``<topic>-value``/``-key``).
+SUBJECT_HEADER = "wb.subject"
+# Headers a dead letter gets on top of its original ones: why, and where it was.
+DLQ_ERROR_HEADER = "wb.dlq.error"
+DLQ_TOPIC_HEADER = "wb.dlq.topic"
+DLQ_PARTITION_HEADER = "wb.dlq.partition"
+DLQ_OFFSET_HEADER = "wb.dlq.offset"
+
+# The envelope's ``op``: insert, update, delete, snapshot/backfill read, truncate.
+OPS = frozenset("cudrt")
+
+# Control events (the ``wb.control`` header's value).
+SNAPSHOT_END = "snapshot_end"
+BACKFILL_END = "backfill_end"
+# Not on the wire: the stream row that stands for a message sent to the DLQ.
+DLQ_CONTROL = "dlq"
+
+# Topics: ``<prefix>.<shape>`` for data, these for the rest.
+SCHEMAS_TOPIC_SUFFIX = "._schemas"  # writer schemas without a registry, keyed by fingerprint
+STATUS_TOPIC_SUFFIX = "._status"  # the producer's own view, for ``walbridge status``
+BACKFILLS_TOPIC_SUFFIX = "._backfills"  # backfill requests and their state
+DLQ_SUFFIX = ".dlq"  # after a data topic's name: its undecodable messages
+
+# Names in the target database.
+RESERVED_PREFIX = "_wb_"  # walbridge's columns; a source column may not start so
+META_SCHEMA = "_walbridge"  # progress, backfills, staging
+TOMBSTONES_SUFFIX = "__wb_tombstones"  # after a keyed shape's table name: its deleted keys
 
 _POS = struct.Struct(">QQ")
 _CONFLUENT = struct.Struct(">bI")
+
+
+def schemas_topic(topic_prefix: str) -> str:
+    return topic_prefix + SCHEMAS_TOPIC_SUFFIX
+
+
+def status_topic(topic_prefix: str) -> str:
+    return topic_prefix + STATUS_TOPIC_SUFFIX
+
+
+def backfills_topic(topic_prefix: str) -> str:
+    return topic_prefix + BACKFILLS_TOPIC_SUFFIX
+
+
+def dlq_topic(topic: str) -> str:
+    return topic + DLQ_SUFFIX
+
+
+def target_table(shape_name: str) -> tuple[str, str]:
+    """The target table of a shape, ``(schema, table)``: a ``schema.table``
+    shape name keeps its schema, an undotted one goes to ``public``."""
+    schema, dot, table = shape_name.partition(".")
+    if not dot:
+        return "public", shape_name
+    if not schema or not table:
+        raise ValueError(f"shape name {shape_name!r} does not name a table")
+    return schema, table
 
 
 def schema_fingerprint(schema: dict | list | str) -> bytes:

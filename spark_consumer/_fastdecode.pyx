@@ -28,6 +28,8 @@ from libc.string cimport memcpy
 
 from decimal import Context, Decimal
 
+from schemas import wire
+
 
 class CorruptBody(ValueError):
     """The compiled reader cannot read these bytes (the reference decides)."""
@@ -363,9 +365,9 @@ def decimal_column(list values, int precision, int scale):
 
 
 # ------------------------------------------------------------ whole rows
-cdef object _POSITION_HEADER = "wb.pos"
-cdef object _CONTROL_HEADER = "wb.control"
-cdef object _SNAPSHOT_HEADER = "wb.snapshot"
+cdef object _POSITION_HEADER = wire.POSITION_HEADER
+cdef object _CONTROL_HEADER = wire.CONTROL_HEADER
+cdef object _SNAPSHOT_HEADER = wire.SNAPSHOT_HEADER
 cdef frozenset _OPS = frozenset(("c", "u", "d", "r", "t"))
 
 

@@ -79,17 +79,17 @@ Invariants:
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Iterable, Mapping, Sequence
 
+from schemas import wire
+
 Position = tuple[int, int]
 
 UPSERT, DELETE, APPEND, REMOVE = "u", "d", "a", "x"
-DATA_OPS = frozenset("cudrt")
-DLQ_CONTROL = "dlq"
-DEFAULT_GC_CONTROLS = frozenset({"snapshot_end", "backfill_end"})
-RESERVED_PREFIX = "_wb_"
+DEFAULT_GC_CONTROLS = frozenset({wire.SNAPSHOT_END, wire.BACKFILL_END})
 
 # PostgreSQL types for columns whose Avro field carries no "pg.type".
 _AVRO_SQL = {"boolean": "boolean", "int": "integer", "long": "bigint", "float": "real",
@@ -139,14 +139,11 @@ def _sql_from_avro(avro_type: Any) -> str:
 
 
 def split_shape_name(shape: str) -> tuple[str, str]:
-    """A shape's target table: ``schema.table`` keeps its schema (split at the
-    first dot), an undotted name goes to ``public``."""
-    schema, dot, table = shape.partition(".")
-    if not dot:
-        return "public", shape
-    if not schema or not table:
-        raise PlanError(f"shape name {shape!r} does not name a table")
-    return schema, table
+    """A shape's target table (:func:`schemas.wire.target_table`)."""
+    try:
+        return wire.target_table(shape)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 def _row_record(value_schema: Mapping) -> Mapping:
@@ -183,8 +180,8 @@ class ShapeTarget:
         seen: set[str] = set()
         for f in _row_record(value_schema)["fields"]:
             name = f.get("pg.column", f["name"])
-            if name.startswith(RESERVED_PREFIX):
-                raise PlanError(f"column {name!r}: names starting with {RESERVED_PREFIX!r} are reserved")
+            if name.startswith(wire.RESERVED_PREFIX):
+                raise PlanError(f"column {name!r}: names starting with {wire.RESERVED_PREFIX!r} are reserved")
             if name in seen:
                 raise PlanError(f"column {name!r} appears twice")
             seen.add(name)
@@ -216,11 +213,9 @@ class ShapeTarget:
 def tombstone_name(table: str) -> str:
     """``<table>__wb_tombstones``, shortened with a stable suffix if it would
     pass PostgreSQL's 63-byte identifier limit."""
-    name = f"{table}__wb_tombstones"
+    name = f"{table}{wire.TOMBSTONES_SUFFIX}"
     if len(name.encode()) <= 63:
         return name
-    import zlib
-
     suffix = f"__wb_t{zlib.crc32(table.encode()):08x}"
     head = table.encode()[: 63 - len(suffix)].decode("utf-8", "ignore")
     return head + suffix
@@ -281,13 +276,12 @@ class Cut:
         return self.info.get("backfill_id") if self.info else None
 
 
-BACKFILL_END = "backfill_end"
 
 
 def make_cut(partition: int, lsn: int, op_index: int, offset: int, reason: str,
              info: Mapping | None = None) -> Cut:
     """A cut; a ``backfill_end``'s (already validated) info gives its scope."""
-    if reason != BACKFILL_END or not info:
+    if reason != wire.BACKFILL_END or not info:
         return Cut(partition, lsn, op_index, offset, reason)
     return Cut(partition, lsn, op_index, offset, reason, info.get("scope") or None, dict(info))
 
@@ -562,7 +556,7 @@ def plan_batch(target: ShapeTarget, rows: Iterable, *,
         op = row[I_OP]
         control = row[I_CONTROL]
         if op is None or control is not None:
-            if control == DLQ_CONTROL:
+            if control == wire.DLQ_CONTROL:
                 st.dlq += 1
                 continue
             if control is None:
@@ -571,7 +565,7 @@ def plan_batch(target: ShapeTarget, rows: Iterable, *,
             controls.append(control_row(i))
             if control in gc:
                 info = None
-                if control == BACKFILL_END:
+                if control == wire.BACKFILL_END:
                     info = backfill_info(target, row[I_INFO], f"{topic}[{p}]@{off}")
                     if (lsn is None or opi is None) and info and info.get("lsn") is not None:
                         lsn, opi = int(info["lsn"]), 0  # a backfill_end's position is (S, 0)

@@ -131,9 +131,6 @@ from schemas import wire
 from spark_consumer import fastdecode
 
 SPARK_MAX_DECIMAL_PRECISION = 38
-SNAPSHOT_HEADER = "wb.snapshot"
-DLQ_CONTROL = "dlq"
-OPS = frozenset("cudrt")
 
 BOOKKEEPING: tuple[StructField, ...] = (
     StructField("_wb_op", StringType()),
@@ -152,7 +149,6 @@ BOOKKEEPING: tuple[StructField, ...] = (
 )
 BOOKKEEPING_NAMES = tuple(f.name for f in BOOKKEEPING)
 BEFORE_COLUMNS = ("_wb_before", "_wb_before_special")
-RESERVED_PREFIX = "_wb_"
 
 _PRIMITIVES: dict[str, DataType] = {
     "int": IntegerType(), "long": LongType(), "float": FloatType(), "double": DoubleType(),
@@ -315,8 +311,8 @@ class ShapeLayout:
         seen: set[str] = set()
         for f in row["fields"]:
             name = f.get("pg.column", f["name"])
-            if name.startswith(RESERVED_PREFIX):
-                raise UnsupportedSchema(f"column {name!r}: names starting with {RESERVED_PREFIX!r} are reserved "
+            if name.startswith(wire.RESERVED_PREFIX):
+                raise UnsupportedSchema(f"column {name!r}: names starting with {wire.RESERVED_PREFIX!r} are reserved "
                                         "for walbridge's bookkeeping columns")
             if name in seen:
                 raise UnsupportedSchema(f"column {name!r} appears twice")
@@ -565,7 +561,7 @@ class BatchBuilder:
                     control = hv
                 elif name == wire.CONTROL_INFO_HEADER:
                     info = hv
-                elif name == SNAPSHOT_HEADER:
+                elif name == wire.SNAPSHOT_HEADER:
                     snapshot = hv
         lsn = op_index = None
         if pos is not None:
@@ -581,7 +577,7 @@ class BatchBuilder:
         if value is None:
             raise UndecodableMessage(f"tombstone without a {wire.CONTROL_HEADER} header")
         before, after, source, op, ts_ms, unchanged = self._envelope(value)
-        if op not in OPS:
+        if op not in wire.OPS:
             raise UndecodableMessage(f"envelope op {op!r} is not one of c, u, d, r, t")
         if (lsn is None or snapshot is None) and source is not None:
             if lsn is None:
@@ -639,7 +635,7 @@ class BatchBuilder:
             except Exception:
                 pass
         self._records.append(self._empty_row + [
-            None, lsn, op_index, topic, partition, offset, None, None, DLQ_CONTROL, None, None, None, error,
+            None, lsn, op_index, topic, partition, offset, None, None, wire.DLQ_CONTROL, None, None, None, error,
             None, None])
 
     def _fill_key(self, row: list | None, key: bytes) -> list | None:

@@ -2,8 +2,8 @@
 micro-batch applied to the target PostgreSQL exactly once, then its offsets
 committed to the consumer group (which the producer's FlushTracker reads).
 
-    spark-submit spark_consumer/job.py -c walbridge.toml     # production
-    walbridge consumer -c walbridge.toml                     # the same, local[*]
+    spark-submit walbridge/spark_submit.py -c walbridge.toml   # production
+    walbridge consumer -c walbridge.toml                       # the same, local[*]
 
 The path of one micro-batch, top to bottom:
 1. :func:`spark_consumer.kafka_source.read_shape_stream` gives the batch's
@@ -29,14 +29,40 @@ Invariants:
 
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
+import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from pyspark.errors import StreamingQueryException
+from pyspark.sql import SparkSession
+
+from schemas.config import Config, ShapeConfig
+from schemas.kafka import client_config
+from spark_consumer import metrics
+from spark_consumer.apply_plan import ShapeTarget
+from spark_consumer.checkpoint import replay_unapplied
+from spark_consumer.decode import arrow_rows
+from spark_consumer.kafka_source import SourceOptions, discover_schemas, read_shape_stream
+from spark_consumer.target import (
+    Part,
+    apply_batch,
+    commit_batch,
+    ensure_progress,
+    ensure_table,
+    parts_from_rows,
+    read_progress,
+    stage_part,
+)
 
 log = logging.getLogger("walbridge.consumer")
 
@@ -45,7 +71,6 @@ class OffsetCommitter:
     """Commits offsets for the consumer group without joining it as a member."""
 
     def __init__(self, kafka_conf: dict[str, Any], group: str):
-        from confluent_kafka import Consumer
 
         self._consumer = Consumer({**kafka_conf, "group.id": group, "enable.auto.commit": False})
         self._failed: dict[tuple[str, int], int] = {}
@@ -54,7 +79,6 @@ class OffsetCommitter:
         """Commit; a failure is logged, not raised: the target's progress table,
         not the group, decides what is applied, and the next batch commits
         again (meanwhile the producer holds the WAL those offsets would release)."""
-        from confluent_kafka import KafkaException, TopicPartition
 
         offsets = {**self._failed, **offsets}
         if offsets:
@@ -87,8 +111,7 @@ class ShapeApplier:
     the next ``__call__`` or through :attr:`error` (the run loop restarts the
     query)."""
 
-    def __init__(self, config, shape, target, kafka_conf: dict[str, Any]):
-        from concurrent.futures import ThreadPoolExecutor
+    def __init__(self, config: Config, shape: ShapeConfig, target: ShapeTarget, kafka_conf: dict[str, Any]):
 
         self.config = config
         self.shape = shape
@@ -127,10 +150,6 @@ class ShapeApplier:
     def recover(self, checkpoint: Path, topic: str) -> None:
         """Before the query starts: have Spark replay its newest committed
         batch if the target does not hold it (:mod:`spark_consumer.checkpoint`)."""
-        import psycopg
-
-        from spark_consumer.checkpoint import replay_unapplied
-        from spark_consumer.target import read_progress
 
         for attempt in range(1, RECOVER_ATTEMPTS + 1):
             try:
@@ -155,9 +174,6 @@ class ShapeApplier:
             pending.result()
 
     def _connection(self):
-        import psycopg
-
-        from spark_consumer.target import ensure_progress, ensure_table
 
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self.config.consumer.target_dsn, autocommit=True)
@@ -166,7 +182,6 @@ class ShapeApplier:
         return self._conn
 
     def __call__(self, batch_df, batch_id: int) -> None:
-        from spark_consumer.target import Part, commit_batch
 
         started = time.monotonic()
         if self.config.consumer.staged_apply:
@@ -196,8 +211,6 @@ class ShapeApplier:
 
     def _apply_table(self, table, batch_id: int, started: float, read_s: float) -> None:
         """Apply thread: one batch in one target transaction, then the group's offsets."""
-        from spark_consumer.decode import arrow_rows
-        from spark_consumer.target import apply_batch, parts_from_rows
 
         began = time.monotonic()
         # Rows go to the planner as tuples, converted column by column (no dict per row).
@@ -227,7 +240,6 @@ class ShapeApplier:
 
     def _metrics(self, newest: int | None, result) -> None:
         """``newest``: the highest ``_wb_ts_ms`` of the batch (None/0: none)."""
-        from producer import metrics
 
         name = self.shape.shape_name
         metrics.APPLY_BATCHES.labels(name).inc()
@@ -240,7 +252,6 @@ class ShapeApplier:
 
 
 def _newest_ts_ms(table) -> int | None:
-    import pyarrow.compute as pc
 
     return pc.max(table.column("_wb_ts_ms")).as_py()
 
@@ -252,11 +263,6 @@ _stage_connections: dict[str, Any] = {}  # per Python worker process, reused acr
 
 def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, batches):
     """Executor side: stage this task's rows, one part per Kafka partition."""
-    import psycopg
-    import pyarrow as pa
-
-    from spark_consumer.decode import arrow_rows
-    from spark_consumer.target import ensure_progress, parts_from_rows, stage_part
 
     fields, rows = arrow_rows(batches)
     if not rows:
@@ -282,9 +288,6 @@ DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"  # see spark_session
 
 
 def spark_session(master: str | None = None):
-    import os
-
-    from pyspark.sql import SparkSession
 
     # Python workers (the data source's readers) must run this interpreter,
     # which has walbridge's dependencies.
@@ -315,8 +318,7 @@ def _quiet(spark):
     return spark
 
 
-def start_queries(spark, config) -> tuple[list, list[ShapeApplier]]:
-    from producer.kafka_io import client_config
+def start_queries(spark, config: Config) -> tuple[list, list[ShapeApplier]]:
 
     if not config.consumer.target_dsn:
         raise SystemExit("walbridge consumer: consumer.target_dsn is not set in the config")
@@ -329,10 +331,8 @@ def start_queries(spark, config) -> tuple[list, list[ShapeApplier]]:
     return queries, appliers
 
 
-def start_query(spark, config, shape, kafka_conf: dict[str, Any]):
+def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str, Any]):
     """One shape's streaming query (from its checkpoint) and its applier."""
-    from spark_consumer.apply_plan import ShapeTarget
-    from spark_consumer.kafka_source import SourceOptions, discover_schemas, read_shape_stream
 
     topic = config.topic(shape)
     opts = SourceOptions(topic=topic, bootstrap_servers=config.kafka.bootstrap_servers,
@@ -379,16 +379,11 @@ QUERY_RESTARTS = 5  # failures of one query tolerated within QUERY_FAILURE_WINDO
 QUERY_FAILURE_WINDOW = 600.0
 
 
-def run(config, master: str | None = None, stop: threading.Event | None = None,
+def run(config: Config, master: str | None = None, stop: threading.Event | None = None,
         appliers: list | None = None) -> None:
     """Run the queries until ``stop`` is set or one fails; ``appliers`` (if
     given) receives each query's :class:`ShapeApplier` (for counters)."""
-    from pyspark.errors import StreamingQueryException
 
-    from producer import metrics
-    from producer.kafka_io import client_config
-
-    metrics.serve(config.metrics.consumer_port)
     spark = _quiet(spark_session(master))
     queries, started = start_queries(spark, config)
     if appliers is not None:
@@ -437,27 +432,3 @@ def run(config, master: str | None = None, stop: threading.Event | None = None,
         for applier in started:
             applier.close()
         spark.stop()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from producer.cli import setup_logging
-    from producer.config import ConfigError, load_config
-
-    parser = argparse.ArgumentParser(prog="walbridge consumer")
-    parser.add_argument("-c", "--config", required=True)
-    parser.add_argument("--master", default=None, help="Spark master (spark-submit sets it; default local[*])")
-    parser.add_argument("--log-format", choices=["text", "json"], default="text")
-    args = parser.parse_args(argv)
-    setup_logging(args.log_format)
-    try:
-        config = load_config(args.config)
-    except ConfigError as e:
-        print(f"walbridge: {e}", file=sys.stderr)
-        return 2
-    run(config, args.master)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # spark-submit runs this file directly
-    sys.exit(main())

@@ -89,6 +89,9 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicCollection, TopicPartition
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.schema_registry.error import SchemaRegistryError
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -100,6 +103,9 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from schemas import wire
+from schemas.kafka import ensure_topics, read_to_end
+from schemas.reader import SchemaResolver, read_schemas_topic
+from schemas.registry import subject_versions
 from spark_consumer.decode import (
     BatchBuilder,
     SchemaChangedError,
@@ -112,22 +118,12 @@ from spark_consumer.decode import (
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "walbridge_shape"
-DLQ_SUFFIX = ".dlq"
-SUBJECT_HEADER = "wb.subject"
-DLQ_ERROR_HEADER = "wb.dlq.error"
-DLQ_TOPIC_HEADER = "wb.dlq.topic"
-DLQ_PARTITION_HEADER = "wb.dlq.partition"
-DLQ_OFFSET_HEADER = "wb.dlq.offset"
 ARROW_BATCH_ROWS = 8192
 CONSUME_BATCH = 5000
 RANGE_CONSUME_WAIT_S = 1.0  # one consume() call of a range read
 RANGE_FETCH_QUEUE_BACKOFF_MS = 10  # librdkafka fetch.queue.backoff.ms of the range consumers (see _range_consumer)
 RANGE_FETCH_WAIT_MS = 50  # librdkafka fetch.wait.max.ms of the executors' range consumers (10 ms livelocked on Tansu)
 LOST_DATA_RETRIES = 3
-
-
-def dlq_topic(topic: str) -> str:
-    return topic + DLQ_SUFFIX
 
 
 # ------------------------------------------------------------------ options
@@ -234,36 +230,18 @@ def discover_schemas(opts: SourceOptions, timeout: float = 30.0) -> ShapeSchemas
     no value schema yet (the producer publishes it before the first message)."""
     value_subject, key_subject = f"{opts.topic}-value", f"{opts.topic}-key"
     if opts.schema_registry_url:
-        from confluent_kafka.schema_registry.error import SchemaRegistryError
-
-        from producer.kafka_io import registry_client
-
-        client = registry_client(opts.schema_registry_url)
-        writers: dict[str, dict] = {}
-
-        def versions(subject: str) -> list[tuple[int, int, dict]]:
-            try:
-                found = [client.get_version(subject, v) for v in client.get_versions(subject)]
-            except SchemaRegistryError as e:
-                if e.http_status_code == 404:
-                    return []
-                raise
-            out = [(r.version, r.schema_id, json.loads(r.schema.schema_str)) for r in found]
-            for _, schema_id, schema in out:
-                writers[f"id:{schema_id}"] = schema
-            return sorted(out, key=lambda t: t[0])
-
-        values = versions(value_subject)
+        values = subject_versions(opts.schema_registry_url, value_subject)
         if not values:
             raise LookupError(f"no schema under subject {value_subject!r} in {opts.schema_registry_url}: "
                               "has the producer published this shape yet?")
-        keys = versions(key_subject)
+        keys = subject_versions(opts.schema_registry_url, key_subject)
         return ShapeSchemas(values[-1][2], keys[-1][2] if keys else None,
-                            tuple(f"id:{i}" for _, i, _ in values), writers)
+                            tuple(f"id:{i}" for _, i, _ in values),
+                            {f"id:{schema_id}": schema for _, schema_id, schema in values + keys})
     if not opts.topic_prefix:
         raise ValueError(f"{SOURCE_NAME}: without schema_registry_url the option topic_prefix is needed "
                          "(schemas live in <topic_prefix>._schemas)")
-    records = read_schemas_topic(opts.client_conf(), opts.topic_prefix + wire.SCHEMAS_TOPIC_SUFFIX, timeout)
+    records = read_schemas_topic(opts.client_conf(), wire.schemas_topic(opts.topic_prefix), timeout)
     values = [(fp, s) for subject, fp, s in records if subject == value_subject]
     keys = [(fp, s) for subject, fp, s in records if subject == key_subject]
     if not values:
@@ -272,22 +250,6 @@ def discover_schemas(opts: SourceOptions, timeout: float = 30.0) -> ShapeSchemas
     return ShapeSchemas(values[-1][1], keys[-1][1] if keys else None,
                         tuple(dict.fromkeys(f"fp:{fp}" for fp, _ in values)),
                         {f"fp:{fp}": schema for fp, schema in values + keys})
-
-
-def read_schemas_topic(conf: dict[str, Any], schemas_topic: str, timeout: float = 30.0) -> list[tuple[str, str, dict]]:
-    """``(subject, fingerprint hex, schema)`` of every record of the schemas
-    topic, in publication order (read to end-of-partition, as it is reported
-    by Fetch)."""
-    from producer.kafka_io import read_to_end
-
-    out: list[tuple[int, int, str, str, dict]] = []
-    for msg in read_to_end(conf, schemas_topic, "discover", timeout):
-        subject = wire.header(msg.headers(), SUBJECT_HEADER)
-        if subject is None or msg.key() is None or msg.value() is None:
-            continue
-        out.append((msg.partition(), msg.offset(), subject.decode(), msg.key().decode(), json.loads(msg.value())))
-    out.sort(key=lambda r: (r[0], r[1]))
-    return [(subject, fp, schema) for _, _, subject, fp, schema in out]
 
 
 # ---------------------------------------------------------- offset planning
@@ -371,8 +333,6 @@ def plan_ranges(topic: str, start: Offsets, end: Offsets, max_per_task: int | No
 def describe_topic_id(admin, topic: str, timeout: float = 30.0) -> str | None:
     """The topic's id (KIP-516; it changes when the topic is recreated), or
     None where the broker has none. Raises LookupError if the topic is missing."""
-    from confluent_kafka import KafkaError, KafkaException, TopicCollection
-
     try:
         desc = admin.describe_topics(TopicCollection([topic]))[topic].result(timeout=timeout)
     except KafkaException as e:
@@ -399,8 +359,6 @@ class PartitionEnds:
 
     def _client(self):
         if self._consumer is None:
-            from confluent_kafka import Consumer
-
             self._consumer = Consumer({
                 **self._opts.client_conf(), "group.id": f"walbridge-probe-{uuid.uuid4().hex}",
                 "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "latest",
@@ -419,8 +377,6 @@ class PartitionEnds:
 
     def topic_id(self) -> str | None:
         if self._admin is None:
-            from confluent_kafka.admin import AdminClient
-
             self._admin = AdminClient(self._opts.client_conf())
         return describe_topic_id(self._admin, self._opts.topic, self._timeout)
 
@@ -434,16 +390,12 @@ class PartitionEnds:
 
     def reported(self) -> dict[int, tuple[int, int]]:
         """ListOffsets' (earliest, end) per partition; the end may be low."""
-        from confluent_kafka import TopicPartition
-
         c = self._client()
         return {p: c.get_watermark_offsets(TopicPartition(self._opts.topic, p), timeout=self._timeout)
                 for p in self.partitions()}
 
     def lows_and_ends(self) -> tuple[Offsets, Offsets]:
         """(earliest offsets, true end offsets) per partition."""
-        from confluent_kafka import KafkaError, KafkaException, TopicPartition
-
         topic = self._opts.topic
         reported = self.reported()
         lows = {p: lo for p, (lo, _) in reported.items()}
@@ -565,8 +517,6 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             + " (the broker lost data); not continuing")
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
-        from confluent_kafka import KafkaException
-
         begin = offsets_from_json(start)
         try:
             topic_id = self._probe().topic_id()
@@ -709,8 +659,6 @@ def _incarnation_gone(opts: SourceOptions, task: OffsetRange) -> bool:
     conf = opts.client_conf()
     admin = _admins.get(_conf_key(conf))
     if admin is None:
-        from confluent_kafka.admin import AdminClient
-
         admin = _admins[_conf_key(conf)] = AdminClient(conf)
     try:
         current = describe_topic_id(admin, task.topic, 30.0)
@@ -728,8 +676,6 @@ def _range_consumer(opts: SourceOptions):
     key = _conf_key(conf)
     consumer = _consumers.get(key)
     if consumer is None:
-        from confluent_kafka import Consumer
-
         consumer = _consumers[key] = Consumer({
             # A range's messages are all there (its end is a high watermark), so
             # a fetch has no reason to wait for data; with librdkafka's default
@@ -753,36 +699,21 @@ def schema_lookup(opts: SourceOptions, preloaded: dict[str, dict]):
     """Writer schema (JSON) by wire reference: handed-over schemas first, then
     the registry (by id) or the schemas topic (by fingerprint). Not found →
     :class:`UndecodableMessage`; failures to look up propagate."""
-    from schemas.reader import SchemaResolver
-
     resolver = SchemaResolver(opts.client_conf(), opts.topic_prefix, opts.schema_registry_url)
 
     def lookup(ref: wire.SchemaRef, data: bytes) -> dict:
-        key = schema_ref_key(ref)
-        found = preloaded.get(key)
+        found = preloaded.get(schema_ref_key(ref))
         if found is not None:
             return found
-        if ref.kind == "confluent":
-            if not opts.schema_registry_url:
-                raise UndecodableMessage(f"Confluent-framed message (schema id {ref.ref}) "
-                                         "but no schema registry is configured")
-            from confluent_kafka.schema_registry.error import SchemaRegistryError
-
-            from producer.kafka_io import registry_client
-
-            try:
-                return json.loads(registry_client(opts.schema_registry_url).get_schema(ref.ref).schema_str)
-            except SchemaRegistryError as e:
-                if e.http_status_code == 404:
-                    hint = (" (a mock:// registry lives in one process: executors only know the schemas "
-                            "handed over at stream start)") if opts.schema_registry_url.startswith("mock://") else ""
-                    raise UndecodableMessage(f"unknown schema id {ref.ref}{hint}") from None
-                raise
-        if not opts.topic_prefix:
-            raise UndecodableMessage("single-object-encoded message but no topic_prefix (schemas topic) is configured")
         try:
             return resolver.raw_schema(data)
-        except ValueError as e:
+        except SchemaRegistryError as e:
+            if e.http_status_code == 404:
+                hint = (" (a mock:// registry lives in one process: executors only know the schemas "
+                        "handed over at stream start)") if opts.schema_registry_url.startswith("mock://") else ""
+                raise UndecodableMessage(f"unknown schema id {ref.ref}{hint}") from None
+            raise
+        except ValueError as e:  # no registry, no schemas topic, or a fingerprint it does not hold
             raise UndecodableMessage(str(e)) from None
 
     return lookup
@@ -802,7 +733,7 @@ class DeadLetters:
 
     def __init__(self, opts: SourceOptions):
         self._opts = opts
-        self.topic = dlq_topic(opts.topic)
+        self.topic = wire.dlq_topic(opts.topic)
         self.sent = 0
         self._errors: list[str] = []
 
@@ -811,23 +742,17 @@ class DeadLetters:
         key = _conf_key(conf)
         producer = _dlq_producers.get(key)
         if producer is None:
-            from confluent_kafka import Producer
-
             producer = _dlq_producers[key] = Producer({**conf, "enable.idempotence": True, "acks": "all",
                                                        "linger.ms": 5})
         if (key, self.topic) not in _dlq_topics_ready:
-            from confluent_kafka.admin import AdminClient
-
-            from producer.kafka_io import ensure_topics
-
             ensure_topics(AdminClient(conf), [self.topic], partitions=1, replication=-1)
             _dlq_topics_ready.add((key, self.topic))
         return producer
 
     def send(self, msg: Any, error: str) -> None:
         headers = list(msg.headers() or []) + [
-            (DLQ_ERROR_HEADER, error.encode()), (DLQ_TOPIC_HEADER, msg.topic().encode()),
-            (DLQ_PARTITION_HEADER, str(msg.partition()).encode()), (DLQ_OFFSET_HEADER, str(msg.offset()).encode())]
+            (wire.DLQ_ERROR_HEADER, error.encode()), (wire.DLQ_TOPIC_HEADER, msg.topic().encode()),
+            (wire.DLQ_PARTITION_HEADER, str(msg.partition()).encode()), (wire.DLQ_OFFSET_HEADER, str(msg.offset()).encode())]
         log.warning("%s[%d]@%d cannot be decoded (%s): sent to %s", msg.topic(), msg.partition(), msg.offset(),
                     error, self.topic)
         producer = self._producer()
@@ -855,22 +780,14 @@ class DeadLetters:
             raise RuntimeError(f"delivery to {self.topic} failed: {self._errors[0]}")
 
 
-def _transient_codes() -> frozenset:
-    from confluent_kafka import KafkaError
-
-    return frozenset({KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT,
-                      KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-                      KafkaError.REQUEST_TIMED_OUT, KafkaError._RESOLVE})
-
-
-_TRANSIENT = _transient_codes()
+_TRANSIENT = frozenset({KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT,
+                        KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                        KafkaError.REQUEST_TIMED_OUT, KafkaError._RESOLVE})
 
 
 def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRange) -> Iterator[Any]:
     """Arrow record batches of every message in ``task``'s range, in offset
     order (executor side)."""
-    from confluent_kafka import KafkaError, KafkaException, TopicPartition
-
     topic, partition, end = task.topic, task.partition, task.end
     if _incarnation_gone(opts, task):
         return
@@ -945,13 +862,11 @@ class DeadLetter:
 def read_dead_letters(bootstrap_servers: str, topic: str, kafka_client: dict[str, Any] | None = None,
                       timeout: float = 30.0) -> list[DeadLetter]:
     """Every message in ``<topic>.dlq`` (empty when it does not exist)."""
-    from producer.kafka_io import read_to_end
-
     out = []
-    for msg in read_to_end({"bootstrap.servers": bootstrap_servers, **(kafka_client or {})}, dlq_topic(topic),
+    for msg in read_to_end({"bootstrap.servers": bootstrap_servers, **(kafka_client or {})}, wire.dlq_topic(topic),
                            "dlq", timeout):
         h = dict(msg.headers() or [])
-        out.append(DeadLetter(msg.offset(), msg.key(), msg.value(), h.get(DLQ_ERROR_HEADER, b"").decode(),
-                              (h.get(DLQ_TOPIC_HEADER, b"").decode(), int(h.get(DLQ_PARTITION_HEADER, b"-1")),
-                               int(h.get(DLQ_OFFSET_HEADER, b"-1"))), h))
+        out.append(DeadLetter(msg.offset(), msg.key(), msg.value(), h.get(wire.DLQ_ERROR_HEADER, b"").decode(),
+                              (h.get(wire.DLQ_TOPIC_HEADER, b"").decode(), int(h.get(wire.DLQ_PARTITION_HEADER, b"-1")),
+                               int(h.get(wire.DLQ_OFFSET_HEADER, b"-1"))), h))
     return sorted(out, key=lambda d: d.offset)

@@ -109,6 +109,7 @@ from psycopg.pq import Format
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from schemas import wire
 from schemas.buckets import SESSION_SETTINGS, in_scope
 from spark_consumer.apply_plan import (
     APPEND, DEFAULT_GC_CONTROLS, DELETE, REMOVE, STAGE_EXTRA, UPSERT, ApplyPlan, Cut, OffsetResetError, PlanError, Position,
@@ -125,7 +126,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-META_SCHEMA = "_walbridge"
+META_SCHEMA = wire.META_SCHEMA
 # Positions are nullable in the target table: rows written behind walbridge's
 # back (or there before it) have none, and count as the lowest position.
 BOOKKEEPING_DDL = (

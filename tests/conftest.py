@@ -2,12 +2,12 @@
 
 Fixtures (use these in every test that needs servers):
 
-* ``pg_cluster`` (session) -- a :class:`producer.embedded.PostgresCluster`
+* ``pg_cluster`` (session) -- a :class:`walbridge.embedded.PostgresCluster`
   (``wal_level=logical``); ``.dsn(db)``, ``.create_database``, ...
 * ``pg_base_dir`` (function) -- where a test may start a PostgresCluster of
   its own (crash/restart tests). Not ``tmp_path``: as root that breaks when
   another pytest session starts meanwhile (see ``_pg_scratch_dir``).
-* ``kafka_broker`` (session) -- a shared :class:`producer.embedded.TansuBroker`;
+* ``kafka_broker`` (session) -- a shared :class:`walbridge.embedded.TansuBroker`;
   ``.bootstrap``. Do not ``restart()`` it: use ``private_kafka_broker``.
 * ``private_kafka_broker`` (function) -- a broker of the test's own, for faults
   (``restart()`` = Kafka lost all data) without disturbing other tests.
@@ -38,7 +38,7 @@ from typing import Iterator
 
 import pytest
 
-from producer.embedded import PostgresCluster, TansuBroker
+from walbridge.embedded import PostgresCluster, TansuBroker
 
 _INTEGRATION_DIR = Path(__file__).parent / "integration"
 

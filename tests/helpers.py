@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from producer.config import Config, parse_config
-from producer.pipeline import run_producer
+from schemas.config import Config, parse_config
+from walbridge.runtime import producer_service
 from schemas import wire
 from schemas.reader import SchemaResolver
 
@@ -77,7 +77,7 @@ class ProducerThread:
 
     def _run(self) -> None:
         try:
-            run_producer(self.config, self.stop)
+            producer_service(self.config, self.stop)
         except BaseException as e:  # surfaced by __exit__
             self.error = e
 
@@ -129,7 +129,7 @@ class ProducerProcess:
 
     def start(self) -> ProducerProcess:
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "producer.cli", "producer", "-c", str(self.config_path)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "walbridge.cli", "producer", "-c", str(self.config_path)],
                                      stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
         return self
 

@@ -178,8 +178,8 @@ def test_kill9_with_uncommitted_messages_confirms_nothing_uncommitted(source_db,
 def test_stalled_group_is_reported_and_held_then_dropped_on_request(source_db, kafka_broker, topic_prefix, caplog):
     import json as _json
 
-    from producer.config import parse_config
-    from producer.status import collect_status
+    from schemas.config import parse_config
+    from walbridge.status import collect_status
 
     _setup(source_db)
     group = f"{topic_prefix}-stuck"

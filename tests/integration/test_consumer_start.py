@@ -9,8 +9,8 @@ import logging
 import psycopg
 import pytest
 
-from producer.config import parse_config
-from producer.embedded import free_port
+from schemas.config import parse_config
+from walbridge.embedded import free_port
 from spark_consumer import job
 from spark_consumer.job import RECOVER_ATTEMPTS, ShapeApplier
 from spark_consumer.target import apply_batch, ensure_progress, ensure_table

@@ -9,10 +9,10 @@ import threading
 import psycopg
 import pytest
 
-from producer.config import parse_config
-from producer.embedded import find_pg_bin
+from schemas.config import parse_config
+from walbridge.embedded import find_pg_bin
 from producer.pgoutput import lsn_to_int
-from producer.verify import verify
+from walbridge.verify import verify
 from tests.helpers import (ConsumerThread, ProducerProcess, ProducerThread, data_records, make_config, read_topic,
                            wait_for, write_toml)
 
@@ -120,7 +120,7 @@ class ConsumerProcess(ProducerProcess):
         from pathlib import Path
 
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "producer.cli", "consumer", "-c", str(self.config_path),
+        self.proc = subprocess.Popen([sys.executable, "-m", "walbridge.cli", "consumer", "-c", str(self.config_path),
                                       "--master", "local[2]"], stdout=log, stderr=subprocess.STDOUT,
                                      cwd=Path(__file__).parent.parent.parent, start_new_session=True)
         return self
@@ -219,7 +219,7 @@ def test_consumer_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sourc
 
 
 def test_spark_submit_entry_point_applies_a_shape(source_db, target_db, kafka_broker, topic_prefix, tmp_path):
-    """The production entry point: ``spark-submit spark_consumer/job.py -c FILE``."""
+    """The production entry point: ``spark-submit walbridge/spark_submit.py -c FILE``."""
     import os
     import signal
     import sys
@@ -238,7 +238,7 @@ def test_spark_submit_entry_point_applies_a_shape(source_db, target_db, kafka_br
     spark_submit = Path(sys.executable).parent / "spark-submit"
     log = open(tmp_path / "spark-submit.log", "wb")
     with ProducerThread(cfg):
-        proc = subprocess.Popen([str(spark_submit), "--master", "local[2]", str(root / "spark_consumer" / "job.py"),
+        proc = subprocess.Popen([str(spark_submit), "--master", "local[2]", str(root / "walbridge" / "spark_submit.py"),
                                  "-c", str(path)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYSPARK_PYTHON": sys.executable})
         try:

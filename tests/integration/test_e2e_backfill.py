@@ -10,9 +10,9 @@ import threading
 
 import psycopg
 
-from producer.config import parse_config
-from producer.reconcile import reconcile
-from producer.verify import verify
+from schemas.config import parse_config
+from walbridge.reconcile import reconcile
+from walbridge.verify import verify
 from spark_consumer.target import read_backfills
 from tests.helpers import ConsumerThread, ProducerThread, make_config, wait_for
 from tests.integration.test_e2e import SHAPES, _caught_up, _prepare_source, _verify_ok, pgbench

@@ -72,7 +72,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
-from producer.embedded import PostgresCluster, TansuBroker
+from walbridge.embedded import PostgresCluster, TansuBroker
 
 SESSION_TIMEOUT_MS = 2000
 

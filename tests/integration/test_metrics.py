@@ -6,7 +6,7 @@ import urllib.request
 
 import psycopg
 
-from producer.embedded import free_port
+from walbridge.embedded import free_port
 from tests.helpers import ProducerThread, make_config, wait_for
 
 

@@ -11,17 +11,19 @@ import time
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
 
-from producer.backfill import read_states, request_backfill, requests_topic
-from producer.config import parse_config
+from producer.backfill_requests import read_states, request_backfill
 from producer.kafka_io import read_tails
-from producer.status import collect_status, render_status
-from schemas import buckets, wire
+from schemas import wire
+from schemas.config import parse_config
+from walbridge.render import render_status
+from walbridge.status import collect_status
+from schemas import buckets
 from tests.helpers import (ProducerProcess, ProducerThread, data_records, latest_rows, make_config, read_topic,
                            wait_for, write_toml)
 
 
 def _state(bootstrap: str, prefix: str, request_id: str) -> dict | None:
-    states, _ = read_states({"bootstrap.servers": bootstrap}, requests_topic(prefix))
+    states, _ = read_states({"bootstrap.servers": bootstrap}, wire.backfills_topic(prefix))
     return states.get(request_id)
 
 

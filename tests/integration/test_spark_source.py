@@ -23,7 +23,9 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from producer.envelope import ShapeCodec, ShapeColumn
-from producer.kafka_io import SchemaPublisher, ensure_topics, partition_for, producer_config
+from producer.kafka_io import partition_for, producer_config
+from schemas.kafka import ensure_topics
+from schemas.publisher import SchemaPublisher
 from producer.pgtypes import PgTypeInfo, column_codec
 from schemas import wire
 from spark_consumer.kafka_source import (

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from producer.up import DEMO_SHAPES, run_up
+from walbridge.up import DEMO_SHAPES, run_up
 from tests.helpers import data_records, read_topic
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import psycopg
 
-from producer.cli import main
-from producer.config import parse_config
-from producer.verify import verify
+from walbridge.cli import main
+from schemas.config import parse_config
+from walbridge.verify import verify
 from tests.helpers import make_config, write_toml
 
 DDL = """

@@ -193,7 +193,7 @@ def test_declines_what_it_does_not_handle():
 
 
 def test_filtered_relations_take_the_reference_path():
-    from producer.shape_filter import compile_filter
+    from schemas.shape_filter import compile_filter
 
     spec = ShapeSpec("f", "wb.f", None, compile_filter("i4 > 0", {"i4": "integer"}))
     plan = RelationPlan(relation(9, KEY_COLUMNS), CODECS, tuple(KEY_COLUMNS), [spec], "wb", "app")

@@ -1,4 +1,4 @@
-"""Tests for producer.shape_filter: compiled shape row filters."""
+"""Tests for schemas.shape_filter: compiled shape row filters."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from decimal import Decimal
 
 import pytest
 
-from producer.shape_filter import (
+from schemas.shape_filter import (
     FilterError,
     FilterTypeError,
     MissingColumnError,

@@ -4,7 +4,7 @@ from decimal import Decimal
 
 from producer.pgoutput import UNCHANGED_TOAST, Column, Delete, Insert, Relation, Update
 from producer.pgtypes import PgTypeInfo, column_codec
-from producer.shape_filter import compile_filter
+from schemas.shape_filter import compile_filter
 from producer.shapes import RelationPlan, ShapeSpec
 
 INT4 = PgTypeInfo(23, "integer", 23, "integer", -1, "b")

@@ -450,7 +450,7 @@ def test_registry_framed_messages_decode_through_the_registry_client():
     registered with."""
     from confluent_kafka.schema_registry import Schema
 
-    from producer.kafka_io import registry_client
+    from schemas.registry import registry_client
 
     url = f"mock://unit-{uuid.uuid4().hex[:8]}"
     shape = Shape()

@@ -1,7 +1,7 @@
 """``walbridge up``: the whole pipeline on one machine, with a live view.
 
 Without ``--config`` it runs on the embedded default: a throwaway PostgreSQL
-(demo schema from ``producer/demo.sql``, plus a ``warehouse`` target database),
+(demo schema from ``walbridge/demo.sql``, plus a ``warehouse`` target database),
 the Tansu broker, the producer, the Spark consumer when it is installed, and a
 demo workload writing at a steady rate. With ``--config`` it runs the same
 against your database and broker (no workload unless ``--rate`` is given).
@@ -29,12 +29,17 @@ from typing import Callable
 
 import psycopg
 from confluent_kafka.admin import AdminClient
+from rich.console import Console
+from rich.live import Live
 
 from producer import catalog
-from producer.config import Config, parse_config, redact_dsn
-from producer.kafka_io import client_config, group_offsets
-from producer.status import human_bytes
 from producer.pgoutput import lsn_to_int
+from schemas.config import Config, parse_config, redact_dsn
+from schemas.kafka import client_config, group_offsets
+from walbridge.embedded import PostgresCluster, TansuBroker
+from walbridge.render import render_view, render_verify
+from walbridge.runtime import consumer_service, producer_service, spark_job
+from walbridge.verify import as_json, verify
 
 log = logging.getLogger("walbridge.up")
 
@@ -48,7 +53,7 @@ DEMO_SHAPES = [
 
 
 def demo_sql() -> str:
-    return resources.files("producer").joinpath("demo.sql").read_text()
+    return resources.files("walbridge").joinpath("demo.sql").read_text()
 
 
 class Workload(threading.Thread):
@@ -144,57 +149,6 @@ class Sampler:
         }
 
 
-def render_view(snap: dict):
-    from rich.console import Group
-    from rich.table import Table
-
-    head = Table.grid(padding=(0, 2))
-    slot = snap.get("slot") or {}
-    head.add_row("uptime", f"{snap['uptime_s']}s", "slot confirmed", str(slot.get("confirmed_flush_lsn") or "-"),
-                 "retained WAL", human_bytes(slot.get("retained_wal_bytes")))
-    head.add_row("workload tx", str(snap.get("workload_tx", 0)), "errors", str(snap.get("errors", 0)),
-                 "DLQ", str(snap.get("dlq", 0)))
-    if snap.get("stalled_groups"):
-        head.add_row("STALLED", ", ".join(snap["stalled_groups"]), "", "", "", "")
-    shapes = Table(title="shapes")
-    for col, justify in (("shape", "left"), ("events", "right"), ("events/s", "right"), ("lag", "right")):
-        shapes.add_column(col, justify=justify)
-    for s in snap["shapes"]:
-        shapes.add_row(s["shape"], str(s["events"]), f"{s['events_per_s']:.1f}",
-                       "-" if s["lag"] is None else str(s["lag"]))
-    parts = [head, shapes]
-    snapshot = snap.get("snapshot") or {}
-    if snapshot:
-        state = "done" if snapshot.get("done") else (
-            f"{snapshot.get('rows_per_s', 0):.0f} rows/s, ETA {snapshot.get('eta_s', '?')}s")
-        parts.append(f"snapshot {snapshot.get('id')}: {snapshot.get('rows', 0)} rows "
-                     f"of ~{snapshot.get('total_estimate', 0)} ({state})")
-    line = backfill_line(snap.get("backfill"), snap.get("backfills_queued", 0), snap.get("backfills_done", 0))
-    if line:
-        parts.append(line)
-    writers = Table(title="writers")
-    writers.add_column("topic[partition]")
-    writers.add_column("produced", justify="right")
-    writers.add_column("committed", justify="right")
-    for w in snap["writers"]:
-        writers.add_row(w["writer"], str(w["produced"]), "-" if w["committed"] is None else str(w["committed"]))
-    parts.append(writers)
-    return Group(*parts)
-
-
-def backfill_line(running: dict | None, queued: int, done: int) -> str | None:
-    """One line on backfills: the running one's rows, rate and ETA, and counts."""
-    if running is None and not queued and not done:
-        return None
-    text = "backfills: "
-    if running is not None:
-        eta = running.get("eta_s")
-        text += (f"{running['shape']} {running.get('rows', 0)} of ~{running.get('total_estimate', 0)} rows, "
-                 f"{running.get('rows_per_s', 0):.0f} rows/s, ETA {'-' if eta is None else f'{eta:.0f}s'}"
-                 f" ({running.get('state')}); ")
-    return text + f"{queued} queued, {done} done"
-
-
 class _ErrorCounter(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -206,8 +160,6 @@ class _ErrorCounter(logging.Handler):
 
 def embedded_config(base_dir: Path) -> tuple[dict, list]:
     """Start the embedded PostgreSQL and broker; returns (config dict, things to stop)."""
-    from producer.embedded import PostgresCluster, TansuBroker
-
     pg = PostgresCluster(base_dir / "pg", durable=True).start()
     broker = TansuBroker(base_dir / "kafka").start()
     with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
@@ -236,12 +188,11 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
            with_consumer: bool = True) -> dict:
     """Run until Ctrl-C or ``duration``; returns the last view snapshot.
     ``before_stop(config)`` runs after the pipeline stopped, while the embedded
-    servers still run (tests inspect them there)."""
-    from rich.console import Console
-    from rich.live import Live
-
-    from producer.pipeline import run_producer
-
+    servers still run (tests inspect them there). Without the Spark extra
+    installed, a run that would start the consumer raises ``MissingExtra``
+    before anything starts."""
+    if with_consumer and (config is None or config.consumer.target_dsn):
+        spark_job()
     console = console or Console()
     base_dir.mkdir(parents=True, exist_ok=True)
     log_file = base_dir / "walbridge.log"
@@ -270,7 +221,7 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
         console.print(f"source {redact_dsn(config.source.dsn)} → Kafka {config.kafka.bootstrap_servers} "
                       f"(topics {config.kafka.topic_prefix}.*)")
         views: dict[str, dict] = {}
-        producer = threading.Thread(target=_guard(run_producer, config, stop, views), name="producer", daemon=True)
+        producer = threading.Thread(target=_guard(producer_service, config, stop, views), name="producer", daemon=True)
         producer.start()
         appliers: list = []
         if with_consumer and config.consumer.target_dsn:
@@ -313,10 +264,8 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
                                   errors.count, _dlq(appliers), workload.transactions if workload else 0)
             live.update(render_view(last), refresh=True)
         if consumer and duration:
-            from producer.verify import as_json, render, verify
-
             diffs = verify(config)
-            console.print(render(diffs))
+            console.print(render_verify(diffs))
             last["verify"] = as_json(diffs)
         if before_stop is not None:
             before_stop(config)
@@ -350,12 +299,7 @@ def _guard(fn, config: Config, stop: threading.Event, views: dict):
 
 def _run_consumer(config: Config, stop: threading.Event, appliers: list) -> None:
     try:
-        from spark_consumer.job import run
-    except ImportError:
-        log.warning("pyspark is not installed (pip install 'walbridge[spark]'): running without the consumer")
-        return
-    try:
-        run(config, "local[*]", stop, appliers)
+        consumer_service(config, "local[*]", stop, appliers)
     except Exception:
         log.exception("consumer stopped with an error")
 

@@ -377,7 +377,7 @@ class PostgresCluster:
             "wal_sender_timeout": "'60s'",
             "logging_collector": "off",
         }
-        body = "# written by walbridge producer.embedded on every start\n" + "".join(
+        body = "# written by walbridge.embedded on every start\n" + "".join(
             f"{k} = {v}\n" for k, v in settings.items()
         )
         self.conf_file.write_text(body)

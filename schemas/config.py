@@ -5,7 +5,7 @@ Invariants:
 - ``load_config`` either returns a fully validated :class:`Config` or raises
   :class:`ConfigError`; every problem it reports names the offending key as a
   dotted path (``shapes[1].where``) and says what is wrong with it.
-- Shape filters are parsed (with sqlglot, via :mod:`producer.shape_filter`)
+- Shape filters are parsed (with sqlglot, via :mod:`schemas.shape_filter`)
   during validation, so an unsupported filter stops the process before a slot or
   publication is created.
 - Secrets never appear in messages: DSNs are shown through :func:`redact_dsn`.
@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from producer.shape_filter import FilterError, compile_filter
+from schemas.shape_filter import FilterError, compile_filter
 
 _IDENT = r'(?:[A-Za-z_][A-Za-z0-9_$]*|"(?:[^"]|"")+")'
 _QUALIFIED_TABLE = re.compile(rf"^{_IDENT}\.{_IDENT}$|^{_IDENT}$")

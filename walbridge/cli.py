@@ -1,8 +1,10 @@
-"""``walbridge`` command line: the imperative shell's entry point.
+"""``walbridge`` command line: the operator's entry point to every part.
 
 Invariants:
 - The config is loaded and validated before any command touches a database or a
   broker; a bad config exits with status 2 and a message naming each bad key.
+- A missing optional extra (the Spark consumer without pyspark) is one line
+  saying how to install it, exit status 2, before anything starts.
 - Secrets are never printed (DSNs go through ``redact_dsn``).
 """
 
@@ -10,60 +12,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import signal
 import sys
-import threading
-import time
+from pathlib import Path
 
-from producer.config import ConfigError, load_config
+from rich.console import Console
 
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-               "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out)
-
-
-def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-
-
-def _stop_on_signals() -> threading.Event:
-    stop = threading.Event()
-
-    def handler(signum, frame):
-        logging.getLogger("walbridge").info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-    return stop
+from producer.backfill_requests import request_backfill
+from schemas.config import ConfigError, load_config
+from walbridge.reconcile import reconcile, wait_for
+from walbridge.render import render_status, render_verify, verify_details
+from walbridge.runtime import MissingExtra, consumer_service, producer_service, setup_logging, stop_on_signals
+from walbridge.status import collect_status
+from walbridge.up import run_up
+from walbridge.verify import as_json, verify
 
 
 def cmd_producer(args) -> int:
-    from producer.pipeline import run_producer
-
     config = load_config(args.config)
-    run_producer(config, _stop_on_signals())
+    producer_service(config, stop_on_signals())
     return 0
 
 
 def cmd_up(args) -> int:
-    from pathlib import Path
-
-    from producer.up import run_up
-
     config = load_config(args.config) if args.config else None
     rate = args.rate if args.rate is not None else (0.0 if config else 20.0)
     run_up(config, Path(args.data_dir), args.duration, rate, headless=args.headless)
@@ -71,52 +41,35 @@ def cmd_up(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from producer.verify import as_json, render, verify
-
     config = load_config(args.config)
     diffs = verify(config, args.shape or None)
     if args.json:
         print(json.dumps(as_json(diffs), indent=2, default=str))
     else:
-        from rich.console import Console
-
         console = Console()
-        console.print(render(diffs))
-        for d in diffs:
-            for label, keys in (("missing in target", d.missing), ("extra in target", d.extra),
-                                ("different", d.changed)):
-                if keys:
-                    shown = ", ".join(map(str, keys[:10])) + (" ..." if len(keys) > 10 else "")
-                    console.print(f"{d.shape}: {len(keys)} key(s) {label}: {shown}")
+        console.print(render_verify(diffs))
+        for line in verify_details(diffs):
+            console.print(line)
     return 0 if all(d.ok for d in diffs) else 1
 
 
 def cmd_status(args) -> int:
-    from producer.status import collect_status, render_status
-
     config = load_config(args.config)
     status = collect_status(config)
     if args.json:
         print(json.dumps(status, indent=2, default=str))
     else:
-        from rich.console import Console
-
         Console().print(render_status(status))
     return 0
 
 
 def cmd_consumer(args) -> int:
-    from spark_consumer.job import run
-
     config = load_config(args.config)
-    run(config, args.master, _stop_on_signals())
+    consumer_service(config, args.master, stop_on_signals())
     return 0
 
 
 def cmd_backfill(args) -> int:
-    from producer.backfill import request_backfill
-    from producer.reconcile import wait_for
-
     config = load_config(args.config)
     try:
         rid = request_backfill(config, args.shape)
@@ -130,11 +83,6 @@ def cmd_backfill(args) -> int:
 
 
 def cmd_reconcile(args) -> int:
-    from rich.console import Console
-
-    from producer.reconcile import reconcile
-    from producer.verify import render
-
     config = load_config(args.config)
     unknown = [s for s in args.shape or () if s not in {c.shape_name for c in config.shapes}]
     if unknown:
@@ -143,8 +91,8 @@ def cmd_reconcile(args) -> int:
     console = Console()
     before, after = reconcile(config, args.shape or None, wait=not args.no_wait, timeout=args.timeout,
                               on_progress=console.print)
-    console.print(render(after if after is not None else before))
     final = after if after is not None else before
+    console.print(render_verify(final))
     return 0 if all(d.ok for d in final) or (after is None and args.no_wait) else 1
 
 
@@ -154,7 +102,7 @@ def cmd_check(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="walbridge", description="PostgreSQL → Kafka (Avro, by shape) → Spark CDC")
     parser.add_argument("--log-format", choices=["text", "json"], default="text")
     parser.add_argument("--log-level", default="INFO")
@@ -197,13 +145,35 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check-config", help="validate a config file and exit")
     p.add_argument("-c", "--config", required=True)
     p.set_defaults(func=cmd_check)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     setup_logging(args.log_format, args.log_level.upper())
     try:
         return args.func(args)
-    except ConfigError as e:
+    except (ConfigError, MissingExtra) as e:
         print(f"walbridge: {e}", file=sys.stderr)
         return 2
+
+
+def spark_submit_main(argv: list[str] | None = None) -> int:
+    """The consumer under ``spark-submit`` (:mod:`walbridge.spark_submit`):
+    the master and the rest of Spark's settings come from spark-submit."""
+    parser = argparse.ArgumentParser(prog="walbridge consumer (spark-submit)")
+    parser.add_argument("-c", "--config", required=True)
+    parser.add_argument("--master", default=None, help="Spark master (spark-submit sets it; default local[*])")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    setup_logging(args.log_format, args.log_level.upper())
+    try:
+        consumer_service(load_config(args.config), args.master, stop_on_signals())
+    except (ConfigError, MissingExtra) as e:
+        print(f"walbridge: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

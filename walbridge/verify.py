@@ -20,15 +20,16 @@ Invariants:
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import psycopg
 from psycopg import sql
 
 from producer.catalog import TableInfo, table_info
-from producer.config import Config, ShapeConfig
 from producer.replication import connect
-from schemas import buckets
+from schemas import buckets, wire
+from schemas.config import Config, ShapeConfig
 
 MAX_KEYS_SHOWN = 20
 
@@ -56,12 +57,6 @@ class ShapeDiff:
             and self.source_rows == self.target_rows and self.differing_buckets == 0
 
 
-def target_table_name(shape: ShapeConfig) -> tuple[str, str]:
-    """A ``schema.table`` shape name keeps its schema; an undotted one goes to public."""
-    name = shape.shape_name
-    return tuple(name.split(".", 1)) if "." in name else ("public", name)  # type: ignore[return-value]
-
-
 def _select(schema: str, table: str, columns: list[str], where: str | None) -> sql.Composable:
     q = sql.SQL("SELECT {} FROM {}").format(sql.SQL(", ").join(sql.Identifier(c) for c in columns),
                                             sql.Identifier(schema, table))
@@ -84,7 +79,7 @@ def _keys_query(rows: sql.Composable, bucket_columns: list[str], n: int, which: 
 
 def verify_shape(source: psycopg.Connection, target: psycopg.Connection, shape: ShapeConfig,
                  info: TableInfo) -> ShapeDiff:
-    t_schema, t_table = target_table_name(shape)
+    t_schema, t_table = wire.target_table(shape.shape_name)
     diff = ShapeDiff(shape.shape_name, shape.table, f"{t_schema}.{t_table}")
     columns = list(shape.columns) if shape.columns else [c.name for c in info.columns]
     keys = list(info.primary_key)
@@ -113,8 +108,6 @@ def verify_shape(source: psycopg.Connection, target: psycopg.Connection, shape: 
             diff.extra += sorted(set(tgt_k) - set(src_k))
             diff.changed += sorted(k for k in set(src_k) & set(tgt_k) if src_k[k] != tgt_k[k])
         else:
-            from collections import Counter
-
             s = Counter(r[1] for r in source.execute(_keys_query(src_rows, bucket_columns, n, which)))
             t = Counter(r[1] for r in target.execute(_keys_query(tgt_rows, bucket_columns, n, which)))
             diff.missing += [f"row hash {h} ×{c}" for h, c in (s - t).items()]
@@ -141,19 +134,6 @@ def verify(config: Config, shapes: list[str] | None = None) -> list[ShapeDiff]:
                 continue
             out.append(verify_shape(source, target, shape, info))
     return out
-
-
-def render(diffs: list[ShapeDiff]):
-    from rich.table import Table
-
-    t = Table(title="walbridge verify")
-    for col in ("shape", "source", "target", "buckets≠", "missing", "extra", "changed", "result"):
-        t.add_column(col, justify="left" if col in ("shape", "result") else "right", no_wrap=col == "result")
-    for d in diffs:
-        result = "OK" if d.ok else (d.error or "DIFFERENT")
-        t.add_row(d.shape, str(d.source_rows), str(d.target_rows), f"{d.differing_buckets}/{d.buckets}",
-                  str(len(d.missing)), str(len(d.extra)), str(len(d.changed)), result)
-    return t
 
 
 def as_json(diffs: list[ShapeDiff]) -> list[dict]:

@@ -19,22 +19,20 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from producer.backfill import read_states, request_backfill, requests_topic
-from producer.config import Config
-from producer.kafka_io import client_config
+from producer.backfill_requests import read_states, request_backfill
 from producer.replication import connect
-from producer.verify import ShapeDiff, verify
+from schemas import wire
+from schemas.config import Config
+from schemas.kafka import client_config
+from spark_consumer.target import read_backfills
+from walbridge.verify import ShapeDiff, verify
 
 
 def consumer_completed(config: Config, backfill_id: str) -> bool:
     """Has the consumer group applied ``backfill_end`` of ``backfill_id`` on every partition?"""
     with connect(config.consumer.target_dsn) as conn:
-        if conn.execute("SELECT to_regclass('_walbridge.backfills')").fetchone()[0] is None:
-            return False
-        row = conn.execute("SELECT completed_at IS NOT NULL FROM _walbridge.backfills "
-                           "WHERE consumer_group = %s AND backfill_id = %s",
-                           (config.consumer.group, backfill_id)).fetchone()
-        return bool(row and row[0])
+        return any(b["backfill_id"] == backfill_id and b["completed_at"] is not None
+                   for b in read_backfills(conn, config.consumer.group))
 
 
 def wait_for(config: Config, request_ids: list[str], timeout: float = 1800.0,
@@ -43,7 +41,7 @@ def wait_for(config: Config, request_ids: list[str], timeout: float = 1800.0,
     configured) complete at the consumer. Returns the final request records;
     raises TimeoutError or RuntimeError (a failed request)."""
     conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
-    topic = requests_topic(config.kafka.topic_prefix)
+    topic = wire.backfills_topic(config.kafka.topic_prefix)
     deadline = time.monotonic() + timeout
     last_said: dict[str, str] = {}
     while True:

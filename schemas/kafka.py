@@ -1,0 +1,139 @@
+"""Kafka client helpers every walbridge process uses: client settings, topic
+creation, reading partitions from one offset to another, consumer-group offsets.
+
+Invariants:
+- A partition read ends at end-of-partition as a Fetch response reports it,
+  never at the broker's ListOffsets answer (Tansu reports the last batch's base
+  offset + 1 there), so a scan sees every message that was there when it ended.
+- Scanning consumers never join or commit to a group of the user's: each gets
+  a group id of its own that nothing else uses.
+- ``ensure_topics`` only creates what is missing and returns the partition
+  counts the broker actually has (an existing topic keeps its own).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Iterable, Iterator
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, NewTopic
+
+log = logging.getLogger("walbridge.kafka")
+
+Writer = tuple[str, int]
+"""A topic-partition: the unit the FlushTracker calls a writer."""
+
+
+def client_config(bootstrap: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    conf: dict[str, Any] = {"bootstrap.servers": bootstrap}
+    conf.update(extra or {})
+    return conf
+
+
+def ensure_topics(admin: AdminClient, topics: Iterable[str], partitions: int, replication: int,
+                  config: dict[str, str] | None = None, timeout: float = 30.0) -> dict[str, int]:
+    """Create missing topics; returns each topic's actual partition count."""
+    topics = list(dict.fromkeys(topics))
+    existing = admin.list_topics(timeout=timeout).topics
+    missing = [t for t in topics if t not in existing]
+    if missing:
+        futures = admin.create_topics(
+            [NewTopic(t, num_partitions=partitions, replication_factor=replication, config=config or {})
+             for t in missing], request_timeout=timeout)
+        for topic, fut in futures.items():
+            try:
+                fut.result()
+                log.info("created topic %s with %d partitions", topic, partitions)
+            except KafkaException as e:
+                if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise
+    deadline = time.monotonic() + timeout
+    while True:
+        meta = admin.list_topics(timeout=timeout).topics
+        counts = {t: len(meta[t].partitions) for t in topics if t in meta and meta[t].partitions}
+        if len(counts) == len(topics) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    absent = [t for t in topics if t not in counts]
+    if absent:
+        raise RuntimeError(f"topics not visible after creation: {', '.join(absent)}")
+    return counts
+
+
+def scan_consumer(conf: dict[str, Any], purpose: str) -> Consumer:
+    # A scan ends at end-of-partition, which an empty fetch reports: the broker
+    # must not hold that fetch for the default 500 ms (each restart reads the
+    # partition tails and the backfill requests this way).
+    return Consumer({"fetch.wait.max.ms": 10, **conf, "group.id": f"walbridge-{purpose}-{uuid.uuid4().hex}",
+                     "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+
+
+def scan(consumer: Consumer, ranges: dict[Writer, tuple[int, int | None]], timeout: float) -> Iterator[Message]:
+    """Yield the messages of several partitions at once, each from its start to
+    its stop (exclusive) or to end-of-partition (stop None). Order is per
+    partition only."""
+    if not ranges:
+        return
+    consumer.assign([TopicPartition(t, p, start if start > 0 else OFFSET_BEGINNING)
+                     for (t, p), (start, _) in ranges.items()])
+    open_ = set(ranges)
+    deadline = time.monotonic() + timeout
+    try:
+        while open_:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {len(open_)} partition(s) timed out, e.g. {next(iter(open_))}")
+            msg = consumer.poll(0.2)
+            if msg is None:
+                continue
+            writer = (msg.topic(), msg.partition())
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    open_.discard(writer)
+                    continue
+                raise KafkaException(msg.error())
+            if writer not in open_:
+                continue
+            stop = ranges[writer][1]
+            if stop is not None and msg.offset() >= stop:
+                open_.discard(writer)
+                continue
+            yield msg
+    finally:
+        consumer.unassign()
+
+
+def read_to_end(conf: dict[str, Any], topic: str, purpose: str = "read",
+                timeout: float = 30.0) -> Iterator[Message]:
+    """Every message of every partition of ``topic``, from the beginning to
+    end-of-partition (as Fetch reports it); nothing if the topic does not exist."""
+    consumer = scan_consumer(conf, purpose)
+    try:
+        meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            return
+        yield from scan(consumer, {(topic, p): (0, None) for p in sorted(meta.partitions)}, timeout)
+    finally:
+        consumer.close()
+
+
+def group_offsets(admin: AdminClient, groups: Iterable[str], writers: list[Writer],
+                  timeout: float = 10.0) -> dict[str, dict[Writer, int]]:
+    """Each group's committed offset (the next offset it will read) per
+    writer; 0 where the group has committed nothing."""
+    result: dict[str, dict[Writer, int]] = {}
+    for group in groups:
+        req = [ConsumerGroupTopicPartitions(group, [TopicPartition(t, p) for t, p in writers])]
+        res = admin.list_consumer_group_offsets(req, request_timeout=timeout)[group].result()
+        result[group] = {(tp.topic, tp.partition): max(tp.offset, 0) for tp in res.topic_partitions}
+    return result
