@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import psycopg
+from confluent_kafka import OFFSET_END, Consumer, TopicPartition
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -42,8 +43,8 @@ from bench.producer import ProducerProc, write_config  # noqa: E402
 from producer.backfill_requests import read_states, request_backfill  # noqa: E402
 from schemas import wire  # noqa: E402
 from schemas.config import load_config  # noqa: E402
-from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
 from schemas.reader import SchemaResolver  # noqa: E402
+from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
 
 
 class LatencyProbe(threading.Thread):
@@ -51,8 +52,6 @@ class LatencyProbe(threading.Thread):
 
     def __init__(self, bootstrap: str, topic: str, prefix: str):
         super().__init__(daemon=True)
-        from confluent_kafka import OFFSET_END, Consumer, TopicPartition
-
         self.conf = {"bootstrap.servers": bootstrap}
         self.consumer = Consumer({**self.conf, "group.id": f"probe-{time.monotonic_ns()}",
                                   "enable.auto.commit": False, "fetch.wait.max.ms": 10})

@@ -32,22 +32,21 @@ import time
 from pathlib import Path
 
 import psycopg
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+from fastavro import schemaless_reader
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from schemas.config import parse_config  # noqa: E402
-from walbridge.embedded import PostgresCluster, TansuBroker  # noqa: E402
 from producer.pipeline import run_producer  # noqa: E402
+from schemas import wire  # noqa: E402
+from schemas.config import parse_config  # noqa: E402
+from schemas.reader import SchemaResolver  # noqa: E402
+from spark_consumer.job import run  # noqa: E402
+from walbridge.embedded import PostgresCluster, TansuBroker  # noqa: E402
 
 
 def plain_loop(bootstrap: str, topic: str, prefix: str, expected: int) -> float:
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
-    from fastavro import schemaless_reader
-
-    from schemas import wire
-    from schemas.reader import SchemaResolver
-
     conf = {"bootstrap.servers": bootstrap}
     resolver = SchemaResolver(conf, prefix)
     c = Consumer({**conf, "group.id": f"bench-plain-{time.monotonic_ns()}", "enable.partition.eof": True,
@@ -133,8 +132,6 @@ def main() -> None:
         results["plain_loop_rows_per_s"] = round(args.rows / t_plain)
         results["raw_copy_rows_per_s"] = round(args.rows / t_copy)
         print(json.dumps(results), flush=True)
-
-        from spark_consumer.job import run
 
         appliers: list = []
         stop = threading.Event()

@@ -38,8 +38,8 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
 from producer.pgoutput import lsn_to_int  # noqa: E402
+from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
 
 
 def lsn(conn) -> int:

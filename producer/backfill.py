@@ -26,12 +26,17 @@ Invariants:
   consumer garbage-collects rows of the scope below S once it has applied it
   on every partition (``scope`` null = the whole shape; else key buckets, see
   :mod:`schemas.buckets`).
-- Live changes first: the pipeline encodes a chunk (``[backfill] chunk_rows``)
-  only when the replication stream has nothing waiting, or when none has gone
-  for ``[backfill] force_after`` seconds, so a never-idle stream cannot starve
-  a backfill and a live change waits at most one chunk. Reading runs in a
-  thread (I/O), at most ``QUEUE_CHUNKS`` chunks ahead; loading, filtering and
-  encoding run in the pipeline's thread.
+- Backfills run one at a time, in request order (:class:`Backfills`, driven by
+  the stream loop between its rounds).
+- Live changes first: a chunk (``[backfill] chunk_rows``) is encoded only when
+  the replication stream has nothing waiting, or when none has gone for
+  ``[backfill] force_after`` seconds, so a never-idle stream cannot starve a
+  backfill and a live change waits at most one chunk. Reading runs in a thread
+  (I/O), at most ``QUEUE_CHUNKS`` chunks ahead; loading, filtering and encoding
+  run in the stream's thread.
+- A backfill is done once its ``backfill_end`` events are delivered on every
+  partition; a source error other than a lost connection fails that request
+  alone (a lost connection restarts the producer, and the backfill with it).
 - Backfill messages carry ``wb.backfill``; partition tails (replay
   de-duplication) skip them, so they never hide a streamed change.
 - Requests and their state: :mod:`producer.backfill_requests`. A producer
@@ -42,20 +47,31 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+import psycopg
+from confluent_kafka import Consumer, Producer, TopicPartition
 from psycopg import sql
 
-from producer.catalog import TableInfo
+from producer import metrics
+from producer.backfill_requests import publish_state, read_states
+from producer.catalog import TableInfo, row_estimate
+from producer.kafka_io import DeliveryLedger
+from producer.pgoutput import lsn_to_str
+from producer.reads import Reads
 from producer.replication import ReplicationConnection, connect
+from producer.shapes import RelationPlan
 from producer.snapshot import copy_chunks
-from schemas import buckets
+from schemas import buckets, wire
+from schemas.config import Config
+from schemas.kafka import scan_consumer
 
 log = logging.getLogger("walbridge.backfill")
 
@@ -141,7 +157,7 @@ def backfill_query(table: TableInfo, columns: tuple[str, ...], scope: dict | Non
 
 @dataclass
 class Backfill:
-    """One attempt at one request, as the pipeline drives it."""
+    """One attempt at one request, as :class:`Backfills` drives it."""
 
     request: dict
     table: TableInfo
@@ -177,3 +193,170 @@ class Backfill:
 
 def temp_slot_name(slot: str) -> str:
     return f"{slot[:40]}_bf_{uuid.uuid4().hex[:12]}"
+
+
+class Backfills:
+    """The backfill requests of one run of the producer and the one running:
+    requests come from the requests topic (and from shapes new to the config),
+    run one at a time in request order, and publish their state there."""
+
+    def __init__(self, config: Config, kafka: Producer, kafka_conf: dict[str, Any], conn: psycopg.Connection,
+                 tables: dict[str, TableInfo], plan_table: Callable[[TableInfo], RelationPlan], reads: Reads,
+                 ledger: DeliveryLedger):
+        self._config = config
+        self._kafka = kafka
+        self._kafka_conf = kafka_conf
+        self._conn = conn  # the catalog connection: row estimates
+        self._tables = tables
+        self._plan_table = plan_table
+        self._reads = reads
+        self._ledger = ledger
+        self._partitions = reads.partitions
+        self.topic = wire.backfills_topic(config.kafka.topic_prefix)
+        self.requests: dict[str, dict] = {}  # request id -> latest state record
+        self.queue: list[dict] = []
+        self.running: Backfill | None = None
+        self.done: list[dict] = []  # the last few finished, for status
+        self._requests_consumer: Consumer | None = None
+
+    def load(self, new_topics: set[str]) -> None:
+        """Requests not done yet are (re)started; shapes whose topics are new get one."""
+        states, end = read_states(self._kafka_conf, self.topic)
+        self.requests = states
+        shapes = {s.shape_name: s for s in self._config.shapes}
+        for record in sorted(states.values(), key=lambda r: r.get("requested_at", 0)):
+            if record["state"] in ("requested", "running"):
+                if record["shape"] not in shapes:
+                    self._set_state(record, "failed", error=f"shape {record['shape']!r} is not in the config")
+                    continue
+                self.queue.append(record)
+        if self._config.backfill.new_shapes == "backfill":
+            requested = {r["shape"] for r in states.values()}
+            for shape in self._config.shapes:
+                if self._config.topic(shape) in new_topics and shape.shape_name not in requested:
+                    log.info("shape %s is new (its topic holds nothing): backfilling it", shape.shape_name)
+                    record = {"request_id": f"new-shape-{shape.shape_name}-{int(time.time())}",
+                              "shape": shape.shape_name, "scope": None, "reason": "new shape",
+                              "state": "requested", "requested_at": time.time()}
+                    self._set_state(record, "requested")
+                    self.queue.append(record)
+        consumer = scan_consumer(self._kafka_conf, "backfill-requests")
+        consumer.assign([TopicPartition(self.topic, 0, end)])
+        self._requests_consumer = consumer
+
+    def poll(self) -> None:
+        """New requests (``walbridge backfill``/``reconcile``) from the requests topic."""
+        while self._requests_consumer is not None:
+            msg = self._requests_consumer.poll(0)
+            if msg is None or msg.error():
+                break
+            try:
+                record = json.loads(msg.value())
+                rid = record["request_id"]
+            except (TypeError, ValueError, KeyError):
+                continue
+            known = rid in self.requests
+            self.requests[rid] = record
+            if record.get("state") == "requested" and not known:
+                log.info("backfill of shape %s requested (%s)", record["shape"], rid)
+                self.queue.append(record)
+        if self.running is None and self.queue:
+            self._start(self.queue.pop(0))
+
+    def close(self) -> None:
+        if self.running is not None:
+            self.running.reader.close()
+        if self._requests_consumer is not None:
+            self._requests_consumer.close()
+
+    def _set_state(self, record: dict, state: str, **extra) -> None:
+        record = {**record, **extra, "state": state, "updated_at": time.time()}
+        self.requests[record["request_id"]] = record
+        publish_state(self._kafka, self.topic, record)
+
+    def _start(self, request: dict) -> None:
+        shape = next((s for s in self._config.shapes if s.shape_name == request["shape"]), None)
+        if shape is None:
+            self._set_state(request, "failed", error=f"shape {request['shape']!r} is not in the config")
+            return
+        table = self._tables[shape.table]
+        plan = self._plan_table(table)
+        route = next(r for r in plan.routes if r.name == shape.shape_name)
+        scope = request.get("scope")
+        source = self._config.source
+        reader = SnapshotReader(source.dsn, temp_slot_name(source.slot),
+                                backfill_query(table, tuple(plan.names), scope), self._config.backfill.chunk_rows)
+        estimate = row_estimate(self._conn, table)
+        if scope:
+            estimate = estimate * len(scope["buckets"]) // max(int(scope["bucket_count"]), 1)
+        self.running = Backfill(request, table, route, plan, reader, estimate)
+        reader.start()
+        self._set_state(request, "running", started_at=time.time())
+        log.info("backfill of shape %s started (%s, %s)", shape.shape_name, request["request_id"],
+                 f"{len(scope['buckets'])} of {scope['bucket_count']} key buckets" if scope else "whole shape")
+
+    def tick(self, idle: bool) -> bool:
+        """One step of the running backfill, if any and if it is its turn
+        (``idle``: the stream has nothing waiting): a chunk of rows, or its
+        ``backfill_end`` events, or noticing they were delivered. Returns
+        whether there is more to do at once."""
+        bf = self.running
+        if bf is None:
+            return False
+        now = time.monotonic()
+        if bf.end_counts:
+            delivered = all(self._ledger.delivered.get(w, 0) >= n for w, n in bf.end_counts.items())
+            if delivered:
+                self._finish(bf)
+            return False
+        if not idle and now - bf.last_chunk < self._config.backfill.force_after:
+            return False
+        try:
+            chunk = bf.reader.take()
+        except psycopg.OperationalError:
+            raise  # connection trouble: the producer restarts, and so does the backfill
+        except psycopg.Error as e:
+            log.error("backfill %s of shape %s failed: %s", bf.request["request_id"], bf.shape, e)
+            bf.reader.close()
+            self._set_state(bf.request, "failed", error=str(e).strip())
+            self.running = None
+            return False
+        if chunk is None and not bf.reader.finished:
+            return False  # the reader is behind (or still creating its slot)
+        lsn = bf.reader.lsn
+        if not bf.backfill_id:
+            bf.backfill_id = f"bf:{bf.request['request_id']}@{lsn_to_str(lsn)}"
+            bf.source = bf.route.codec.source_bytes(lsn, None, int(time.time() * 1000), "incremental",
+                                                    bf.backfill_id)
+            bf.headers = [(wire.POSITION_HEADER, wire.position_header(lsn, 0)),
+                          (wire.SNAPSHOT_HEADER, bf.backfill_id.encode()),
+                          (wire.BACKFILL_HEADER, bf.backfill_id.encode())]
+        bf.last_chunk = now
+        if chunk is not None:
+            route = bf.route
+            bf.sent = self._reads.send_rows(bf.plan, [route], chunk, {route.name: bf.source}, bf.headers,
+                                            int(time.time() * 1000), bf.sent)
+            bf.rows += len(chunk)
+            metrics.SNAPSHOT_ROWS.inc(len(chunk))
+            return True
+        # Every read is produced: end the backfill on every partition, after its reads.
+        topic = bf.route.topic
+        writers = [(topic, p) for p in range(self._partitions[topic])]
+        self._reads.send_end(writers, bf.headers, wire.BACKFILL_END,
+                             {"backfill_id": bf.backfill_id, "shape": bf.shape, "lsn": lsn,
+                              "partitions": self._partitions[topic], "rows": bf.sent, "scope": bf.request.get("scope")})
+        bf.end_counts = {w: self._ledger.produced[w] for w in writers}
+        return False
+
+    def _finish(self, bf: Backfill) -> None:
+        bf.finished = time.time()
+        bf.reader.close()
+        done = {**bf.progress(), "state": "done", "finished": bf.finished}
+        self.done = (self.done + [done])[-10:]
+        self._set_state(bf.request, "done", backfill_id=bf.backfill_id, lsn=bf.reader.lsn, rows=bf.sent,
+                        read=bf.rows, finished_at=bf.finished)
+        log.info("backfill %s of shape %s done: %d rows read, %d produced in %.1fs", bf.backfill_id, bf.shape,
+                 bf.rows, bf.sent, bf.finished - bf.started)
+        self.running = None
+        if self.queue:
+            self._start(self.queue.pop(0))

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from schemas.config import Config
 from producer.pgtypes import PgTypeInfo
+from schemas.config import Config
+from schemas.shape_filter import FilterError, compile_filter
 
 
 class SourceError(RuntimeError):
@@ -148,8 +149,6 @@ def plan_publication(tables: list[TableInfo], keyless_policy: str) -> Publicatio
 def check_source(conn: psycopg.Connection, config: Config) -> dict[str, TableInfo]:
     """Validate the shapes against the live catalog; returns table infos by
     ``schema.table``. Read-only."""
-    from schemas.shape_filter import FilterError, compile_filter
-
     problems: list[str] = []
     wal_level = conn.execute("SHOW wal_level").fetchone()[0]
     if wal_level != "logical":
@@ -217,6 +216,19 @@ def ensure_publications(conn: psycopg.Connection, name: str, plan: PublicationPl
                 sql.Identifier(pub), table_list, sql.Literal(publish)))
         names.append(pub)
     return names
+
+
+def row_estimate(conn: psycopg.Connection, table: TableInfo) -> int:
+    """Rows to expect in ``table``: the planner's estimate, or a count for small
+    never-analysed tables (for progress and ETA only)."""
+    reltuples, size = conn.execute(
+        "SELECT reltuples::bigint, pg_relation_size(oid) FROM pg_class WHERE oid = %s", (table.oid,)).fetchone()
+    if reltuples >= 0:
+        return reltuples
+    if size < 64 * 1024 * 1024:
+        return conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table.schema, table.name))
+                            ).fetchone()[0]
+    return size // 100
 
 
 def slot_state(conn: psycopg.Connection, slot: str) -> dict | None:

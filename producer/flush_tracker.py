@@ -48,15 +48,14 @@ writer's own flushed position into a :class:`LogOffset` that is aligned to
 transaction boundaries wherever possible, so the tracker can tell when the writer
 is fully caught up.
 
-Everything here is pure: no I/O, no threads, no locks.  The classes are not
-thread-safe; drive them from one thread or task.  ``time.monotonic()`` is read only
-when a caller leaves ``now`` out and a timestamp is actually needed.
+Everything here is pure: no I/O, no threads, no locks, no clock: every method
+that needs the time takes it as ``now`` (the caller's monotonic seconds).  The
+classes are not thread-safe; drive them from one thread or task.
 """
 
 from __future__ import annotations
 
 import heapq
-import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, NamedTuple, TypeVar
@@ -146,12 +145,13 @@ class FlushTracker:
         self,
         last_offset: LogOffset,
         affected_writers: Iterable[Writer],
-        now: float | None = None,
+        now: float,
     ) -> None:
         """Record a transaction whose last operation is at ``last_offset``.
 
         ``affected_writers`` are the writers that were sent at least one of its
-        operations.  Raises ValueError if ``last_offset`` is below ``last_seen``.
+        operations; ``now`` starts the stall clock of those that were not pending.
+        Raises ValueError if ``last_offset`` is below ``last_seen``.
         """
         last_offset = LogOffset(*last_offset)
         if last_offset < self._last_seen:
@@ -167,8 +167,6 @@ class FlushTracker:
                 if last_offset > sent:
                     self._pending[writer] = (last_offset, flushed)
                 continue
-            if now is None:
-                now = time.monotonic()
             self._pending[writer] = (last_offset, start)
             self._index_add(writer, start)
             self._since[writer] = now
@@ -179,9 +177,10 @@ class FlushTracker:
         self,
         writer: Writer,
         last_flushed: LogOffset,
-        now: float | None = None,
+        now: float,
     ) -> None:
-        """Record that ``writer`` has flushed everything up to ``last_flushed``.
+        """Record that ``writer`` has flushed everything up to ``last_flushed``
+        (at ``now``: flush progress restarts its stall clock).
 
         Unknown (caught-up or removed) writers are ignored, and so is a report that
         does not go beyond what the writer already reported.
@@ -197,7 +196,7 @@ class FlushTracker:
             self._index_remove(writer, flushed)
             self._index_add(writer, last_flushed)
             self._pending[writer] = (sent, last_flushed)
-            self._since[writer] = time.monotonic() if now is None else now
+            self._since[writer] = now
         else:
             return
         self._advance()

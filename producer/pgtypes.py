@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from psycopg import DataError, adapters as default_adapters
+from psycopg import DataError
+from psycopg import adapters as default_adapters
 from psycopg.pq import Format
 
 # Builtin type OIDs (pg_type.h); stable across PostgreSQL versions.

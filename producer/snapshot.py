@@ -1,4 +1,5 @@
-"""Parallel initial snapshot inside the replication slot's exported snapshot.
+"""The initial snapshot: parallel COPYs inside the replication slot's exported
+snapshot, sent as reads and ended by ``snapshot_end`` on every partition.
 
 Invariants:
 - Every worker connection imports the slot's exported snapshot
@@ -9,6 +10,11 @@ Invariants:
 - Workers only read; rows reach the caller's ``emit`` from the calling thread, in
   chunks, so loading, filtering and encoding stay single-threaded.
 - The exporting replication connection stays idle until the snapshot is done.
+- Every read carries the position ``(consistent point, 0)`` and the snapshot's id
+  ``<slot>@<LSN>`` (``wb.snapshot``). The ``snapshot_end`` control events go out
+  only after every read is acknowledged by Kafka, and the snapshot counts as
+  taken only once they are too: a snapshot is complete in Kafka exactly when
+  every partition of every shape topic holds its ``snapshot_end``.
 """
 
 from __future__ import annotations
@@ -16,15 +22,23 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
-from psycopg import sql
+from psycopg import Connection, sql
 
-from producer.catalog import TableInfo
+from producer import metrics
+from producer.catalog import TableInfo, row_estimate
+from producer.pgoutput import lsn_to_str
+from producer.reads import Reads
 from producer.replication import connect
+from producer.shapes import RelationPlan
+from schemas import wire
+from schemas.config import Config
+from schemas.kafka import Writer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("walbridge.producer")
 
 CHUNK_ROWS = 2000
 _SPLIT_MIN_PAGES = 1024  # ~8 MB: below this a table is one piece of work
@@ -142,3 +156,56 @@ def run_snapshot(dsn: str, snapshot_name: str, pieces: list[Piece], workers: int
     if real:
         raise real[0]
     return rows
+
+
+class InitialSnapshot:
+    """Takes the initial snapshot at a new slot's consistent point: every
+    table's rows as reads, then ``snapshot_end`` on every partition."""
+
+    def __init__(self, config: Config, conn: Connection, tables: dict[str, TableInfo],
+                 plan_table: Callable[[TableInfo], RelationPlan], reads: Reads):
+        self._config = config
+        self._conn = conn  # the catalog connection: sizes and row estimates
+        self._tables = tables
+        self._plan_table = plan_table
+        self._reads = reads
+        self.progress: dict[str, Any] = {}  # for status: id, rows, total_estimate, started, done, finished
+
+    def take(self, lsn: int, snapshot_name: str, writers: list[Writer], between_chunks: Callable[[], None],
+             flush: Callable[[], None]) -> None:
+        """Read everything in ``snapshot_name`` (exported at ``lsn``) and end it on
+        ``writers``. ``between_chunks`` serves the producer after each chunk;
+        ``flush`` waits until Kafka has acknowledged everything sent."""
+        source = self._config.source
+        snapshot_id = f"{source.slot}@{lsn_to_str(lsn)}"
+        now_ms = int(time.time() * 1000)
+        plans: dict[str, RelationPlan] = {}
+        work = []
+        for qualified, table in self._tables.items():
+            plans[qualified] = plan = self._plan_table(table)
+            work.append((table, tuple(plan.names), relpages(self._conn, table)))
+        total = sum(row_estimate(self._conn, t) for t in self._tables.values())
+        self.progress = {"id": snapshot_id, "rows": 0, "total_estimate": total, "started": time.time(),
+                         "done": False}
+        sources = {route.name: route.codec.source_bytes(lsn, None, now_ms, True, snapshot_id)
+                   for plan in plans.values() for route in plan.routes}
+        headers = [(wire.POSITION_HEADER, wire.position_header(lsn, 0)), (wire.SNAPSHOT_HEADER, snapshot_id.encode())]
+        started = time.monotonic()
+        sent = 0
+
+        def emit(table: TableInfo, rows: list) -> None:
+            nonlocal sent
+            plan = plans[table.qualified]
+            sent = self._reads.send_rows(plan, plan.routes, rows, sources, headers, now_ms, sent)
+            self.progress["rows"] += len(rows)
+            metrics.SNAPSHOT_ROWS.inc(len(rows))
+            between_chunks()
+
+        pieces = plan_pieces(work, source.snapshot_workers)
+        rows = run_snapshot(source.dsn, snapshot_name, pieces, source.snapshot_workers, emit)
+        flush()
+        self._reads.send_end(writers, headers, wire.SNAPSHOT_END,
+                             {"snapshot_id": snapshot_id, "lsn": lsn, "rows": rows})
+        flush()
+        self.progress.update(rows=rows, done=True, finished=time.time())
+        log.info("snapshot %s done: %d rows in %.1fs", snapshot_id, rows, time.monotonic() - started)

@@ -19,6 +19,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from psycopg.conninfo import conninfo_to_dict
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas.shape_filter import FilterError, compile_filter
@@ -229,8 +230,6 @@ def _split_table(qualified: str) -> tuple[str, str]:
 
 
 def _check_dsn(dsn: str) -> None:
-    from psycopg.conninfo import conninfo_to_dict
-
     try:
         conninfo_to_dict(dsn)
     except Exception as e:  # psycopg raises ProgrammingError with libpq's text

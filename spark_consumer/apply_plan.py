@@ -1,6 +1,6 @@
 """Apply planning: one micro-batch of decoded change rows of one shape → what
 must happen to the shape's target table. Pure: no database, no Spark; the I/O
-shell is :mod:`spark_consumer.target`.
+shells are :mod:`spark_consumer.apply_driver` and :mod:`spark_consumer.apply_staged`.
 
 Input: the rows :mod:`spark_consumer.decode` produces (one per Kafka message;
 the shape's row columns by PostgreSQL name plus the ``_wb_*`` bookkeeping

@@ -101,13 +101,16 @@ Invariants:
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Callable
 
+import pyarrow as pa
 from fastavro import parse_schema, schemaless_reader
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import (
     ArrayType,
     BinaryType,
@@ -484,8 +487,6 @@ class BatchBuilder:
         self.layout = layout
         self.schemas = schemas
         if arrow_schema is None:
-            from pyspark.sql.pandas.types import to_arrow_schema
-
             arrow_schema = to_arrow_schema(layout.spark_schema(), timezone="UTC")
         self.arrow_schema = arrow_schema
         self._fields = [c.avro_field for c in layout.columns]
@@ -653,8 +654,6 @@ class BatchBuilder:
 
     def to_record_batch(self):
         """The rows added since the last call, as one ``pyarrow.RecordBatch``."""
-        import pyarrow as pa
-
         schema = self.arrow_schema
         records, self._records = self._records, []
         if not records:
@@ -704,10 +703,6 @@ def arrow_rows(data: Any) -> tuple[tuple[str, ...], list[tuple]]:
     instead of a dict per row (a few times faster); UTC timestamps, which
     ``to_pylist`` turns into datetimes through a time zone lookup per value, are
     built from their integer value with ``datetime.timezone.utc`` (equal values)."""
-    import datetime
-
-    import pyarrow as pa
-
     epoch = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
     delta = datetime.timedelta
     if not isinstance(data, pa.Table):

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pyarrow as pa
+
 from schemas import compiled_extension
 
 _fastdecode = compiled_extension("spark_consumer._fastdecode")
@@ -111,8 +113,6 @@ def decimal_array(values: list, arrow_type: Any) -> Any:
     """The Arrow decimal column of ``values`` (:class:`Unscaled`, ``Decimal``
     or None), built from integers when every value allows (equal to
     ``pa.array`` of the Decimals)."""
-    import pyarrow as pa
-
     ints = _fastdecode.decimal_column(values, arrow_type.precision, arrow_type.scale) if AVAILABLE else None
     if ints is None:
         return pa.array([v.to_decimal() if is_unscaled(v) else v for v in values], type=arrow_type)

@@ -10,7 +10,7 @@ The path of one micro-batch, top to bottom:
    decoded rows (a fixed, replayable offset range per partition).
 2. ``ShapeApplier.__call__`` collects them on the driver as Arrow and hands
    them to the apply thread, which groups them per partition for
-   :func:`spark_consumer.target.apply_batch`: one target transaction that
+   :func:`spark_consumer.apply_driver.apply_batch`: one target transaction that
    skips what the progress table says is applied, writes the rest with
    position guards and moves the progress. Meanwhile Spark reads the next
    batch (one batch in flight; foreachBatch waits for the previous apply).
@@ -49,20 +49,15 @@ from pyspark.sql import SparkSession
 from schemas.config import Config, ShapeConfig
 from schemas.kafka import client_config
 from spark_consumer import metrics
+from spark_consumer.apply_driver import apply_batch
 from spark_consumer.apply_plan import ShapeTarget
+from spark_consumer.apply_staged import commit_batch, stage_part
+from spark_consumer.batch import Part, parts_from_rows
 from spark_consumer.checkpoint import replay_unapplied
 from spark_consumer.decode import arrow_rows
 from spark_consumer.kafka_source import SourceOptions, discover_schemas, read_shape_stream
-from spark_consumer.target import (
-    Part,
-    apply_batch,
-    commit_batch,
-    ensure_progress,
-    ensure_table,
-    parts_from_rows,
-    read_progress,
-    stage_part,
-)
+from spark_consumer.progress import ensure_progress, read_progress
+from spark_consumer.target_layout import ensure_table
 
 log = logging.getLogger("walbridge.consumer")
 
@@ -302,13 +297,10 @@ def spark_session(master: str | None = None):
             .config("spark.sql.shuffle.partitions", "2")
             .config("spark.ui.enabled", "false")
             .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
-            # Only where this process starts the driver JVM (local runs; under
-            # spark-submit the JVM is already up): its JIT compiles with C1
-            # only. The JVM's share of a micro-batch is small (Arrow in and
-            # out), but C2 kept compiling for ~10 batches, taking about 0.8
-            # CPU-s per 50k-row batch from the Python workers on the same
-            # cores (bench/consumer.py, 2 cores); afterwards both modes cost
-            # the same. User extraJavaOptions come after it and win.
+            # Where this process starts the driver JVM (not under spark-submit):
+            # C1 only. The JVM's share of a batch is small, and C2's long warm-up
+            # takes the cores from the Python workers (bench/RESULTS.md). User
+            # extraJavaOptions come after it and win.
             .config("spark.driver.defaultJavaOptions", DRIVER_JAVA_OPTIONS)
             .getOrCreate())
 

@@ -677,16 +677,11 @@ def _range_consumer(opts: SourceOptions):
     consumer = _consumers.get(key)
     if consumer is None:
         consumer = _consumers[key] = Consumer({
-            # A range's messages are all there (its end is a high watermark), so
-            # a fetch has no reason to wait for data; with librdkafka's default
-            # (500 ms) a task's first messages came up to ~0.4 s late behind
-            # such a wait (measured on Tansu), in every micro-batch.
+            # A range's messages are all there (its end is a high watermark): a
+            # fetch has no reason to wait for data, which would delay each task.
             "fetch.wait.max.ms": RANGE_FETCH_WAIT_MS,
-            # A consumer reused for the next range (another partition, or the
-            # same one further on) sometimes got its first messages 1 s late,
-            # this back-off's default (probably set by the previous range's
-            # prefetch filling the queue): in 1 of 4 tasks of the first
-            # batches of bench/consumer.py, and gone with a short back-off.
+            # A consumer reused for the next range must not wait out the default
+            # 1 s queue back-off before its first messages (bench/RESULTS.md).
             "fetch.queue.backoff.ms": RANGE_FETCH_QUEUE_BACKOFF_MS,
             **conf, "group.id": f"walbridge-source-{uuid.uuid4().hex}", "enable.auto.commit": False,
             "enable.auto.offset.store": False, "enable.partition.eof": True,

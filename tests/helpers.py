@@ -14,10 +14,11 @@ from typing import Any, Callable
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from schemas.config import Config, parse_config
-from walbridge.runtime import producer_service
 from schemas import wire
+from schemas.config import Config, parse_config
 from schemas.reader import SchemaResolver
+from spark_consumer.job import run
+from walbridge.runtime import producer_service
 
 
 def make_config(source_dsn: str, bootstrap: str, prefix: str, shapes: list[dict], **sections: dict) -> dict:
@@ -103,8 +104,6 @@ class ConsumerThread:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from spark_consumer.job import run
-
         try:
             run(self.config, "local[2]", self.stop)
         except BaseException as e:  # surfaced by the test

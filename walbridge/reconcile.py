@@ -24,7 +24,7 @@ from producer.replication import connect
 from schemas import wire
 from schemas.config import Config
 from schemas.kafka import client_config
-from spark_consumer.target import read_backfills
+from spark_consumer.progress import read_backfills
 from walbridge.verify import ShapeDiff, verify
 
 

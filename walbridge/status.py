@@ -27,7 +27,7 @@ from producer.replication import connect
 from schemas import wire
 from schemas.config import Config
 from schemas.kafka import client_config, group_offsets
-from spark_consumer.target import read_backfills
+from spark_consumer.progress import read_backfills
 
 
 def _last_record(conf: dict, topic: str) -> Any:

@@ -37,7 +37,7 @@ from producer.pgoutput import lsn_to_int
 from schemas.config import Config, parse_config, redact_dsn
 from schemas.kafka import client_config, group_offsets
 from walbridge.embedded import PostgresCluster, TansuBroker
-from walbridge.render import render_view, render_verify
+from walbridge.render import render_verify, render_view
 from walbridge.runtime import consumer_service, producer_service, spark_job
 from walbridge.verify import as_json, verify
 

@@ -10,13 +10,15 @@ import psycopg
 import pytest
 
 from schemas.config import parse_config
-from walbridge.embedded import free_port
 from spark_consumer import job
+from spark_consumer.apply_driver import apply_batch
 from spark_consumer.job import RECOVER_ATTEMPTS, ShapeApplier
-from spark_consumer.target import apply_batch, ensure_progress, ensure_table
+from spark_consumer.progress import ensure_progress
+from spark_consumer.target_layout import ensure_table
 from tests.helpers import make_config
 from tests.integration.test_target_apply import TOPIC, change, items_target, part
 from tests.unit.test_checkpoint import names, write_batches
+from walbridge.embedded import free_port
 
 GROUP = "g-start"
 

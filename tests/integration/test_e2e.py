@@ -9,12 +9,20 @@ import threading
 import psycopg
 import pytest
 
-from schemas.config import parse_config
-from walbridge.embedded import find_pg_bin
 from producer.pgoutput import lsn_to_int
+from schemas.config import parse_config
+from tests.helpers import (
+    ConsumerThread,
+    ProducerProcess,
+    ProducerThread,
+    data_records,
+    make_config,
+    read_topic,
+    wait_for,
+    write_toml,
+)
+from walbridge.embedded import find_pg_bin
 from walbridge.verify import verify
-from tests.helpers import (ConsumerThread, ProducerProcess, ProducerThread, data_records, make_config, read_topic,
-                           wait_for, write_toml)
 
 SHAPES = [
     {"table": "public.pgbench_accounts"},
@@ -85,14 +93,14 @@ def test_failed_apply_after_spark_logged_the_batch_is_replayed(source_db, target
                                                                 tmp_path, monkeypatch, caplog):
     """The pipelined apply fails after Spark logged its batch as done: the
     query restarts, the batch is read and applied again, nothing is lost."""
-    from spark_consumer import target as target_mod
+    from spark_consumer import job
 
     _prepare_source(source_db)
     cfg = e2e_config(source_db, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
     cfg["shapes"] = [s for s in SHAPES if s["table"] == "public.pgbench_accounts" and "name" not in s]
     cfg["consumer"]["max_offsets_per_trigger"] = 20000
     calls = []
-    real_apply = target_mod.apply_batch
+    real_apply = job.apply_batch
 
     def failing_third_apply(*args, **kwargs):
         calls.append(1)
@@ -100,7 +108,7 @@ def test_failed_apply_after_spark_logged_the_batch_is_replayed(source_db, target
             raise RuntimeError("injected: the target went away mid-apply")
         return real_apply(*args, **kwargs)
 
-    monkeypatch.setattr(target_mod, "apply_batch", failing_third_apply)
+    monkeypatch.setattr(job, "apply_batch", failing_third_apply)
     caplog.set_level("INFO", logger="walbridge.consumer")
     with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
         ok = wait_for(lambda: _verify_ok(cfg)[0] or consumer.errors, timeout=240, interval=2,

@@ -11,11 +11,11 @@ import threading
 import psycopg
 
 from schemas.config import parse_config
-from walbridge.reconcile import reconcile
-from walbridge.verify import verify
-from spark_consumer.target import read_backfills
+from spark_consumer.progress import read_backfills
 from tests.helpers import ConsumerThread, ProducerThread, make_config, wait_for
 from tests.integration.test_e2e import SHAPES, _caught_up, _prepare_source, _verify_ok, pgbench
+from walbridge.reconcile import reconcile
+from walbridge.verify import verify
 
 
 def _config(source_db, target_db, bootstrap, prefix, tmp_path, shapes=SHAPES):

@@ -6,8 +6,8 @@ import urllib.request
 
 import psycopg
 
-from walbridge.embedded import free_port
 from tests.helpers import ProducerThread, make_config, wait_for
+from walbridge.embedded import free_port
 
 
 def _scrape(port: int) -> str:

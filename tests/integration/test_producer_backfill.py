@@ -13,13 +13,20 @@ from confluent_kafka import Consumer, TopicPartition
 
 from producer.backfill_requests import read_states, request_backfill
 from producer.kafka_io import read_tails
-from schemas import wire
+from schemas import buckets, wire
 from schemas.config import parse_config
+from tests.helpers import (
+    ProducerProcess,
+    ProducerThread,
+    data_records,
+    latest_rows,
+    make_config,
+    read_topic,
+    wait_for,
+    write_toml,
+)
 from walbridge.render import render_status
 from walbridge.status import collect_status
-from schemas import buckets
-from tests.helpers import (ProducerProcess, ProducerThread, data_records, latest_rows, make_config, read_topic,
-                           wait_for, write_toml)
 
 
 def _state(bootstrap: str, prefix: str, request_id: str) -> dict | None:

@@ -131,8 +131,8 @@ def test_keyless_table_with_replica_identity_full(source_db, kafka_broker, topic
 
 def test_keyless_default_identity_is_refused_or_inserts_only(source_db, kafka_broker, topic_prefix):
     from producer.catalog import SourceError
-    from schemas.config import parse_config
     from producer.pipeline import Pipeline
+    from schemas.config import parse_config
 
     with psycopg.connect(source_db, autocommit=True) as conn:
         conn.execute("CREATE TABLE log (msg text)")

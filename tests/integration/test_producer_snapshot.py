@@ -8,8 +8,16 @@ from collections import Counter
 
 import psycopg
 
-from tests.helpers import (ProducerProcess, ProducerThread, data_records, latest_rows, make_config, read_topic,
-                           wait_for, write_toml)
+from tests.helpers import (
+    ProducerProcess,
+    ProducerThread,
+    data_records,
+    latest_rows,
+    make_config,
+    read_topic,
+    wait_for,
+    write_toml,
+)
 
 
 def test_snapshot_of_100k_rows_then_live_changes(source_db, kafka_broker, topic_prefix):

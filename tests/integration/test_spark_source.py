@@ -24,10 +24,10 @@ from confluent_kafka.admin import AdminClient
 
 from producer.envelope import ShapeCodec, ShapeColumn
 from producer.kafka_io import partition_for, producer_config
-from schemas.kafka import ensure_topics
-from schemas.publisher import SchemaPublisher
 from producer.pgtypes import PgTypeInfo, column_codec
 from schemas import wire
+from schemas.kafka import ensure_topics
+from schemas.publisher import SchemaPublisher
 from spark_consumer.kafka_source import (
     SOURCE_NAME,
     PartitionEnds,

@@ -16,11 +16,13 @@ from psycopg import sql
 from producer.envelope import ShapeCodec, ShapeColumn
 from producer.pgtypes import PgTypeInfo, column_codec
 from schemas.buckets import bucket_of
+from spark_consumer.apply_driver import apply_batch, apply_shapes
 from spark_consumer.apply_plan import OffsetResetError, ShapeTarget
-from spark_consumer.target import (
-    BackfillGC, Part, ProgressGapError, StagingMissingError, apply_batch, apply_shapes, commit_batch,
-    drop_stale_staging, ensure_table, gc_tombstones, parts_from_rows, read_backfills, read_progress, stage_part,
-)
+from spark_consumer.apply_staged import StagingMissingError, commit_batch, drop_stale_staging, stage_part
+from spark_consumer.batch import BackfillGC, Part, parts_from_rows
+from spark_consumer.progress import ProgressGapError, read_backfills, read_progress
+from spark_consumer.statements import gc_tombstones
+from spark_consumer.target_layout import ensure_table
 
 INT = PgTypeInfo(23, "integer", 23, "integer", -1, "b")
 INT8 = PgTypeInfo(20, "bigint", 20, "bigint", -1, "b")
@@ -259,7 +261,7 @@ def test_binary_copy_stages_exactly_what_text_would(conn, monkeypatch):
     """Batches whose values all fit go to the stage in binary COPY; the table
     ends up as with text COPY, and a batch with a value that does not fit
     (a special value, an int out of range) is staged in text."""
-    from spark_consumer import target as target_mod
+    from spark_consumer import staging
 
     types = [PgTypeInfo(16, "boolean", 16, "boolean", -1, "b"), PgTypeInfo(21, "smallint", 21, "smallint", -1, "b"),
              INT8, PgTypeInfo(701, "double precision", 701, "double precision", -1, "b"), NUM, TEXT, DATE, TSTZ,
@@ -275,21 +277,21 @@ def test_binary_copy_stages_exactly_what_text_would(conn, monkeypatch):
                    at=datetime.datetime(1, 1, 1, tzinfo=utc), local=None, raw=b""),
               {k: None for k in names}]
     used = []
-    real = target_mod._binary_types
+    real = staging._binary_types
 
     def spy(*a):
         oids = real(*a)
         used.append(oids is not None)
         return oids
 
-    monkeypatch.setattr(target_mod, "_binary_types", spy)
+    monkeypatch.setattr(staging, "_binary_types", spy)
     tables = {}
     for shape, form in (("app.bin", "binary"), ("app.txt", "text")):
         codec = ShapeCodec(shape, "wb", "app", "app", shape[4:], cols, list(range(len(cols))))
         t = ShapeTarget.from_avro(shape, codec.value_schema, codec.key_schema)
         ensure_table(conn, t)
         if form == "text":
-            monkeypatch.setattr(target_mod, "_binary_types", lambda *a: used.append(False))
+            monkeypatch.setattr(staging, "_binary_types", lambda *a: used.append(False))
         topic = f"wb.{shape}"
         rows = [dict(v, id=i, _wb_op="c", _wb_lsn=100 + i, _wb_op_index=0, _wb_topic=topic, _wb_partition=0,
                      _wb_offset=i, _wb_snapshot_id="s" if i else None) for i, v in enumerate(values)]
@@ -307,7 +309,7 @@ def test_binary_copy_stages_exactly_what_text_would(conn, monkeypatch):
     row = dict({k: None for k in names}, id=9, _wb_op="c", _wb_lsn=200, _wb_op_index=0, _wb_topic="wb.app.bin",
                _wb_partition=0, _wb_offset=3, _wb_special={"d": "infinity"})
     used.clear()
-    monkeypatch.setattr(target_mod, "_binary_types", spy)
+    monkeypatch.setattr(staging, "_binary_types", spy)
     assert apply_batch(conn, GROUP, t, parts_from_rows([row])).total("upserted") == 1
     assert conn.execute("SELECT d::text FROM app.bin WHERE id = 9").fetchone()[0] == "infinity"
     with pytest.raises(psycopg.errors.NumericValueOutOfRange):
@@ -319,12 +321,12 @@ def test_new_keys_go_straight_in_and_updates_run_only_when_keys_may_exist(conn, 
     """Upserts of keys neither the table nor its tombstones hold anywhere in
     the batch's key range are COPYed straight into the table; otherwise the
     stage's statements run (the UPDATE only when a target key is in range)."""
-    from spark_consumer import target as target_mod
+    from spark_consumer import apply_driver, statements
 
     direct, between = [], []
-    real_insert, real_holds = target_mod._insert_new_keys, target_mod._holds_any_key
-    monkeypatch.setattr(target_mod, "_insert_new_keys", lambda *a: direct.append(1) or real_insert(*a))
-    monkeypatch.setattr(target_mod, "_holds_any_key",
+    real_insert, real_holds = apply_driver.insert_new_keys, statements._holds_any_key
+    monkeypatch.setattr(apply_driver, "insert_new_keys", lambda *a: direct.append(1) or real_insert(*a))
+    monkeypatch.setattr(statements, "_holds_any_key",
                         lambda *a, **k: between.append((real_holds(*a, **k), k.get("tombstones", False))) or
                         between[-1][0])
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from walbridge.up import DEMO_SHAPES, run_up
 from tests.helpers import data_records, read_topic
+from walbridge.up import DEMO_SHAPES, run_up
 
 
 def test_up_headless_flows_and_shows_real_numbers():

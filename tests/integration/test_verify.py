@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import psycopg
 
-from walbridge.cli import main
 from schemas.config import parse_config
-from walbridge.verify import verify
 from tests.helpers import make_config, write_toml
+from walbridge.cli import main
+from walbridge.verify import verify
 
 DDL = """
 CREATE TYPE mood AS ENUM ('sad', 'happy');

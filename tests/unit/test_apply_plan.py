@@ -13,8 +13,19 @@ from producer.envelope import ShapeCodec, ShapeColumn
 from producer.pgtypes import PgTypeInfo, column_codec
 from spark_consumer import apply_plan
 from spark_consumer.apply_plan import (
-    APPEND, DELETE, REMOVE, UPSERT, OffsetResetError, PlanError, Progress, ShapeTarget, classify_cuts, make_cut,
-    split_replayed, split_shape_name, tombstone_name,
+    APPEND,
+    DELETE,
+    REMOVE,
+    UPSERT,
+    OffsetResetError,
+    PlanError,
+    Progress,
+    ShapeTarget,
+    classify_cuts,
+    make_cut,
+    split_replayed,
+    split_shape_name,
+    tombstone_name,
 )
 from spark_consumer.decode import BEFORE_COLUMNS, BOOKKEEPING_NAMES
 

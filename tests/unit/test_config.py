@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from walbridge.cli import main
 from schemas.config import ConfigError, load_config, parse_config, redact_dsn
+from walbridge.cli import main
 
 GOOD = {
     "source": {"dsn": "postgresql://u:secret@db:5432/app"},

@@ -4,8 +4,8 @@ from decimal import Decimal
 
 from producer.pgoutput import UNCHANGED_TOAST, Column, Delete, Insert, Relation, Update
 from producer.pgtypes import PgTypeInfo, column_codec
-from schemas.shape_filter import compile_filter
 from producer.shapes import RelationPlan, ShapeSpec
+from schemas.shape_filter import compile_filter
 
 INT4 = PgTypeInfo(23, "integer", 23, "integer", -1, "b")
 TEXT = PgTypeInfo(25, "text", 25, "text", -1, "b")

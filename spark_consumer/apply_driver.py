@@ -1,0 +1,126 @@
+"""The driver apply: one micro-batch, of one shape (:func:`apply_batch`, what
+:class:`spark_consumer.job.ShapeApplier` runs) or of several
+(:func:`apply_shapes`), applied on one connection in one target transaction.
+
+The path of one batch, top to bottom:
+1. Lock the parts' progress rows, in a fixed order
+   (:func:`spark_consumer.progress.lock_progress`); refuse a gap, and skip
+   the rows progress already covers
+   (:func:`spark_consumer.apply_plan.split_replayed`).
+2. Per shape, plan the rest (:func:`spark_consumer.apply_plan.plan_batch`);
+   COPY the plan into the session's stage (:mod:`spark_consumer.staging`) and
+   run the set-based statements (:func:`spark_consumer.statements.apply_stage`),
+   or, when the plan only brings keys the target has never seen, COPY it
+   straight into the table (:func:`spark_consumer.statements.insert_new_keys`);
+   record the backfill ends it applied.
+3. Move each part's progress to its end
+   (:func:`spark_consumer.batch.progress_update`,
+   :func:`spark_consumer.progress.write_progress`); commit.
+
+Invariants:
+- One transaction per batch, the steps above: a crash anywhere leaves either
+  all of it or none of it; a replayed micro-batch finds its offsets covered
+  and is skipped part by part (rows below ``next_offset``).
+- ``apply_batch`` commits, unless the connection is already inside a
+  transaction: then it runs in a savepoint and the caller commits (or rolls back).
+- Kafka offsets may be committed to the consumer group only after this commit
+  (``BatchResult.offsets``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import psycopg
+
+from spark_consumer.apply_plan import DEFAULT_GC_CONTROLS, Position, ShapeTarget, plan_batch, split_replayed
+from spark_consumer.batch import (
+    BatchResult,
+    Part,
+    PartResult,
+    check_range,
+    fill_results,
+    merge_plan_stats,
+    progress_update,
+)
+from spark_consumer.progress import check_gap, lock_progress, write_progress
+from spark_consumer.staging import copy_rows, plan_rows, staged_kinds, temp_stage
+from spark_consumer.statements import apply_stage, insert_new_keys, only_new_keys, record_backfills, upsert_keys
+
+
+def apply_batch(conn: psycopg.Connection, group: str, target: ShapeTarget, parts: Sequence[Part], *,
+                on_gap: str = "raise", on_offset_reset: str = "raise",
+                gc_controls: Iterable[str] = DEFAULT_GC_CONTROLS) -> BatchResult:
+    """Apply one micro-batch of one shape (its parts: one per topic-partition)
+    in one target transaction, progress included. ``on_gap``: ``"raise"``
+    (default) or ``"ignore"`` when a part starts after the applied offsets;
+    ``on_offset_reset``: see :func:`~spark_consumer.apply_plan.split_replayed`."""
+    return apply_shapes(conn, group, [(target, parts)], on_gap=on_gap, on_offset_reset=on_offset_reset,
+                        gc_controls=gc_controls)
+
+
+def apply_shapes(conn: psycopg.Connection, group: str, batches: Sequence[tuple[ShapeTarget, Sequence[Part]]], *,
+                 on_gap: str = "raise", on_offset_reset: str = "raise",
+                 gc_controls: Iterable[str] = DEFAULT_GC_CONTROLS) -> BatchResult:
+    """Apply several shapes' parts of one micro-batch in ONE transaction (the
+    commit is one decision for the whole micro-batch)."""
+    gc = frozenset(gc_controls)
+    result = BatchResult()
+    all_parts = [p for _, parts in batches for p in parts]
+    if len({p.tp for p in all_parts}) != len(all_parts):
+        raise ValueError("a (topic, partition) appears in more than one part of the batch")
+    if not all_parts:
+        return result
+    with conn.transaction(), conn.cursor() as cur:
+        cur.execute("SELECT set_config('TimeZone', 'UTC', true)")
+        progress, existed = lock_progress(conn, group, all_parts)
+        updates = []
+        for target, parts in batches:
+            if not parts:
+                continue
+            todo_rows: list = []
+            floors: dict[int, Position] = {}
+            fields = parts[0].fields
+            if any(part.fields != fields for part in parts):
+                raise ValueError(f"the parts of shape {target.shape} lay their rows out differently")
+            for part in parts:
+                res = result.parts[part.tp] = PartResult(part.topic, part.partition, part.start, part.end,
+                                                         rows=len(part.rows))
+                prog = progress[part.tp]
+                if part.tp in existed:
+                    check_gap(part, prog, on_gap)
+                check_range(part)
+                if prog.next_offset <= part.start:  # the usual case: nothing of this part was applied
+                    todo_rows.extend(part.rows)
+                else:
+                    todo, skipped, reset = split_replayed(part.rows, prog, where=f"{part.topic}[{part.partition}]",
+                                                          on_offset_reset=on_offset_reset, fields=fields)
+                    res.skipped_replayed, res.offset_reset = skipped, reset
+                    todo_rows.extend(todo)
+                if prog.floor is not None:
+                    floors[part.partition] = prog.floor
+            plan = plan_batch(target, todo_rows, floors=floors, gc_controls=gc, fields=fields)
+            merge_plan_stats(result, plan)
+            result.controls.extend(plan.controls)
+            if plan.stage_rows or plan.cuts or plan.scoped_cuts:
+                staged = staged_kinds(plan)
+                keys = upsert_keys(plan)
+                if only_new_keys(cur, target, plan, staged, keys):
+                    applied = insert_new_keys(conn, target, plan, staged)
+                else:
+                    stage = temp_stage(conn, target)
+                    if plan.stage_rows:
+                        copy_rows(conn, target, stage, plan_rows(plan))
+                    applied = apply_stage(cur, target, stage, plan.cuts.values(), plan.keep_sets, staged,
+                                          plan.scoped_cuts, keys)
+                fill_results(result.parts, parts[0].topic, staged, applied)
+            if plan.backfill_ends:
+                result.backfills_completed += record_backfills(cur, group, parts[0].topic, target,
+                                                               plan.backfill_ends)
+            for part in parts:
+                st = plan.stats.get(part.tp)
+                updates.append(progress_update(part, progress[part.tp], result.parts[part.tp],
+                                               st.max_position if st else None, plan.cuts.get(part.partition)))
+        write_progress(conn, group, updates)
+    return result
+

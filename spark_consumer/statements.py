@@ -1,0 +1,371 @@
+"""The set-based statements that carry a staged plan into the shape's table
+and its tombstones (:func:`apply_stage`, or :func:`insert_new_keys` when the
+plan only brings keys the target has never seen), the record and final GC of
+backfills (:func:`record_backfills`) and the GC of tombstones
+(:func:`gc_tombstones`). Each statement handles every row of the stage at once.
+
+Invariants:
+- Every write is guarded by position: an upsert lands only where the target
+  row's position is lower and no tombstone has an equal or higher one; a delete
+  removes only an older row and leaves a tombstone; a cut removes only rows of
+  its partition below it. So apply is idempotent and order-independent per key
+  even when progress cannot help (offset reset with ``on_offset_reset="follow"``,
+  keys that moved between partitions).
+- A NULL position (a target row written behind walbridge's back) is lower
+  than every position: any change or backfill row overwrites (or deletes) it.
+- Cuts run after the batch's writes. A scoped ``backfill_end`` (see
+  :mod:`spark_consumer.apply_plan`) deletes rows and tombstones of its
+  partition in its key buckets (:func:`schemas.buckets.in_scope`, under
+  ``SESSION_SETTINGS``) below its position, and leaves the floor alone.
+- Final GC: the transaction that applies a backfill's ``backfill_end`` on the
+  last of its ``partitions`` also deletes every target row in its scope (any
+  ``_wb_partition``, NULL included) whose position is below the backfill's
+  start ``(S, 0)`` or NULL, and the tombstones in scope below it, and sets
+  ``completed_at`` (once: a completed backfill is never collected again).
+  ``BatchResult.backfills_completed`` reports it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Iterable, Mapping, Sequence
+
+import psycopg
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from schemas import wire
+from schemas.buckets import SESSION_SETTINGS, in_scope
+from spark_consumer.apply_plan import DELETE, UPSERT, ApplyPlan, Cut, Position, ShapeTarget
+from spark_consumer.batch import BackfillGC
+from spark_consumer.staging import STAGED_BOOKKEEPING, copy_rows
+from spark_consumer.target_layout import APPLIED_AT, BOOKKEEPING_COLUMNS, table_ident, tombstones_ident
+
+
+def upsert_keys(plan: ApplyPlan) -> list[int] | None:
+    """The keys of the plan's upserts, for a shape with one key column whose
+    values are all ``int`` (None otherwise)."""
+    target = plan.target
+    if target.keyless or len(target.key_columns) != 1:
+        return None
+    n = len(target.columns)
+    k = next(i for i, c in enumerate(target.columns) if c.is_key)
+    keys = [t[k] for t in plan.stage_rows if t[n] == UPSERT]
+    if not keys or set(map(type, keys)) != {int}:
+        return None
+    return keys
+
+
+def only_new_keys(cur: psycopg.Cursor, target: ShapeTarget, plan: ApplyPlan, staged: Mapping[int, Counter],
+                  upsert_keys: list[int] | None) -> bool:
+    """Is the plan upserts only (no deletes, cuts or kept TOAST columns) of
+    keys neither the target nor its tombstones hold? Then each is an insert
+    and nothing else can happen to the target (a snapshot or backfill into an
+    empty or disjoint table, appends of new keys)."""
+    if upsert_keys is None or plan.cuts or plan.scoped_cuts or any(k not in ((), None) for k in plan.keep_sets):
+        return False
+    if any(kind != UPSERT for counts in staged.values() for kind, c in counts.items() if c):
+        return False
+    # COPY FROM refuses a table under row-level security: such a table takes
+    # the stage's INSERT, which applies its policies.
+    secured = cur.execute("SELECT relrowsecurity FROM pg_class WHERE oid = %s::regclass",
+                          (table_ident(target).as_string(cur),)).fetchone()
+    if secured is None or secured[0]:
+        return False
+    return not _holds_any_key(cur, target, upsert_keys, tombstones=True)
+
+
+def insert_new_keys(conn: psycopg.Connection, target: ShapeTarget, plan: ApplyPlan,
+                    staged: Mapping[int, Counter]) -> dict[str, Counter]:
+    """:func:`only_new_keys` plans: COPY the rows straight into the target,
+    as the stage's INSERT would write them (``_wb_applied_at``: ``now()``)."""
+    n = len(target.columns)
+    now = (conn.execute("SELECT now()").fetchone()[0],)
+    copy_rows(conn, target, table_ident(target), [t[:n] + t[n + 2:] + now for t in plan.stage_rows],
+              (*target.names, *STAGED_BOOKKEEPING, APPLIED_AT))
+    return {"deleted": Counter(), "tombstoned": Counter(), "truncated": Counter(), "tombstones_dropped": Counter(),
+            "upserted": Counter({p: c[UPSERT] for p, c in staged.items()})}
+
+
+def apply_stage(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier, cuts: Iterable[Cut],
+                keep_sets: Iterable[tuple[str, ...]], staged: Mapping[int, Counter],
+                scoped_cuts: Iterable[Cut] = (), upserted_keys: list[int] | None = None) -> dict[str, Counter]:
+    """``staged``: per partition, the stage's rows by kind (exact: statements
+    for kinds it lacks are skipped)."""
+    if target.keyless:
+        out = _apply_keyless(cur, target, stage)
+    else:
+        out = _apply_keyed(cur, target, stage, keep_sets, sum(c[UPSERT] for c in staged.values()),
+                           sum(c[DELETE] for c in staged.values()), upserted_keys)
+    # Cuts last: the plan holds nothing of a cut's partition below the cut, so
+    # what the batch wrote there survives it, and rows a re-snapshot rewrites
+    # are updated in place instead of deleted and inserted again.
+    # Scoped cuts too: in-scope rows the batch wrote below one are gone with it.
+    truncated, dropped = _apply_cuts(cur, target, cuts)
+    s_truncated, s_dropped = _apply_scoped_cuts(cur, target, scoped_cuts)
+    out["truncated"] = truncated + s_truncated
+    out["tombstones_dropped"] = dropped + s_dropped
+    return out
+
+
+def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier,
+                 keep_sets: Iterable[tuple[str, ...]], n_upserts: int | None = None, n_deletes: int | None = None,
+                 upsert_keys: list[int] | None = None) -> dict[str, Counter]:
+    """``n_upserts``/``n_deletes``: how many the stage holds, when known (a
+    statement for a kind the stage lacks is skipped); ``upsert_keys``: the
+    upserted keys, when the shape has one integer key column."""
+    t, tb = table_ident(target), tombstones_ident(target)
+    keys = sql.SQL(", ").join(sql.Identifier(k) for k in target.key_columns)
+    s_keys = sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(k)) for k in target.key_columns)
+    out: dict[str, Counter] = {"deleted": Counter(), "tombstoned": Counter(), "upserted": Counter()}
+    if n_deletes != 0:
+        _apply_deletes(cur, target, stage, out, t, tb, keys, s_keys)
+    if n_upserts == 0:
+        return out
+    # Upserts: a newer upsert lifts an older tombstone; an equal or newer one wins.
+    cur.execute(sql.SQL(
+        "DELETE FROM {tb} AS tb USING {s} AS s WHERE s._wb_kind = 'u' AND {eq} AND {lt}"
+    ).format(tb=tb, s=stage, eq=_key_eq(target, "tb", "s"), lt=_pos_lt("tb", "s")))
+    names = target.names
+    all_cols, s_cols = _insert_columns(target)
+    # Keys the target holds: update where the change is newer. A statement per
+    # set of kept (unchanged TOAST) columns, which it leaves alone. None when
+    # the target holds none of the upserted keys (e.g. a snapshot into an
+    # empty or disjoint table): the join would find nothing.
+    upserted = Counter()
+    for keep in keep_sets if upsert_keys is None or _holds_any_key(cur, target, upsert_keys) else ():
+        kept = set(keep)
+        sets = [sql.SQL("{c} = s.{c}").format(c=sql.Identifier(c))
+                for c in (*[n for n, col in zip(names, target.columns) if not col.is_key and n not in kept],
+                          *STAGED_BOOKKEEPING)]
+        sets.append(sql.SQL("{} = now()").format(sql.Identifier(APPLIED_AT)))
+        upserted += _counts(cur, sql.SQL(
+            "UPDATE {t} AS t SET {sets} FROM {s} AS s "
+            "WHERE s._wb_kind = 'u' AND s._wb_keep IS NOT DISTINCT FROM %s::text[] AND {eq} AND {lt} "
+            "RETURNING s._wb_partition"
+        ).format(t=t, sets=sql.SQL(", ").join(sets), s=stage, eq=_key_eq(target, "t", "s"), lt=_pos_lt("t", "s")),
+            (list(keep) if keep else None,))
+    # New keys (not live, not tombstoned at an equal or newer position): insert.
+    # A plain INSERT, not ON CONFLICT: progress locks serialize the writers of
+    # a partition, and keys stay on their partition; should two appliers ever
+    # race on a key, the loser's transaction fails and its batch is retried.
+    if n_upserts is not None and sum(upserted.values()) >= n_upserts:
+        out["upserted"] = upserted  # every key existed and was updated: nothing to insert
+        return out
+    upserted += _counts(cur, sql.SQL(
+        "INSERT INTO {t} ({cols}) SELECT {s_cols} FROM {s} AS s WHERE s._wb_kind = 'u' "
+        "AND NOT EXISTS (SELECT 1 FROM {t} AS t WHERE {eq_t}) "
+        "AND NOT EXISTS (SELECT 1 FROM {tb} AS tb WHERE {eq_tb}) RETURNING _wb_partition"
+    ).format(t=t, cols=all_cols, s_cols=s_cols, s=stage, eq_t=_key_eq(target, "t", "s"),
+             tb=tb, eq_tb=_key_eq(target, "tb", "s")))
+    out["upserted"] = upserted
+    return out
+
+
+def _apply_deletes(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier, out: dict[str, Counter],
+                   t: sql.Composable, tb: sql.Composable, keys: sql.Composable, s_keys: sql.Composable) -> None:
+    # Deletes: remove older live rows, then tombstone every delete no live row outranks.
+    out["deleted"] = _counts(cur, sql.SQL(
+        "DELETE FROM {t} AS t USING {s} AS s WHERE s._wb_kind = 'd' AND {eq} AND {lt} RETURNING s._wb_partition"
+    ).format(t=t, s=stage, eq=_key_eq(target, "t", "s"), lt=_pos_lt("t", "s")))
+    out["tombstoned"] = _counts(cur, sql.SQL(
+        "INSERT INTO {tb} AS tb ({keys}, _wb_lsn, _wb_op_index, _wb_partition, _wb_offset, _wb_applied_at) "
+        "SELECT {s_keys}, s._wb_lsn, s._wb_op_index, s._wb_partition, s._wb_offset, now() FROM {s} AS s "
+        "WHERE s._wb_kind = 'd' AND NOT EXISTS (SELECT 1 FROM {t} AS t WHERE {eq}) "
+        "ON CONFLICT ({keys}) DO UPDATE SET _wb_lsn = EXCLUDED._wb_lsn, _wb_op_index = EXCLUDED._wb_op_index, "
+        "_wb_partition = EXCLUDED._wb_partition, _wb_offset = EXCLUDED._wb_offset, "
+        "_wb_applied_at = EXCLUDED._wb_applied_at "
+        "WHERE {tbpos} < (EXCLUDED._wb_lsn, EXCLUDED._wb_op_index) "
+        "RETURNING tb._wb_partition"
+    ).format(tb=tb, keys=keys, s_keys=s_keys, s=stage, t=t, eq=_key_eq(target, "t", "s"), tbpos=_pos("tb")))
+
+
+def _holds_any_key(cur: psycopg.Cursor, target: ShapeTarget, keys: list[int], tombstones: bool = False) -> bool:
+    """Does the target (or, with ``tombstones``, its tombstones) hold any of
+    ``keys``? True unless its key column is an integer column holding none.
+    A probe of the keys' range first (one index lookup, enough for appends
+    with rising keys), then the keys themselves (for a snapshot, whose
+    partitions interleave the parallel readers' key ranges)."""
+    [key] = target.key_columns
+    typ = cur.execute("SELECT atttypid::int FROM pg_attribute WHERE attrelid = %s::regclass AND attname = %s",
+                      (table_ident(target).as_string(cur), key)).fetchone()
+    if typ is None or typ[0] not in (20, 21, 23):
+        return True
+    tables = [table_ident(target)] + ([tombstones_ident(target)] if tombstones else [])
+
+    def any_of(condition: str, params: tuple) -> bool:
+        return cur.execute(sql.SQL("SELECT {}").format(sql.SQL(" OR ").join(
+            sql.SQL("EXISTS (SELECT 1 FROM {} WHERE {} " + condition + ")").format(t, sql.Identifier(key))
+            for t in tables)), params * len(tables)).fetchone()[0]
+
+    return any_of("BETWEEN %s::bigint AND %s::bigint", (min(keys), max(keys))) and any_of(
+        "= ANY(%s::bigint[])", (keys,))
+
+
+def _insert_columns(target: ShapeTarget) -> tuple[sql.Composable, sql.Composable]:
+    """The target table's column list for an INSERT, and the matching select
+    list from the stage aliased ``s`` (bookkeeping columns included)."""
+    names = target.names
+    all_cols = sql.SQL(", ").join(sql.Identifier(c) for c in (*names, *BOOKKEEPING_COLUMNS))
+    s_cols = sql.SQL(", ").join([sql.SQL("s.{}").format(sql.Identifier(c)) for c in names]
+                                + [sql.SQL("now()") if c == APPLIED_AT else sql.SQL("s.{}").format(sql.Identifier(c))
+                                   for c in BOOKKEEPING_COLUMNS])
+    return all_cols, s_cols
+
+
+def _apply_keyless(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier) -> dict[str, Counter]:
+    t = table_ident(target)
+    names = target.names
+    all_cols, s_cols = _insert_columns(target)
+    out: dict[str, Counter] = {}
+    # Appends first: a removal later in the batch (on any partition) may target them.
+    out["appended"] = _counts(cur, sql.SQL(
+        "INSERT INTO {t} AS t ({cols}) SELECT {s_cols} FROM {s} AS s WHERE s._wb_kind = 'a' "
+        "ON CONFLICT (_wb_lsn, _wb_op_index) WHERE _wb_snapshot_id IS NULL DO NOTHING RETURNING t._wb_partition"
+    ).format(t=t, cols=all_cols, s_cols=s_cols, s=stage))
+
+    def content(alias: str) -> sql.Composable:
+        return sql.SQL("ROW({})::text").format(sql.SQL(", ").join(
+            sql.SQL("{}.{}").format(sql.Identifier(alias), sql.Identifier(c)) for c in names))
+
+    # The k-th removal of a row value (by position) takes the k-th oldest equal
+    # target row, if that row is older than the removal.
+    out["deleted"] = _counts(cur, sql.SQL(
+        "WITH r AS (SELECT {sc} AS c, s._wb_lsn, s._wb_op_index, s._wb_partition, "
+        "  row_number() OVER (PARTITION BY {sc} ORDER BY s._wb_lsn, s._wb_op_index, s._wb_partition, s._wb_offset) AS rn "
+        "  FROM {s} AS s WHERE s._wb_kind = 'x'), "
+        "cand AS (SELECT t.ctid AS tid, {tc} AS c, {tpos} AS pos, "
+        "  row_number() OVER (PARTITION BY {tc} ORDER BY {tpos}, t._wb_partition, t._wb_offset) AS rn "
+        "  FROM {t} AS t WHERE {tc} IN (SELECT c FROM r)), "
+        "m AS (SELECT cand.tid, r._wb_partition FROM r JOIN cand ON cand.c = r.c AND cand.rn = r.rn "
+        "  WHERE cand.pos < (r._wb_lsn, r._wb_op_index)) "
+        "DELETE FROM {t} AS t USING m WHERE t.ctid = m.tid RETURNING m._wb_partition"
+    ).format(sc=content("s"), tc=content("t"), s=stage, t=t, tpos=_pos("t")))
+    return out
+
+
+def _apply_cuts(cur: psycopg.Cursor, target: ShapeTarget, cuts: Iterable[Cut]) -> tuple[Counter, Counter]:
+    cuts = list(cuts)
+    if not cuts:
+        return Counter(), Counter()
+    params = ([c.partition for c in cuts], [c.lsn for c in cuts], [c.op_index for c in cuts])
+    src = sql.SQL("unnest(%s::int[], %s::bigint[], %s::bigint[]) AS c(p, l, o)")
+    cond = sql.SQL("t._wb_partition = c.p AND {} < (c.l, c.o)").format(_pos("t"))
+    truncated = _counts(cur, sql.SQL("DELETE FROM {} AS t USING {} WHERE {} RETURNING c.p").format(
+        table_ident(target), src, cond), params)
+    dropped = Counter()
+    if not target.keyless:
+        dropped = _counts(cur, sql.SQL("DELETE FROM {} AS t USING {} WHERE {} RETURNING c.p").format(
+            tombstones_ident(target), src, cond), params)
+    return truncated, dropped
+
+
+def _apply_scoped_cuts(cur: psycopg.Cursor, target: ShapeTarget, cuts: Iterable[Cut]) -> tuple[Counter, Counter]:
+    """Scoped backfill_ends: rows (and tombstones) of the cut's partition, in
+    its buckets, below it. One statement per cut: each has its own scope."""
+    truncated, dropped = Counter(), Counter()
+    cuts = list(cuts)
+    if cuts:
+        _bucket_session(cur)
+    for c in cuts:
+        tables = [(table_ident(target), truncated)] + ([] if target.keyless else [(tombstones_ident(target), dropped)])
+        for table, counter in tables:
+            n = cur.execute(sql.SQL("DELETE FROM {} AS t WHERE t._wb_partition = {} AND {} < ({}, {}) AND {}").format(
+                table, sql.Literal(c.partition), _pos("t"), sql.Literal(c.lsn), sql.Literal(c.op_index),
+                in_scope(c.scope, "t"))).rowcount
+            counter[c.partition] += n
+    return truncated, dropped
+
+
+def _bucket_session(cur: psycopg.Cursor) -> None:
+    """The settings under which bucket hashes match the source's (for this
+    transaction only)."""
+    for name, value in SESSION_SETTINGS:
+        cur.execute("SELECT set_config(%s, %s, true)", (name, value))
+
+
+def record_backfills(cur: psycopg.Cursor, group: str, topic: str, target: ShapeTarget,
+                     ends: Iterable[Cut]) -> list[BackfillGC]:
+    """Record the partitions on which backfill_ends were applied (idempotent:
+    a set union). The batch that completes a backfill (every partition done)
+    also collects, whatever their partition, the target rows in its scope with
+    a position below its start or none, and the tombstones below its start:
+    every row the backfill saw was rewritten at its start or later."""
+    by_id: dict[str, tuple[Cut, set[int]]] = {}
+    for c in ends:
+        by_id.setdefault(c.backfill_id, (c, set()))[1].add(c.partition)
+    done: list[BackfillGC] = []
+    for bid, (cut, partitions) in sorted(by_id.items()):
+        info = cut.info
+        start = int(info["lsn"]) if info.get("lsn") is not None else cut.lsn
+        # The first record's shape, start and scope are the backfill's.
+        shape, start, n, done_parts, scope, completed = cur.execute(
+            f"INSERT INTO {wire.META_SCHEMA}.backfills AS b (consumer_group, topic, backfill_id, shape, start_lsn, "
+            "partitions, partitions_done, scope, rows) VALUES (%s, %s, %s, %s, %s, %s, %s::int[], %s, %s) "
+            "ON CONFLICT (consumer_group, topic, backfill_id) DO UPDATE SET partitions_done = "
+            "ARRAY(SELECT DISTINCT x FROM unnest(b.partitions_done || EXCLUDED.partitions_done) AS u(x) ORDER BY x), "
+            "updated_at = now() "
+            "RETURNING shape, start_lsn, partitions, partitions_done, scope, completed_at IS NOT NULL",
+            (group, topic, bid, info.get("shape") or target.shape, start, int(info["partitions"]),
+             sorted(partitions), Jsonb(cut.scope) if cut.scope else None, info.get("rows"))).fetchone()
+        if completed or not set(range(n)) <= set(done_parts):
+            continue
+        if scope:
+            _bucket_session(cur)
+        deleted = cur.execute(sql.SQL("DELETE FROM {} AS t WHERE {} < ({}, 0) AND {}").format(
+            table_ident(target), _pos("t"), sql.Literal(start), in_scope(scope, "t"))).rowcount
+        tombstones = 0
+        if not target.keyless:
+            tombstones = cur.execute(sql.SQL("DELETE FROM {} AS t WHERE (t._wb_lsn, t._wb_op_index) < ({}, 0) "
+                                             "AND {}").format(tombstones_ident(target), sql.Literal(start),
+                                                              in_scope(scope, "t"))).rowcount
+        cur.execute(f"UPDATE {wire.META_SCHEMA}.backfills SET completed_at = now(), updated_at = now(), "
+                    "gc_deleted = %s, gc_tombstones = %s WHERE consumer_group = %s AND topic = %s AND backfill_id = %s",
+                    (deleted, tombstones, group, topic, bid))
+        done.append(BackfillGC(topic, bid, shape, deleted, tombstones))
+    return done
+
+
+def gc_tombstones(conn: psycopg.Connection, target: ShapeTarget, partition: int | None = None,
+                  below: Position | None = None) -> int:
+    """Drop tombstones (of ``partition``, or all) below ``below`` (or all).
+    Tombstones guard against changes older than a delete arriving after it:
+    replays (progress skips those anyway), backfill rows (which carry the
+    backfill's start position) and keys moving between partitions. Drop them
+    only below the start of any backfill that may still be running."""
+    if target.keyless:
+        return 0
+    cond = [sql.SQL("TRUE")]
+    params: list[Any] = []
+    if partition is not None:
+        cond.append(sql.SQL("_wb_partition = %s"))
+        params.append(partition)
+    if below is not None:
+        cond.append(sql.SQL("(_wb_lsn, _wb_op_index) < (%s, %s)"))
+        params.extend(below)
+    with conn.transaction():
+        return conn.execute(sql.SQL("DELETE FROM {} WHERE {}").format(
+            tombstones_ident(target), sql.SQL(" AND ").join(cond)), params).rowcount
+
+
+def _counts(cur: psycopg.Cursor, query: sql.Composable, params: Sequence = ()) -> Counter:
+    """Run ``WITH x AS (<dml> RETURNING <partition>) SELECT partition, count(*)``."""
+    wrapped = sql.SQL("WITH x(p) AS ({}) SELECT p, count(*) FROM x GROUP BY p").format(query)
+    return Counter({p: n for p, n in cur.execute(wrapped, params).fetchall()})
+
+
+def _key_eq(target: ShapeTarget, a: str, b: str) -> sql.Composable:
+    a_, b_ = sql.Identifier(a), sql.Identifier(b)
+    return sql.SQL(" AND ").join(sql.SQL("{}.{} = {}.{}").format(a_, sql.Identifier(k), b_, sql.Identifier(k))
+                                 for k in target.key_columns)
+
+
+def _pos(a: str) -> sql.Composable:
+    """The position of a target (or tombstone) row; none (NULL: written behind
+    walbridge's back) is lower than every real position."""
+    return sql.SQL("(coalesce({a}._wb_lsn, -1), coalesce({a}._wb_op_index, -1))").format(a=sql.Identifier(a))
+
+
+def _pos_lt(a: str, b: str) -> sql.Composable:
+    """Target/tombstone row ``a`` is older than staged row ``b``."""
+    return sql.SQL("{} < ({b}._wb_lsn, {b}._wb_op_index)").format(_pos(a), b=sql.Identifier(b))
