@@ -58,35 +58,37 @@ cdef enum:
 cdef int64_t US_PER_DAY = 86400000000LL
 
 
-# --------------------------------------------------------------- CRC-32 (zlib's)
-# Partitions are chosen by zlib.crc32 of the key body (kafka_io.partition_for).
-cdef uint32_t _CRC_TABLE[256]
+# ------------------------------------------------------------ murmur2 (Java's)
+# Partitions are chosen by Kafka's Java murmur2 of the whole key (partitioner.py).
+cdef inline uint32_t _murmur2(const uint8_t* p, Py_ssize_t n):
+    cdef uint32_t m = 0x5BD1E995
+    cdef uint32_t h = 0x9747B28C ^ <uint32_t>n
+    cdef uint32_t k
+    cdef Py_ssize_t i, end = n - n % 4
+    for i in range(0, end, 4):
+        k = (<uint32_t>p[i] | (<uint32_t>p[i + 1] << 8) | (<uint32_t>p[i + 2] << 16)
+             | (<uint32_t>p[i + 3] << 24))
+        k *= m
+        k ^= k >> 24
+        k *= m
+        h = (h * m) ^ k
+    i = n - end
+    if i == 3:
+        h ^= <uint32_t>p[end + 2] << 16
+    if i >= 2:
+        h ^= <uint32_t>p[end + 1] << 8
+    if i >= 1:
+        h ^= <uint32_t>p[end]
+        h *= m
+    h ^= h >> 13
+    h *= m
+    h ^= h >> 15
+    return h
 
 
-cdef void _crc_init():
-    cdef uint32_t c
-    cdef int n, k
-    for n in range(256):
-        c = n
-        for k in range(8):
-            c = (0xEDB88320 ^ (c >> 1)) if (c & 1) else (c >> 1)
-        _CRC_TABLE[n] = c
-
-
-_crc_init()
-
-
-cdef inline uint32_t _crc32(const uint8_t* p, Py_ssize_t n):
-    cdef uint32_t c = 0xFFFFFFFF
-    cdef Py_ssize_t i
-    for i in range(n):
-        c = _CRC_TABLE[(c ^ p[i]) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
-
-
-def crc32(bytes data):
-    """zlib.crc32 of ``data`` (exposed for the test)."""
-    return _crc32(<const uint8_t*>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+def murmur2(bytes data):
+    """Java's ``Utils.murmur2`` of ``data``, unsigned (``partitioner.murmur2``)."""
+    return _murmur2(<const uint8_t*>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
 
 
 # ------------------------------------------------------------- output buffer
@@ -595,7 +597,6 @@ cdef class RelationEncoder:
         cdef const char* p
         cdef uint8_t kind
         cdef unsigned int oid
-        cdef Py_ssize_t key_start
         cdef int j, i, unchanged
         cdef uint32_t partition
         cdef Route route
@@ -621,17 +622,16 @@ cdef class RelationEncoder:
             return None
         out = []
         for route in self.routes:
-            # Key body (what the partition is chosen by), behind its prefix.
+            # The key, prefix and body: what the partition is chosen by.
             if route.nkeys:
                 self.key.len = 0
                 _bytes_obj(&self.key, route.key_prefix)
-                key_start = self.key.len
                 for j in range(route.nkeys):
                     i = route.keys[j]
                     if self.state[i] != S_TEXT:
                         return None  # a key column without a value: the reference path decides
                     self._value(&self.key, base, i, 1)
-                partition = _crc32(<const uint8_t*>self.key.data + key_start, self.key.len - key_start) \
+                partition = (_murmur2(<const uint8_t*>self.key.data, self.key.len) & 0x7FFFFFFF) \
                     % <uint32_t>route.partitions
                 key = PyBytes_FromStringAndSize(self.key.data, self.key.len)
             else:

@@ -4,9 +4,9 @@ tails and the delivery bookkeeping of the idempotent producer.
 Invariants:
 - The producer is idempotent with ``acks=all``; a delivery error is fatal (the
   process stops and resumes from the slot, which never passed undelivered data).
-- Messages are placed on partitions by walbridge itself (CRC-32 of the Avro key
-  body, like librdkafka's ``consistent`` partitioner; keyless rows by position),
-  so a replayed change lands on the partition it landed on before.
+- Messages are placed on partitions by walbridge itself (``partitioner.py``:
+  murmur2 of the whole key, as Java clients do; keyless rows by position), so a
+  replayed change lands on the partition it landed on before.
 - Partition tails are found by reading, never by trusting the broker's reported
   end offset (Tansu reports the last batch's base offset + 1): reading starts a
   little before the reported end and goes until end-of-partition.
@@ -14,7 +14,6 @@ Invariants:
 
 from __future__ import annotations
 
-import zlib
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -43,12 +42,6 @@ def producer_config(base: dict[str, Any]) -> dict[str, Any]:
     # producer retrying into a wiped broker must not auto-create them.
     conf.setdefault("allow.auto.create.topics", False)
     return conf
-
-
-def partition_for(key_body: bytes | None, fallback: int, partitions: int) -> int:
-    if key_body is None:
-        return fallback % partitions
-    return zlib.crc32(key_body) % partitions
 
 
 @dataclass(frozen=True)

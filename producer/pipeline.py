@@ -74,9 +74,10 @@ from producer.replication import ReplicationConnection, ReplicationError, connec
 from producer.shapes import Event, RelationPlan, ShapeSpec, event_message
 from producer.snapshot import InitialSnapshot
 from producer.status import Stats, StatusPublisher
+from producer.topics import prepare_topics
 from schemas import wire
 from schemas.config import Config, redact_dsn
-from schemas.kafka import Writer, client_config, ensure_topics
+from schemas.kafka import Writer, client_config
 from schemas.publisher import SchemaPublisher
 from schemas.shape_filter import compile_filter
 
@@ -153,12 +154,8 @@ class Pipeline:
             self.shape_specs[shape.table].append(
                 ShapeSpec(shape.shape_name, cfg.topic(shape), tuple(shape.columns) if shape.columns else None,
                           row_filter))
-        topics = [cfg.topic(s) for s in cfg.shapes]
-        self.partitions = ensure_topics(self.admin, topics, cfg.kafka.partitions, cfg.kafka.replication_factor)
-        prefix = cfg.kafka.topic_prefix
-        internal = [wire.status_topic(prefix), wire.backfills_topic(prefix)] + (
-            [self.schemas.schemas_topic] if self.schemas.schemas_topic else [])
-        ensure_topics(self.admin, internal, 1, cfg.kafka.replication_factor)
+        keyless = {cfg.topic(s) for s in cfg.shapes if self.tables[s.table].keyless}
+        self.partitions = prepare_topics(self.admin, cfg, self.schemas.schemas_topic is not None, keyless)
 
     def _assemble(self) -> None:
         """The parts around the stream, on the prepared source and topics."""

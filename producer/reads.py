@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from producer.kafka_io import partition_for
+from producer.partitioner import partition_for
 from producer.shapes import RelationPlan, ShapeRoute
 from schemas import wire
 from schemas.kafka import Writer
@@ -50,10 +50,9 @@ class Reads:
             for route in routes:
                 if route.row_filter is None or route.row_filter.matches(row):
                     codec = route.codec
-                    key_body = codec.encode_key(b"", values)
-                    partition = partition_for(key_body, sent, partitions[route.topic])
+                    key = codec.encode_key(codec.key_prefix, values)
+                    partition = partition_for(key, sent, partitions[route.topic])
                     value = codec.encode_change(codec.value_prefix, "r", None, values, sources[route.name], 0, now_ms)
-                    key = codec.key_prefix + key_body if key_body is not None else None
                     send((route.topic, partition), key, value, headers)
                     events[(route.name, "r")] += 1
                     sent += 1

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from producer.envelope import ShapeCodec, ShapeColumn, SourceBytes
-from producer.kafka_io import partition_for
+from producer.partitioner import partition_for
 from producer.pgoutput import UNCHANGED_TOAST, Delete, Insert, Relation, Update
 from producer.pgtypes import ColumnCodec
 from schemas.kafka import Writer
@@ -197,11 +197,10 @@ def event_message(event: Event, lsn: int, source: SourceBytes, seen_ms: int,
     encoding the compiled encoder (:mod:`producer.fastcodec`) reproduces."""
     route = event.route
     codec = route.codec
-    key_body = codec.encode_key(b"", event.key_values)
-    partition = partition_for(key_body, lsn + event.op_offset, partitions)
+    key = codec.encode_key(codec.key_prefix, event.key_values)
+    partition = partition_for(key, lsn + event.op_offset, partitions)
     value = codec.encode_change(codec.value_prefix, event.op, event.before, event.after, source,
                                 event.op_offset, seen_ms, event.unchanged)
-    key = codec.key_prefix + key_body if key_body is not None else None
     return (route.topic, partition), key, value
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from psycopg.conninfo import conninfo_to_dict
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from schemas.shape_filter import FilterError, compile_filter
 
@@ -74,8 +74,24 @@ class KafkaConfig(_Section):
     partitions: Annotated[int, Field(ge=1, le=10000)] = 4
     replication_factor: Annotated[int, Field(ge=1)] = 1
     schema_registry_url: str | None = None
+    # Schema Registry credentials (never logged): "user:password", or a static bearer token.
+    schema_registry_basic_auth: SecretStr | None = None
+    schema_registry_bearer_token: SecretStr | None = None
+    # Extra Schema Registry client settings (ssl.*, bearer.auth.logical.cluster, ...), passed through.
+    schema_registry_client: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    # Registry subjects: "<topic>-key|value", the record's full name, or "<topic>-<record full name>".
+    subject_name_strategy: Literal["topic", "record", "topic_record"] = "topic"
     # Extra librdkafka settings (security.protocol, sasl.*, ...), passed through.
     client: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    # Settings of the data topics walbridge creates, over its own (retention.ms=-1), e.g. cleanup.policy.
+    topic_config: dict[str, str | int] = Field(default_factory=dict)
+    # A data topic whose settings may delete changes before every consumer read them: refuse to start, or warn.
+    on_finite_retention: Literal["refuse", "warn"] = "refuse"
+    # A delete is followed by a tombstone (key, null value), so compaction can drop the key (Debezium's default).
+    tombstones_on_delete: bool = True
+    # "plain": every column a plain [null, T] field, special values (NaN, infinity, ...) in a side field;
+    # "union": special values in a string branch of the column's union (walbridge before 0.2).
+    value_layout: Literal["plain", "union"] = "plain"
 
     @field_validator("topic_prefix")
     @classmethod
@@ -90,6 +106,32 @@ class KafkaConfig(_Section):
         if v is not None and not re.match(r"^(https?|mock)://", v):
             raise ValueError("must start with http://, https:// or mock://")
         return v
+
+    @field_validator("schema_registry_basic_auth")
+    @classmethod
+    def _basic_auth(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and ":" not in v.get_secret_value():
+            raise ValueError("must be written as user:password")
+        return v
+
+    @model_validator(mode="after")
+    def _one_registry_credential(self) -> KafkaConfig:
+        given = [n for n in ("schema_registry_basic_auth", "schema_registry_bearer_token") if getattr(self, n)]
+        if len(given) > 1:
+            raise ValueError("schema_registry_basic_auth and schema_registry_bearer_token: set one, not both")
+        if given and self.schema_registry_url and re.match(r"^https?://[^/@]*@", self.schema_registry_url):
+            raise ValueError(f"{given[0]}: the schema_registry_url carries credentials as well; keep them in one place")
+        return self
+
+    def registry_client_config(self) -> dict[str, Any]:
+        """The Schema Registry client settings (secrets included: never log them)."""
+        conf: dict[str, Any] = {"url": self.schema_registry_url, **self.schema_registry_client}
+        if self.schema_registry_basic_auth is not None:
+            conf["basic.auth.user.info"] = self.schema_registry_basic_auth.get_secret_value()
+        if self.schema_registry_bearer_token is not None:
+            conf["bearer.auth.credentials.source"] = "STATIC_TOKEN"
+            conf["bearer.auth.token"] = self.schema_registry_bearer_token.get_secret_value()
+        return conf
 
 
 class ShapeConfig(_Section):

@@ -62,7 +62,18 @@ DLQ_CONTROL = "dlq"
 SCHEMAS_TOPIC_SUFFIX = "._schemas"  # writer schemas without a registry, keyed by fingerprint
 STATUS_TOPIC_SUFFIX = "._status"  # the producer's own view, for ``walbridge status``
 BACKFILLS_TOPIC_SUFFIX = "._backfills"  # backfill requests and their state
+CHECKPOINT_TOPIC_SUFFIX = "._checkpoint"  # the producer's recovery checkpoint (snapshot, coverage)
 DLQ_SUFFIX = ".dlq"  # after a data topic's name: its undecodable messages
+
+# Topic settings. The internal topics hold keyed records of which the latest per
+# key counts, needed for as long as the deployment lives: compacted, no time limit.
+INTERNAL_TOPIC_CONFIG = {"cleanup.policy": "compact", "retention.ms": "-1"}
+# A dead-letter topic keeps every message: compaction would drop a dead letter
+# whose key repeats (or reject one without a key).
+DLQ_TOPIC_CONFIG = {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"}
+# Data topics walbridge creates, unless ``[kafka.topic_config]`` says otherwise:
+# nothing is deleted before every consumer has read it, however late.
+DATA_TOPIC_CONFIG = {"retention.ms": "-1", "retention.bytes": "-1"}
 
 # Names in the target database.
 RESERVED_PREFIX = "_wb_"  # walbridge's columns; a source column may not start so
@@ -83,6 +94,16 @@ def status_topic(topic_prefix: str) -> str:
 
 def backfills_topic(topic_prefix: str) -> str:
     return topic_prefix + BACKFILLS_TOPIC_SUFFIX
+
+
+def checkpoint_topic(topic_prefix: str) -> str:
+    return topic_prefix + CHECKPOINT_TOPIC_SUFFIX
+
+
+def internal_topics(topic_prefix: str) -> list[str]:
+    """The compacted topics of a deployment (``_schemas`` exists only without a registry)."""
+    return [schemas_topic(topic_prefix), status_topic(topic_prefix), backfills_topic(topic_prefix),
+            checkpoint_topic(topic_prefix)]
 
 
 def dlq_topic(topic: str) -> str:

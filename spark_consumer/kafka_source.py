@@ -740,7 +740,8 @@ class DeadLetters:
             producer = _dlq_producers[key] = Producer({**conf, "enable.idempotence": True, "acks": "all",
                                                        "linger.ms": 5})
         if (key, self.topic) not in _dlq_topics_ready:
-            ensure_topics(AdminClient(conf), [self.topic], partitions=1, replication=-1)
+            ensure_topics(AdminClient(conf), [self.topic], partitions=1, replication=-1,
+                          config=wire.DLQ_TOPIC_CONFIG)
             _dlq_topics_ready.add((key, self.topic))
         return producer
 

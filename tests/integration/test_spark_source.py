@@ -23,7 +23,8 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from producer.envelope import ShapeCodec, ShapeColumn
-from producer.kafka_io import partition_for, producer_config
+from producer.kafka_io import producer_config
+from producer.partitioner import partition_for
 from producer.pgtypes import PgTypeInfo, column_codec
 from schemas import wire
 from schemas.kafka import ensure_topics
@@ -110,10 +111,10 @@ class ShapeTopic:
         for i in ids:
             self.lsn += 1
             values = self.row(i)
-            key_body = self.codec.encode_key(b"", values)
+            key = self.codec.encode_key(self.codec.key_prefix, values)
             envelope = self.codec.envelope(op, values if op == "d" else None, None if op == "d" else values,
                                            self.codec.source(self.lsn, 0, i, 0), 0)
-            self._produce(partition_for(key_body, 0, self.partitions), self.codec.key_prefix + key_body,
+            self._produce(partition_for(key, 0, self.partitions), key,
                           self.codec.encode_value(self.codec.value_prefix, envelope),
                           [(wire.POSITION_HEADER, wire.position_header(self.lsn, 0))])
 

@@ -9,7 +9,6 @@ a full shape, a column-limited one and a keyless relation. The reference is
 
 import itertools
 import struct
-import zlib
 
 import pytest
 
@@ -198,11 +197,6 @@ def test_filtered_relations_take_the_reference_path():
     spec = ShapeSpec("f", "wb.f", None, compile_filter("i4 > 0", {"i4": "integer"}))
     plan = RelationPlan(relation(9, KEY_COLUMNS), CODECS, tuple(KEY_COLUMNS), [spec], "wb", "app")
     assert fastcodec.relation_encoder(plan, {"wb.f": 1}) is None
-
-
-def test_crc32_is_zlibs():
-    for data in (b"", b"a", bytes(range(256)) * 3):
-        assert fastcodec._fastcodec.crc32(data) == zlib.crc32(data)
 
 
 def test_stream_source_parts_match_the_source_block():
