@@ -346,6 +346,14 @@ cdef inline int _hexval(char c):
     return -1
 
 
+cdef inline uint64_t _big_endian_u64(const uint8_t* p):
+    cdef uint64_t n = 0
+    cdef int i
+    for i in range(8):
+        n = (n << 8) | p[i]
+    return n
+
+
 # ------------------------------------------------------------------ encoders
 cdef class Route:
     """One shape of the relation: its columns, key, prefixes and the constant
@@ -590,8 +598,10 @@ cdef class RelationEncoder:
     def encode(self, bytes frame, Py_ssize_t at, int64_t op_index, int64_t lsn, int64_t xid, int64_t ts_ms,
                int64_t seen_ms):
         """The messages of the change whose pgoutput message starts at byte ``at``
-        of ``frame``: a list of ``(writer, key, value, stats key)``, one per shape
-        in shape order; None if this change must take the reference path."""
+        of ``frame``, an XLogData frame (the change's own LSN at ``at - 24``),
+        in the transaction committed at ``lsn``: a list of ``(writer, key,
+        value, stats key)``, one per shape in shape order; None if this change
+        must take the reference path."""
         cdef const char* base = PyBytes_AS_STRING(frame)
         cdef Py_ssize_t n = PyBytes_GET_SIZE(frame)
         cdef const char* p
@@ -602,8 +612,11 @@ cdef class RelationEncoder:
         cdef Route route
         cdef Buf* b
         cdef bint before, after
-        if at + 6 > n:
+        cdef int64_t change_lsn
+        if at < 24 or at + 6 > n:
             return None
+        p = base + at - 24
+        change_lsn = <int64_t>_big_endian_u64(<const uint8_t*>p)
         p = base + at
         kind = <uint8_t>p[0]
         oid = ((<unsigned int>(<uint8_t>p[1]) << 24) | (<unsigned int>(<uint8_t>p[2]) << 16)
@@ -656,7 +669,9 @@ cdef class RelationEncoder:
             _byte(b, 2)
             _long(b, xid)
             _byte(b, 2)
-            _long(b, lsn)
+            _long(b, lsn)  # commit_lsn
+            _byte(b, 2)
+            _long(b, change_lsn)  # lsn: the change's own
             _long(b, op_index)
             _byte(b, 0)  # snapshot_id: null
             _byte(b, 2)  # op: a 1-character string

@@ -29,7 +29,7 @@ from fastavro import parse_schema, schemaless_writer
 import schemas
 from producer.pgtypes import ColumnCodec
 
-ENVELOPE_VERSION = "0.1.0"
+ENVELOPE_VERSION = "0.2.0"
 
 _BAD_AVRO_CHARS = re.compile(r"[^A-Za-z0-9_]")
 
@@ -145,17 +145,21 @@ def _source_part(name: str, fields: list[dict]) -> Any:
 
 
 _SOURCE_FIELDS = schemas.load("source")["fields"]
-_OP_INDEX_AT = [f["name"] for f in _SOURCE_FIELDS].index("op_index")
-_SOURCE_HEAD = _source_part("SourceHead", _SOURCE_FIELDS[:_OP_INDEX_AT])
-_SOURCE_TAIL = _source_part("SourceTail", _SOURCE_FIELDS[_OP_INDEX_AT + 1:])
+# ``lsn`` (the change's own) and ``op_index`` vary per change; the rest per transaction.
+_LSN_AT = [f["name"] for f in _SOURCE_FIELDS].index("lsn")
+assert _SOURCE_FIELDS[_LSN_AT + 1]["name"] == "op_index"
+_SOURCE_HEAD = _source_part("SourceHead", _SOURCE_FIELDS[:_LSN_AT])
+_SOURCE_TAIL = _source_part("SourceTail", _SOURCE_FIELDS[_LSN_AT + 2:])
 
 
 @dataclass(frozen=True)
 class SourceBytes:
-    """Encoded ``source`` fields before and after ``op_index``."""
+    """Encoded ``source`` fields before ``lsn`` and after ``op_index``, and the
+    ``lsn`` of a change that does not say its own (snapshot and backfill reads)."""
 
     head: bytes
     tail: bytes
+    lsn: int
 
 
 @dataclass
@@ -218,30 +222,34 @@ class ShapeCodec:
         return _SECOND_BRANCH + self._encode(self._row_parsed, b"", self.row(values))
 
     def encode_change(self, prefix: bytes, op: str, before: tuple | None, after: tuple | None,
-                      source: SourceBytes, op_index: int, ts_ms: int, unchanged: tuple[int, ...] = ()) -> bytes:
+                      source: SourceBytes, op_index: int, ts_ms: int, unchanged: tuple[int, ...] = (),
+                      change_lsn: int | None = None) -> bytes:
         """The envelope's bytes, composed field by field: an Avro record is the
         concatenation of its fields, so the rows are encoded by fastavro and the
         transaction-constant ``source`` block is reused (encoding is the
-        producer's hot path). Equal to :meth:`encode_value` of :meth:`envelope`."""
+        producer's hot path). ``change_lsn``: the change's own LSN (default:
+        ``source.lsn``). Equal to :meth:`encode_value` of :meth:`envelope`."""
         names = [self._toast_names[i] for i in unchanged if i in self._toast_names] if unchanged else ()
         return b"".join((
             prefix, self._row_bytes(before), self._row_bytes(after),
-            source.head, avro_long(op_index), source.tail,
+            source.head, _SECOND_BRANCH, avro_long(source.lsn if change_lsn is None else change_lsn),
+            avro_long(op_index), source.tail,
             _OPS.get(op) or avro_string(op), _SECOND_BRANCH, avro_long(ts_ms),
             avro_string_array(names),
         ))
 
     def source_bytes(self, lsn: int, xid: int | None, ts_ms: int, snapshot: bool | str = False,
                      snapshot_id: str | None = None) -> SourceBytes:
-        """The ``source`` block around ``op_index``, once per transaction."""
+        """The ``source`` block around ``lsn`` and ``op_index``, once per
+        transaction (``lsn``: its commit LSN, or a snapshot's consistent point)."""
         src = self.source(lsn, 0, xid, ts_ms, snapshot, snapshot_id)
-        return SourceBytes(self._encode(_SOURCE_HEAD, b"", src), self._encode(_SOURCE_TAIL, b"", src))
+        return SourceBytes(self._encode(_SOURCE_HEAD, b"", src), self._encode(_SOURCE_TAIL, b"", src), lsn)
 
     def stream_source_parts(self) -> tuple[bytes, bytes]:
         """The constant parts of a streamed change's ``source`` block: the bytes
         before ``ts_ms`` and those between ``ts_ms`` and ``txId`` (the compiled
-        encoder splices the transaction's values in between; equal to
-        :meth:`source_bytes` for any ``lsn``, ``xid`` and ``ts_ms``)."""
+        encoder splices the transaction's and the change's values in between;
+        equal to :meth:`source_bytes` for any ``lsn``, ``xid`` and ``ts_ms``)."""
         head = avro_string(ENVELOPE_VERSION) + avro_string("walbridge") + avro_string(self.topic_prefix)
         mid = (_SECOND_BRANCH + avro_string("false") + avro_string(self.db) + avro_string(self.schema)
                + avro_string(self.table) + avro_string(self.shape))
@@ -252,16 +260,19 @@ class ShapeCodec:
         return self._toast_names.get(index)
 
     def source(self, lsn: int, op_index: int, xid: int | None, ts_ms: int,
-               snapshot: bool | str = False, snapshot_id: str | None = None) -> dict:
-        """``snapshot``: True (initial snapshot), False (streamed), or Debezium's
-        string for the kind of read (``"incremental"`` for backfills)."""
+               snapshot: bool | str = False, snapshot_id: str | None = None, change_lsn: int | None = None) -> dict:
+        """``lsn``: the commit LSN (position part 1); ``change_lsn``: the change's
+        own (default ``lsn``). ``snapshot``: True (initial snapshot), False
+        (streamed), or Debezium's string for the kind of read (``"incremental"``
+        for backfills)."""
         if not isinstance(snapshot, str):
             snapshot = "true" if snapshot else "false"
         return {
             "version": ENVELOPE_VERSION, "connector": "walbridge", "name": self.topic_prefix,
             "ts_ms": ts_ms, "snapshot": snapshot, "db": self.db,
             "schema": self.schema, "table": self.table, "shape": self.shape, "txId": xid,
-            "lsn": lsn, "op_index": op_index, "snapshot_id": snapshot_id,
+            "commit_lsn": lsn, "lsn": lsn if change_lsn is None else change_lsn, "op_index": op_index,
+            "snapshot_id": snapshot_id,
         }
 
     def envelope(self, op: str, before: tuple | None, after: tuple | None, source: dict,

@@ -127,6 +127,7 @@ class Pipeline:
         self._tx_done_writers: set[Writer] = set()
         self._tx_sources: dict[str, Any] = {}
         self._tx_seen_ms = 0
+        self._change_lsn = 0  # WAL position of the message being handled (source.lsn)
         self._streaming = False
         self._last_status = 0.0
 
@@ -263,9 +264,10 @@ class Pipeline:
                 if frame is None:
                     idle = True
                     break
-                if frame[0] == 0x77:  # XLogData: a pgoutput message from byte 25 on
+                if frame[0] == 0x77:  # XLogData: the message's own LSN at byte 1, a pgoutput message from 25 on
                     if len(frame) > 30 and frame[25] in CHANGE_KINDS and fast_change(frame):
                         continue
+                    self._change_lsn = int.from_bytes(frame[1:9], "big")
                     handle(decode(frame[25:]))
                 else:
                     keepalive(decode_frame(frame))
@@ -392,7 +394,8 @@ class Pipeline:
         source = self._tx_sources.get(route.name)
         if source is None:
             source = self._tx_sources[route.name] = route.codec.source_bytes(lsn, tx.xid, self._tx_ts_ms)
-        writer, key, value = event_message(event, lsn, source, self._tx_seen_ms, self.partitions[route.topic])
+        writer, key, value = event_message(event, lsn, self._change_lsn, source, self._tx_seen_ms,
+                                           self.partitions[route.topic])
         if self._already_in_kafka(writer, lsn, event.op_offset):
             return
         self._send(writer, key, value, [(wire.POSITION_HEADER, wire.position_header(lsn, event.op_offset))])
@@ -405,7 +408,8 @@ class Pipeline:
         tx = self._tx
         codec = route.codec
         source = codec.source_bytes(tx.final_lsn, tx.xid, self._tx_ts_ms)
-        value = codec.encode_change(codec.value_prefix, "t", None, None, source, self._op, int(time.time() * 1000))
+        value = codec.encode_change(codec.value_prefix, "t", None, None, source, self._op, int(time.time() * 1000),
+                                    (), self._change_lsn)
         headers = [(wire.POSITION_HEADER, wire.position_header(tx.final_lsn, self._op))]
         for p in range(self.partitions[route.topic]):
             writer = (route.topic, p)

@@ -190,17 +190,18 @@ class RelationPlan:
         return 1
 
 
-def event_message(event: Event, lsn: int, source: SourceBytes, seen_ms: int,
+def event_message(event: Event, lsn: int, change_lsn: int, source: SourceBytes, seen_ms: int,
                   partitions: int) -> tuple[Writer, bytes | None, bytes]:
-    """The Kafka message of a streamed event: (writer, key, value), the key on
-    its partition (keyless rows spread by position). This is the reference
+    """The Kafka message of a streamed event of the transaction committed at
+    ``lsn``, whose change sits at ``change_lsn``: (writer, key, value), the key
+    on its partition (keyless rows spread by position). This is the reference
     encoding the compiled encoder (:mod:`producer.fastcodec`) reproduces."""
     route = event.route
     codec = route.codec
     key = codec.encode_key(codec.key_prefix, event.key_values)
     partition = partition_for(key, lsn + event.op_offset, partitions)
     value = codec.encode_change(codec.value_prefix, event.op, event.before, event.after, source,
-                                event.op_offset, seen_ms, event.unchanged)
+                                event.op_offset, seen_ms, event.unchanged, change_lsn)
     return (route.topic, partition), key, value
 
 

@@ -457,7 +457,8 @@ cdef class RowAssembler:
             return None
         if (lsn is None or snapshot is None) and source is not None:
             if lsn is None:
-                lsn, op_index = (<list>source)[0], (<list>source)[1]
+                lsn = (<list>source)[0] if (<list>source)[3] is None else (<list>source)[3]
+                op_index = (<list>source)[1]
             if snapshot is None:
                 snapshot = (<list>source)[2]
         if op == "d":

@@ -44,7 +44,8 @@ Then walbridge's bookkeeping columns (``BOOKKEEPING``), all nullable unless note
 
 - ``_wb_op`` string: c, u, d, r, t; null on control rows.
 - ``_wb_lsn`` long, ``_wb_op_index`` long: the position (commit LSN, op index),
-  from the ``wb.pos`` header (else the envelope's ``source``). Set on control
+  from the ``wb.pos`` header (else the envelope's ``source.commit_lsn`` and
+  ``op_index``; writers before 0.2.0: ``source.lsn``). Set on control
   rows; null only on DLQ rows without a readable ``wb.pos``.
 - ``_wb_topic`` string, ``_wb_partition`` int, ``_wb_offset`` long: where the
   message is. Never null.
@@ -529,7 +530,7 @@ class BatchBuilder:
     def _envelope(self, value: bytes) -> list:
         """The envelope's parts as ``fastdecode.ENVELOPE_SLOTS`` orders them:
         [before, after, source, op, ts_ms, unchanged_toast], rows as lists in
-        the layout's column order, source as [lsn, op_index, snapshot_id]."""
+        the layout's column order, source as [lsn, op_index, snapshot_id, commit_lsn]."""
         parsed, body_offset, reader = self._writer(value)
         if reader is not None:
             try:
@@ -541,7 +542,7 @@ class BatchBuilder:
         before, after, source = env.get("before"), env.get("after"), env.get("source") or {}
         return [None if before is None else [before.get(f) for f in fields],
                 None if after is None else [after.get(f) for f in fields],
-                [source.get("lsn"), source.get("op_index"), source.get("snapshot_id")],
+                [source.get("lsn"), source.get("op_index"), source.get("snapshot_id"), source.get("commit_lsn")],
                 env.get("op"), env.get("ts_ms"), env.get("unchanged_toast")]
 
     def add(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
@@ -582,7 +583,7 @@ class BatchBuilder:
             raise UndecodableMessage(f"envelope op {op!r} is not one of c, u, d, r, t")
         if (lsn is None or snapshot is None) and source is not None:
             if lsn is None:
-                lsn, op_index = source[0], source[1]
+                lsn, op_index = source[0] if source[3] is None else source[3], source[1]
             if snapshot is None:
                 snapshot = source[2]
         row = before if op == "d" else after

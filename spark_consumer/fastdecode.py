@@ -46,8 +46,9 @@ MAX_UNSCALED_PRECISION = _fastdecode.MAX_UNSCALED_PRECISION if AVAILABLE else 0
 
 # Slots of the envelope list ``EnvelopeReader.read`` returns.
 ENVELOPE_SLOTS = {"before": 0, "after": 1, "source": 2, "op": 3, "ts_ms": 4, "unchanged_toast": 5}
-# Slots of its ``source`` list.
-SOURCE_SLOTS = {"lsn": 0, "op_index": 1, "snapshot_id": 2}
+# Slots of its ``source`` list: the position is (commit_lsn, op_index); writers
+# before 0.2.0 have no commit_lsn and put the commit LSN in lsn.
+SOURCE_SLOTS = {"lsn": 0, "op_index": 1, "snapshot_id": 2, "commit_lsn": 3}
 
 
 def _full_name(schema: dict, namespace: str | None) -> str:

@@ -32,13 +32,22 @@ ROW = (7, "unused", "hé", Decimal("1.25"), datetime.datetime(2024, 1, 1, tzinfo
 @pytest.mark.parametrize("op_index", [0, 1, 63, 64, 300, 2**40])
 def test_composed_encoding_equals_fastavro(op, before, after, unchanged, op_index):
     c = codec()
-    src = c.source(0x16B3748, op_index, 991, 1_700_000_000_000)
+    src = c.source(0x16B3748, op_index, 991, 1_700_000_000_000, change_lsn=0x16B3000)
     reference = c.encode_value(b"P", c.envelope(op, before, after, src, 1_700_000_000_123, list(unchanged)))
     composed = c.encode_change(b"P", op, before, after, c.source_bytes(0x16B3748, 991, 1_700_000_000_000),
-                               op_index, 1_700_000_000_123, unchanged)
+                               op_index, 1_700_000_000_123, unchanged, change_lsn=0x16B3000)
     assert composed == reference
     decoded = schemaless_reader(io.BytesIO(composed[1:]), parse_schema(c.value_schema), None)
     assert decoded["source"]["op_index"] == op_index and decoded["op"] == op
+    # Debezium's meaning: source.lsn is the change's own LSN; the position's LSN is the commit's.
+    assert decoded["source"]["lsn"] == 0x16B3000 and decoded["source"]["commit_lsn"] == 0x16B3748
+
+
+def test_reads_carry_the_snapshot_point_as_both_lsns():
+    c = codec()
+    value = c.encode_change(b"", "r", None, ROW, c.source_bytes(0x5000, None, 0, True, "s@0/5000"), 0, 1)
+    source = schemaless_reader(io.BytesIO(value), parse_schema(c.value_schema), None)["source"]
+    assert source["lsn"] == source["commit_lsn"] == 0x5000 and source["snapshot"] == "true"
 
 
 @pytest.mark.parametrize("n", [0, 1, -1, 63, -64, 64, 2**31, -(2**63), 2**63 - 1])

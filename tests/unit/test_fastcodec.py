@@ -88,6 +88,7 @@ KEY_COLUMNS = ["i4", "t", "d", "tz", "n12", "u"]
 NAMES = [c[0] for c in COLUMNS]
 CODECS = [column_codec(c[1]) for c in COLUMNS]
 LSN, XID, TS_MS, SEEN_MS = 0x1_2345_6789, 987_654, 1_732_000_000_123, 1_732_000_000_456
+CHANGE_LSN = 0x1_2345_0001  # a change's own LSN: before its transaction's commit
 PARTITIONS = 5
 
 
@@ -132,8 +133,8 @@ def tuple_data(values) -> bytes:
 
 
 def frame(payload: bytes) -> bytes:
-    """An XLogData frame around a pgoutput message (the header is not read)."""
-    return b"w" + bytes(24) + payload
+    """An XLogData frame around a pgoutput message: its own LSN, WAL end, clock."""
+    return b"w" + struct.pack("!QQQ", CHANGE_LSN, CHANGE_LSN + 100, 0) + payload
 
 
 def changes(oid: int, keyed: bool):
@@ -154,7 +155,7 @@ def reference(plan: RelationPlan, change, op_index: int) -> list:
     out = []
     for event in plan.events(change, op_index):
         source = event.route.codec.source_bytes(LSN, XID, TS_MS)
-        writer, key, value = event_message(event, LSN, source, SEEN_MS, PARTITIONS)
+        writer, key, value = event_message(event, LSN, CHANGE_LSN, source, SEEN_MS, PARTITIONS)
         out.append((writer, key, value, (event.route.name, event.op)))
     return out
 
@@ -207,5 +208,5 @@ def test_stream_source_parts_match_the_source_block():
 
     src = codec.source_bytes(LSN, XID, TS_MS)
     assert src.head == head + avro_long(TS_MS) + mid + b"\x02" + avro_long(XID) + b"\x02" + avro_long(LSN)
-    assert src.tail == b"\x00"
+    assert src.tail == b"\x00" and src.lsn == LSN
     assert avro_string("x") == b"\x02x"

@@ -7,6 +7,7 @@ ones the real producer writes."""
 from __future__ import annotations
 
 import datetime as dt
+import io
 import json
 import pickle
 import re
@@ -15,6 +16,7 @@ from decimal import Decimal
 
 import pyarrow as pa
 import pytest
+from fastavro import parse_schema, schemaless_writer
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, ReadMinRows
 from pyspark.sql.types import (
@@ -369,9 +371,30 @@ def test_snapshot_id_falls_back_to_the_envelope_source():
 def test_position_falls_back_to_the_envelope_source():
     shape = Shape()
     b = shape.builder()
-    b.add(TOPIC, 0, 0, None, shape.value("c", after=ROW, lsn=77, op_index=4), None)
+    source = shape.codec.source(77, 4, 5, 0, change_lsn=70)  # the change's own LSN is not the position's
+    value = shape.codec.encode_value(shape.value_prefix, shape.codec.envelope("c", None, ROW, source, 0))
+    b.add(TOPIC, 0, 0, None, value, None)
     [row] = b.rows()
     assert (row["_wb_lsn"], row["_wb_op_index"]) == (77, 4)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "fastavro"])
+def test_position_of_a_writer_before_commit_lsn_is_its_source_lsn(compiled):
+    """Before 0.2.0 ``source.lsn`` held the commit LSN and there was no
+    ``commit_lsn``: such messages keep their position."""
+    shape = Shape()
+    old = json.loads(json.dumps(shape.codec.value_schema))
+    source = old["fields"][2]["type"]
+    source["fields"] = [f for f in source["fields"] if f["name"] != "commit_lsn"]
+    prefix = shape.publish(old)
+    envelope = shape.codec.envelope("c", None, ROW, shape.codec.source(88, 2, 5, 0, change_lsn=80), 0)
+    buf = io.BytesIO()
+    schemaless_writer(buf, parse_schema(old), {**envelope, "source": {**envelope["source"], "lsn": 88}})
+    layout = shape.layout
+    b = BatchBuilder(layout, WriterSchemas(layout, shape.lookup, shape.known(), compiled=compiled))
+    b.add(TOPIC, 0, 0, None, prefix + buf.getvalue(), None)
+    [row] = b.rows()
+    assert (row["_wb_lsn"], row["_wb_op_index"], row["id"]) == (88, 2, 7)
 
 
 @pytest.mark.parametrize("case", ["bad prefix", "unknown schema", "corrupt body", "trailing bytes",
