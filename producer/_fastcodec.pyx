@@ -371,13 +371,14 @@ cdef class Route:
     cdef list writers  # writer tuple per partition
     cdef dict stats  # op -> stats key
     cdef list toast_names  # per relation column: Avro string bytes of its field name, or None
+    cdef bint tombstones  # a delete is followed by its key's tombstone
 
     def __cinit__(self):
         self.cols = NULL
         self.keys = NULL
 
     def __init__(self, cols, keys, bytes value_prefix, key_prefix, bytes source_head, bytes source_mid,
-                 list writers, dict stats, list toast_names):
+                 list writers, dict stats, list toast_names, bint tombstones):
         cdef int i
         self.ncols = len(cols)
         self.nkeys = len(keys)
@@ -397,6 +398,7 @@ cdef class Route:
         self.partitions = len(writers)
         self.stats = stats
         self.toast_names = toast_names
+        self.tombstones = tombstones
 
     def __dealloc__(self):
         free(self.cols)
@@ -600,8 +602,9 @@ cdef class RelationEncoder:
         """The messages of the change whose pgoutput message starts at byte ``at``
         of ``frame``, an XLogData frame (the change's own LSN at ``at - 24``),
         in the transaction committed at ``lsn``: a list of ``(writer, key,
-        value, stats key)``, one per shape in shape order; None if this change
-        must take the reference path."""
+        value, stats key)``, one per shape in shape order, a keyed delete
+        followed by its tombstone ``(writer, key, None, None)`` where the route
+        wants them; None if this change must take the reference path."""
         cdef const char* base = PyBytes_AS_STRING(frame)
         cdef Py_ssize_t n = PyBytes_GET_SIZE(frame)
         cdef const char* p
@@ -692,4 +695,6 @@ cdef class RelationEncoder:
             _byte(b, 0)
             value = PyBytes_FromStringAndSize(b.data, b.len)
             out.append((route.writers[partition], key, value, route.stats[op]))
+            if kind == 0x44 and key is not None and route.tombstones:
+                out.append((route.writers[partition], key, None, None))
         return out

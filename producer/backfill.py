@@ -342,7 +342,7 @@ class Backfills:
         # Every read is produced: end the backfill on every partition, after its reads.
         topic = bf.route.topic
         writers = [(topic, p) for p in range(self._partitions[topic])]
-        self._reads.send_end(writers, bf.headers, wire.BACKFILL_END,
+        self._reads.send_end(writers, bf.headers, wire.BACKFILL_END, bf.backfill_id,
                              {"backfill_id": bf.backfill_id, "shape": bf.shape, "lsn": lsn,
                               "partitions": self._partitions[topic], "rows": bf.sent, "scope": bf.request.get("scope")})
         bf.end_counts = {w: self._ledger.produced[w] for w in writers}

@@ -20,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import io
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,20 +27,9 @@ from fastavro import parse_schema, schemaless_writer
 
 import schemas
 from producer.pgtypes import ColumnCodec
+from schemas.wire import avro_name, avro_namespace
 
 ENVELOPE_VERSION = "0.2.0"
-
-_BAD_AVRO_CHARS = re.compile(r"[^A-Za-z0-9_]")
-
-
-def avro_name(name: str) -> str:
-    clean = _BAD_AVRO_CHARS.sub("_", name)
-    return clean if clean and not clean[0].isdigit() else f"_{clean}"
-
-
-def avro_namespace(*parts: str) -> str:
-    return ".".join(avro_name(seg) for part in parts for seg in part.split("."))
-
 
 @dataclass(frozen=True)
 class ShapeColumn:
@@ -127,6 +115,12 @@ def avro_long(n: int) -> bytes:
 def avro_string(text: str) -> bytes:
     data = text.encode()
     return avro_long(len(data)) + data
+
+
+def control_key(prefix: bytes, event: str, event_id: str) -> bytes:
+    """An ``io.walbridge.ControlKey`` (``schemas/control_key.avsc``: two
+    strings) behind its wire prefix."""
+    return prefix + avro_string(event) + avro_string(event_id)
 
 
 def avro_string_array(items) -> bytes:

@@ -41,10 +41,11 @@ def _column_spec(name: str, codec) -> tuple:
             field_encoder(column, nullable=True), field_encoder(column, nullable=False))
 
 
-def relation_encoder(plan: RelationPlan, partitions: dict[str, int]):
+def relation_encoder(plan: RelationPlan, partitions: dict[str, int], tombstones: bool = True):
     """The compiled encoder of ``plan``'s relation, or None where the reference
     path must take every change (no extension, a filtered shape, no shape).
-    Call after the shapes' writer schemas are registered (it copies the prefixes)."""
+    ``tombstones``: a delete is followed by its key's tombstone. Call after the
+    shapes' writer schemas are registered (it copies the prefixes)."""
     if _fastcodec is None or plan.filtered or not plan.routes:
         return None
     relation = plan.relation
@@ -59,5 +60,5 @@ def relation_encoder(plan: RelationPlan, partitions: dict[str, int]):
         routes.append(_fastcodec.Route(
             list(codec.indexes), keys, codec.value_prefix, codec.key_prefix, head, mid, writers,
             {op: (route.name, op) for op in "cud"},
-            [avro_string(n) if n is not None else None for n in toast_names]))
+            [avro_string(n) if n is not None else None for n in toast_names], tombstones))
     return _fastcodec.RelationEncoder(relation.oid, columns, routes)

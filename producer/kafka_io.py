@@ -52,6 +52,7 @@ class Tail:
     position: tuple[int, int]
     control: str | None  # e.g. "snapshot_end" when the last message is a control event
     snapshot_id: str | None  # set on snapshot reads
+    tombstone: bool = False  # a delete's tombstone (it follows the delete, at its position)
 
 
 def _tail_of(msg: Any) -> Tail | None:
@@ -64,7 +65,7 @@ def _tail_of(msg: Any) -> Tail | None:
     control = wire.header(headers, wire.CONTROL_HEADER)
     snap = wire.header(headers, wire.SNAPSHOT_HEADER)
     return Tail(msg.offset(), wire.parse_position(pos), control.decode() if control else None,
-                snap.decode() if snap else None)
+                snap.decode() if snap else None, control is None and msg.value() is None)
 
 
 def read_tails(conf: dict[str, Any], writers: Iterable[Writer], timeout: float = 30.0) -> dict[Writer, Tail | None]:

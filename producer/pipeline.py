@@ -64,6 +64,7 @@ from producer import catalog, pgoutput
 from producer.acks import Acks
 from producer.backfill import Backfills
 from producer.catalog import TableInfo
+from producer.envelope import control_key
 from producer.fastcodec import CHANGE_KINDS, relation_encoder
 from producer.flush_tracker import LogOffset
 from producer.kafka_io import Tail, producer_config, read_tails
@@ -100,7 +101,9 @@ class Pipeline:
         self._kafka_conf = kafka_conf
         self.admin = AdminClient(kafka_conf)
         self.kafka = Producer(producer_config(kafka_conf))
-        self.schemas = SchemaPublisher(self.kafka, config.kafka.topic_prefix, config.kafka.schema_registry_url)
+        self.schemas = SchemaPublisher(self.kafka, config.kafka.topic_prefix,
+                                       config.kafka.registry_client_config() if config.kafka.schema_registry_url
+                                       else None, config.kafka.subject_name_strategy)
         self.acks = Acks(config, self.admin, kafka_conf)
         self.ledger = self.acks.ledger  # the stream's own reference: it counts every message
         self.partitions: dict[str, int] = {}
@@ -128,6 +131,7 @@ class Pipeline:
         self._tx_sources: dict[str, Any] = {}
         self._tx_seen_ms = 0
         self._change_lsn = 0  # WAL position of the message being handled (source.lsn)
+        self._tombstones = config.kafka.tombstones_on_delete
         self._streaming = False
         self._last_status = 0.0
 
@@ -161,7 +165,7 @@ class Pipeline:
     def _assemble(self) -> None:
         """The parts around the stream, on the prepared source and topics."""
         cfg = self.config
-        reads = Reads(self._send, self.partitions, self.stats.events)
+        reads = Reads(self._send, self.partitions, self.stats.events, self._control_key)
         self.snapshot = InitialSnapshot(cfg, self.catalog_conn, self.tables, self._plan_table, reads)
         self.backfills = Backfills(cfg, self.kafka, self._kafka_conf, self.catalog_conn, self.tables,
                                    self._plan_table, reads, self.ledger)
@@ -303,7 +307,7 @@ class Pipeline:
         events, tx_writers = self.stats.events, self._tx_writers
         produce, on_delivery, produced = self.kafka.produce, self.ledger.on_delivery, self.ledger.produced
         for writer, key, value, stat in messages:
-            if replay and self._already_in_kafka(writer, lsn, op):
+            if replay and self._already_in_kafka(writer, lsn, op, value is None):
                 continue
             try:  # _send, unrolled: this runs once per message
                 produce(writer[0], value, key, partition=writer[1], headers=headers, on_delivery=on_delivery)
@@ -311,7 +315,8 @@ class Pipeline:
             except BufferError:
                 self._send(writer, key, value, headers)
             tx_writers.add(writer)
-            events[stat] += 1
+            if stat is not None:  # None: a delete's tombstone, not an event
+                events[stat] += 1
         return True
 
     def _handle(self, msg: pgoutput.Message) -> None:
@@ -333,7 +338,7 @@ class Pipeline:
             self._commit(msg)
         elif isinstance(msg, Relation):
             plan = self.relations[msg.oid] = self._plan_relation(msg)
-            encoder = relation_encoder(plan, self.partitions)
+            encoder = relation_encoder(plan, self.partitions, self._tombstones)
             if encoder is not None:
                 self._encoders[msg.oid] = encoder
             else:
@@ -377,8 +382,8 @@ class Pipeline:
         return self._type_cache[key]
 
     def _register(self, codec, topic: str) -> None:
-        codec.value_prefix = self.schemas.prefix(f"{topic}-value", codec.value_schema)
-        codec.key_prefix = (self.schemas.prefix(f"{topic}-key", codec.key_schema)
+        codec.value_prefix = self.schemas.prefix(topic, codec.value_schema)
+        codec.key_prefix = (self.schemas.prefix(topic, codec.key_schema, is_key=True)
                             if codec.key_schema is not None else None)
 
     def _plan_table(self, table: TableInfo) -> RelationPlan:
@@ -396,11 +401,20 @@ class Pipeline:
             source = self._tx_sources[route.name] = route.codec.source_bytes(lsn, tx.xid, self._tx_ts_ms)
         writer, key, value = event_message(event, lsn, self._change_lsn, source, self._tx_seen_ms,
                                            self.partitions[route.topic])
-        if self._already_in_kafka(writer, lsn, event.op_offset):
-            return
-        self._send(writer, key, value, [(wire.POSITION_HEADER, wire.position_header(lsn, event.op_offset))])
-        self._tx_writers.add(writer)
-        self.stats.events[(route.name, event.op)] += 1
+        position = [(wire.POSITION_HEADER, wire.position_header(lsn, event.op_offset))]
+        if not self._already_in_kafka(writer, lsn, event.op_offset):
+            headers = position
+            if event.peer is not None:  # a primary-key change, as Debezium marks it
+                codec = route.codec
+                headers = position + [(wire.NEW_KEY_HEADER if event.op == "d" else wire.OLD_KEY_HEADER,
+                                       codec.encode_key(codec.key_prefix, event.peer))]
+            self._send(writer, key, value, headers)
+            self._tx_writers.add(writer)
+            self.stats.events[(route.name, event.op)] += 1
+        if (event.op == "d" and key is not None and self._tombstones
+                and not self._already_in_kafka(writer, lsn, event.op_offset, tombstone=True)):
+            self._send(writer, key, None, position)
+            self._tx_writers.add(writer)
 
     def _produce_truncate(self, route) -> None:
         """TRUNCATE reaches every partition of the shape's topic (rows of every
@@ -411,20 +425,27 @@ class Pipeline:
         value = codec.encode_change(codec.value_prefix, "t", None, None, source, self._op, int(time.time() * 1000),
                                     (), self._change_lsn)
         headers = [(wire.POSITION_HEADER, wire.position_header(tx.final_lsn, self._op))]
+        key = self._control_key(route.topic, wire.TRUNCATE_KEY_EVENT, f"{pgoutput.lsn_to_str(tx.final_lsn)}:{self._op}")
         for p in range(self.partitions[route.topic]):
             writer = (route.topic, p)
             if not self._already_in_kafka(writer, tx.final_lsn, self._op):
-                self._send(writer, None, value, headers)
+                self._send(writer, key, value, headers)
                 self._tx_writers.add(writer)
         self.stats.events[(route.name, "t")] += 1
 
-    def _already_in_kafka(self, writer: Writer, lsn: int, op: int) -> bool:
+    def _already_in_kafka(self, writer: Writer, lsn: int, op: int, tombstone: bool = False) -> bool:
+        """Does ``writer`` hold the message at (lsn, op) already (a replay)? A
+        delete's tombstone shares its position and comes after it."""
         tail = self.tails.get(writer)
-        if tail is not None and (lsn, op) <= tail.position:
+        if tail is not None and ((lsn, op) < tail.position
+                                 or ((lsn, op) == tail.position and (tail.tombstone or not tombstone))):
             self.stats.skipped_replayed += 1
             self._tx_done_writers.add(writer)
             return True
         return False
+
+    def _control_key(self, topic: str, event: str, event_id: str) -> bytes:
+        return control_key(self.schemas.control_key_prefix(topic), event, event_id)
 
     def _send(self, writer: Writer, key: bytes | None, value: bytes | None, headers: list) -> None:
         while True:

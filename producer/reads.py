@@ -13,7 +13,7 @@ Invariants:
   replication connection alive) and count as ``r`` events of their shape.
 - The control event (``snapshot_end``, ``backfill_end``) goes to each given
   partition after every read sent before it: the idempotent producer keeps
-  per-partition order.
+  per-partition order. Its key is a ControlKey naming the event and its id.
 """
 
 from __future__ import annotations
@@ -27,15 +27,19 @@ from schemas import wire
 from schemas.kafka import Writer
 
 Send = Callable[[Writer, bytes | None, bytes | None, list], None]
+# (topic, event, id) → the ControlKey of a control event on that topic, as written.
+ControlKey = Callable[[str, str, str], bytes]
 
 
 class Reads:
     """Sends rows read from the source, and the control event after them."""
 
-    def __init__(self, send: Send, partitions: dict[str, int], events: dict[tuple[str, str], int]):
+    def __init__(self, send: Send, partitions: dict[str, int], events: dict[tuple[str, str], int],
+                 control_key: ControlKey):
         self._send = send
         self.partitions = partitions  # topic → partition count
         self._events = events  # (shape, op) → count, the stream's own
+        self._control_key = control_key
 
     def send_rows(self, plan: RelationPlan, routes: list[ShapeRoute], rows: list, sources: dict[str, bytes],
                   headers: list, now_ms: int, sent: int) -> int:
@@ -58,10 +62,11 @@ class Reads:
                     sent += 1
         return sent
 
-    def send_end(self, writers: list[Writer], headers: list, control: str, info: dict) -> None:
-        """The control event ``control`` (a Kafka tombstone carrying ``info``)
-        on each of ``writers``, after the reads."""
+    def send_end(self, writers: list[Writer], headers: list, control: str, event_id: str, info: dict) -> None:
+        """The control event ``control`` of the snapshot or backfill
+        ``event_id`` (a Kafka tombstone carrying ``info``) on each of
+        ``writers``, after the reads."""
         headers = headers + [(wire.CONTROL_HEADER, control.encode()),
                              (wire.CONTROL_INFO_HEADER, json.dumps(info).encode())]
         for writer in writers:
-            self._send(writer, None, None, headers)
+            self._send(writer, self._control_key(writer[0], control, event_id), None, headers)

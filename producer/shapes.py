@@ -18,6 +18,8 @@ Invariants:
   row is sent to every shape of the table for the same reason.
 - Column-limited shapes only see their columns; an UPDATE that changed none of a
   shape's columns is still sent (pgoutput does not say which columns changed).
+- A key-changing UPDATE's two events name each other (``Event.peer``), for
+  Debezium's ``__debezium.newkey``/``oldkey`` headers.
 - Unchanged TOAST values are None in ``after`` and listed in ``unchanged``, never
   sent as placeholders. With REPLICA IDENTITY FULL the old row holds them, so they
   are filled in and sent. A filter that needs one is evaluated on the value read
@@ -65,6 +67,9 @@ class Event:
     before: tuple | None
     after: tuple | None
     unchanged: tuple[int, ...] = ()
+    # A primary-key change's other half: the relation tuple of the new key (on
+    # the delete) or of the old one (on the create), for Debezium's headers.
+    peer: tuple | None = None
 
 
 class RelationPlan:
@@ -165,11 +170,13 @@ class RelationPlan:
             was_in = self._matches(route, old_row) if full_old else None
             now_in = self._matches(route, new_row)
             if key_changed:
-                # A new key is a different row: delete the old one, insert the new.
+                # A new key is a different row: delete the old one, insert the new
+                # (each naming the other's key when the shape sees both).
+                both = was_in is not False and now_in
                 if was_in is not False:
-                    yield Event(route, "d", op_offset, old, old, None)
+                    yield Event(route, "d", op_offset, old, old, None, (), new if both else None)
                 if now_in:
-                    yield Event(route, "c", op_offset + 1, new, None, new, unchanged)
+                    yield Event(route, "c", op_offset + 1, new, None, new, unchanged, old if both else None)
                 continue
             if was_in is None:  # old row unknown
                 if now_in:

@@ -204,7 +204,7 @@ class InitialSnapshot:
         pieces = plan_pieces(work, source.snapshot_workers)
         rows = run_snapshot(source.dsn, snapshot_name, pieces, source.snapshot_workers, emit)
         flush()
-        self._reads.send_end(writers, headers, wire.SNAPSHOT_END,
+        self._reads.send_end(writers, headers, wire.SNAPSHOT_END, snapshot_id,
                              {"snapshot_id": snapshot_id, "lsn": lsn, "rows": rows})
         flush()
         self.progress.update(rows=rows, done=True, finished=time.time())

@@ -2,10 +2,16 @@
 
 Invariants:
 - A schema is findable before the first message that uses it is produced:
-  registered in the Schema Registry (Confluent wire format), or, without one,
-  delivered to ``<prefix>._schemas`` keyed by its fingerprint (single-object
-  encoding) — :mod:`schemas.reader` is the other side of both.
+  registered in the Schema Registry under the subject its strategy names
+  (:mod:`schemas.registry`; Confluent wire format), or, without one,
+  delivered to ``<prefix>._schemas`` keyed by its fingerprint with the
+  subject ``<topic>-key``/``<topic>-value`` (``io.walbridge.ControlKey`` for
+  the control key) in ``wb.subject`` (single-object encoding) —
+  :mod:`schemas.reader` is the other side of both.
 - Each (subject, schema) is published once per publisher; the wire prefix is cached.
+- A registry that refuses a schema (incompatible with the subject's latest
+  version, no permission) stops the producer with the subject and the
+  registry's own reason, the registry's URL shown without credentials.
 """
 
 from __future__ import annotations
@@ -14,33 +20,66 @@ import time
 
 from confluent_kafka import Producer
 from confluent_kafka.schema_registry import Schema
+from confluent_kafka.schema_registry.error import SchemaRegistryError
 
+import schemas
 from schemas import wire
-from schemas.registry import registry_client
+from schemas.config import redact_dsn
+from schemas.registry import RegistryConf, control_key_subject, registry_client, subject_name
 
 PUBLISH_TIMEOUT_S = 30.0
+
+CONTROL_KEY_SCHEMA = schemas.load("control_key")
+
+
+class SchemaRegistrationError(RuntimeError):
+    """The Schema Registry refused a writer schema."""
 
 
 class SchemaPublisher:
     """Makes writer schemas findable and returns the wire prefix to use."""
 
-    def __init__(self, producer: Producer, topic_prefix: str, registry_url: str | None):
+    def __init__(self, producer: Producer, topic_prefix: str, registry: RegistryConf | None,
+                 strategy: str = "topic"):
         self._producer = producer
         self._schemas_topic = wire.schemas_topic(topic_prefix)
-        self._registry = registry_client(registry_url) if registry_url else None
+        self._registry = registry_client(registry) if registry else None
+        self._registry_url = redact_dsn(str(registry["url"])) if registry else None
+        self._strategy = strategy
         self._prefixes: dict[tuple[str, str], bytes] = {}
 
     @property
     def schemas_topic(self) -> str | None:
         return None if self._registry else self._schemas_topic
 
-    def prefix(self, subject: str, schema: dict) -> bytes:
+    def prefix(self, topic: str, schema: dict, is_key: bool = False) -> bytes:
+        """The wire prefix of a data topic's key or value schema."""
+        if self._registry is not None:
+            subject = subject_name(self._strategy, topic, wire.record_names(topic)[1 if is_key else 0], is_key)
+        else:
+            subject = f"{topic}-{'key' if is_key else 'value'}"
+        return self._publish(subject, schema)
+
+    def control_key_prefix(self, topic: str) -> bytes:
+        """The wire prefix of the control-event key on ``topic``."""
+        subject = (control_key_subject(self._strategy, topic) if self._registry is not None
+                   else wire.CONTROL_KEY_RECORD)
+        return self._publish(subject, CONTROL_KEY_SCHEMA)
+
+    def _publish(self, subject: str, schema: dict) -> bytes:
         text = wire.canonical_json(schema)
         cached = self._prefixes.get((subject, text))
         if cached is not None:
             return cached
         if self._registry is not None:
-            schema_id = self._registry.register_schema(subject, Schema(text, "AVRO"))
+            try:
+                schema_id = self._registry.register_schema(subject, Schema(text, "AVRO"))
+            except SchemaRegistryError as e:
+                if not 400 <= (e.http_status_code or 0) < 500:
+                    raise
+                raise SchemaRegistrationError(
+                    f"the Schema Registry at {self._registry_url} refused the schema of subject {subject!r} "
+                    f"(HTTP {e.http_status_code}, error {e.error_code}): {e.error_message}") from None
             prefix = wire.confluent_prefix(schema_id)
         else:
             fp = wire.schema_fingerprint(schema)

@@ -21,7 +21,7 @@ from fastavro import parse_schema, schemaless_reader
 
 from schemas import wire
 from schemas.kafka import read_to_end
-from schemas.registry import registry_client
+from schemas.registry import RegistryConf, registry_client
 
 
 def read_schemas_topic(conf: dict[str, Any], schemas_topic: str,
@@ -41,10 +41,10 @@ def read_schemas_topic(conf: dict[str, Any], schemas_topic: str,
 
 class SchemaResolver:
     def __init__(self, kafka_conf: dict[str, Any] | None = None, topic_prefix: str | None = None,
-                 registry_url: str | None = None):
+                 registry: RegistryConf | str | None = None):
         self._kafka_conf = kafka_conf
         self._schemas_topic = wire.schemas_topic(topic_prefix) if topic_prefix else None
-        self._registry_url = registry_url
+        self._registry = registry
         self._by_id: dict[int, Any] = {}
         self._by_fp: dict[bytes, Any] = {}
         self._raw_by_fp: dict[bytes, dict] = {}
@@ -76,9 +76,9 @@ class SchemaResolver:
         return self._raw_by_fp[ref.ref]
 
     def _registry_schema(self, schema_id: int) -> str:
-        if not self._registry_url:
+        if not self._registry:
             raise ValueError(f"message uses registry schema id {schema_id} but no schema registry is configured")
-        return registry_client(self._registry_url).get_schema(schema_id).schema_str
+        return registry_client(self._registry).get_schema(schema_id).schema_str
 
     def _load_schemas_topic(self) -> None:
         if not self._schemas_topic or self._kafka_conf is None:

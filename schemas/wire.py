@@ -18,14 +18,28 @@ Invariants:
   its messages sit among streamed changes of higher *and* lower positions: they
   never count as a partition's streamed position.
 - Control events (``snapshot_end``, ``backfill_end``) are Kafka tombstones (null
-  key, null value) with a ``wb.control`` header naming the event and a
+  value) with a ``wb.control`` header naming the event and a
   ``wb.control.info`` header holding a small JSON object. Debezium-envelope
-  consumers skip tombstones, so they ignore control events safely.
+  consumers skip tombstones, so they ignore control events safely. Their key
+  (so that compacted topics accept them), and a truncate's, is an Avro
+  ``io.walbridge.ControlKey`` record (``schemas/control_key.avsc``: the event
+  and its snapshot/backfill id, or the truncate's position) in the topic's
+  wire format.
+- A delete is followed, on its key's partition and with its position, by a
+  tombstone (the key, null value, no ``wb.control``) unless ``[kafka]
+  tombstones_on_delete = false``; consumers skip it. A primary-key change is a
+  delete of the old key carrying the new key in ``__debezium.newkey`` and a
+  create of the new one carrying the old key in ``__debezium.oldkey``
+  (Debezium's headers; the key bytes as written).
+- Avro record names follow the topic: a data topic's records are
+  ``<namespace>.Envelope`` and ``<namespace>.Key``, the namespace being the
+  topic name with every character Avro does not allow replaced by ``_``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Any, NamedTuple
 
@@ -52,11 +66,20 @@ DLQ_OFFSET_HEADER = "wb.dlq.offset"
 # The envelope's ``op``: insert, update, delete, snapshot/backfill read, truncate.
 OPS = frozenset("cudrt")
 
+# Debezium's headers of a primary-key change: the other key, as written.
+NEW_KEY_HEADER = "__debezium.newkey"  # on the delete of the old key
+OLD_KEY_HEADER = "__debezium.oldkey"  # on the create of the new key
+
 # Control events (the ``wb.control`` header's value).
 SNAPSHOT_END = "snapshot_end"
 BACKFILL_END = "backfill_end"
-# Not on the wire: the stream row that stands for a message sent to the DLQ.
+# The ControlKey's event of a truncate (a change, not a control event).
+TRUNCATE_KEY_EVENT = "truncate"
+CONTROL_KEY_RECORD = "io.walbridge.ControlKey"
+# Not on the wire: the stream rows that stand for a message sent to the DLQ,
+# and for a delete's tombstone (skipped; the row covers its offset).
 DLQ_CONTROL = "dlq"
+TOMBSTONE_CONTROL = "tombstone"
 
 # Topics: ``<prefix>.<shape>`` for data, these for the rest.
 SCHEMAS_TOPIC_SUFFIX = "._schemas"  # writer schemas without a registry, keyed by fingerprint
@@ -81,6 +104,24 @@ META_SCHEMA = "_walbridge"  # progress, backfills, staging
 TOMBSTONES_SUFFIX = "__wb_tombstones"  # after a keyed shape's table name: its deleted keys
 
 _POS = struct.Struct(">QQ")
+_BAD_AVRO_CHARS = re.compile(r"[^A-Za-z0-9_]")
+
+
+def avro_name(name: str) -> str:
+    """A PostgreSQL (or topic) name as an Avro name: characters Avro does not
+    allow become ``_``, a leading digit gets a ``_`` before it."""
+    clean = _BAD_AVRO_CHARS.sub("_", name)
+    return clean if clean and not clean[0].isdigit() else f"_{clean}"
+
+
+def avro_namespace(*parts: str) -> str:
+    return ".".join(avro_name(seg) for part in parts for seg in part.split("."))
+
+
+def record_names(topic: str) -> tuple[str, str]:
+    """Full names of a data topic's value (envelope) and key records."""
+    namespace = avro_namespace(topic)
+    return f"{namespace}.Envelope", f"{namespace}.Key"
 _CONFLUENT = struct.Struct(">bI")
 
 

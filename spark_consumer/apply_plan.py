@@ -559,6 +559,9 @@ def plan_batch(target: ShapeTarget, rows: Iterable, *,
             if control == wire.DLQ_CONTROL:
                 st.dlq += 1
                 continue
+            if control == wire.TOMBSTONE_CONTROL:  # a delete's tombstone: its delete came before it
+                st.control += 1
+                continue
             if control is None:
                 raise PlanError(f"row at {topic}[{p}]@{off} has neither _wb_op nor _wb_control")
             st.control += 1

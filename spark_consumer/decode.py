@@ -57,8 +57,9 @@ Then walbridge's bookkeeping columns (``BOOKKEEPING``), all nullable unless note
 - ``_wb_control`` string: null for changes; for a control event (on the wire a
   tombstone) its ``wb.control`` header: ``snapshot_end``, ``backfill_end``;
   ``dlq`` for a message that could not be decoded and was sent to
-  ``<topic>.dlq`` (its row exists only so progress covers its offset). Apply
-  must skip control names it does not handle.
+  ``<topic>.dlq``, ``tombstone`` for a tombstone without ``wb.control`` (a
+  delete's, for compaction): those two rows exist only so progress covers
+  their offsets. Apply must skip control names it does not handle.
 - ``_wb_control_info`` string: the ``wb.control.info`` header (JSON) of control
   events.
 - ``_wb_snapshot_id`` string: the ``wb.snapshot`` header (snapshot/backfill
@@ -86,9 +87,8 @@ Invariants:
   pick the new layout up), never drop data silently. One that only lacks
   columns is read (they are null).
 - A message whose bytes cannot be decoded (no walbridge wire prefix, a schema
-  that cannot be found, a corrupt Avro body, a schema of another shape, a
-  tombstone without ``wb.control``) raises :class:`UndecodableMessage`; the source
-  sends it to the DLQ. Infrastructure failures (broker, registry unreachable)
+  that cannot be found, a corrupt Avro body, a schema of another shape)
+  raises :class:`UndecodableMessage`; the source sends it to the DLQ. Infrastructure failures (broker, registry unreachable)
   are never classified as undecodable: they propagate.
 - Decoding reads the writer schema with the date/time/timestamp/uuid logical
   types stripped (the binary encoding is the same), so those values arrive as
@@ -576,8 +576,11 @@ class BatchBuilder:
                 None, lsn, op_index, topic, partition, offset, None, None, _text(control), _text(info),
                 _text(snapshot), None, None, None, None])
             return
-        if value is None:
-            raise UndecodableMessage(f"tombstone without a {wire.CONTROL_HEADER} header")
+        if value is None:  # a delete's tombstone (for compaction): nothing to apply, its offset is read
+            self._records.append(self._empty_row + [
+                None, lsn, op_index, topic, partition, offset, None, None, wire.TOMBSTONE_CONTROL, None,
+                _text(snapshot), None, None, None, None])
+            return
         before, after, source, op, ts_ms, unchanged = self._envelope(value)
         if op not in wire.OPS:
             raise UndecodableMessage(f"envelope op {op!r} is not one of c, u, d, r, t")

@@ -327,9 +327,12 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
     """One shape's streaming query (from its checkpoint) and its applier."""
 
     topic = config.topic(shape)
+    registry_client = {k: v for k, v in config.kafka.registry_client_config().items() if k != "url"}
     opts = SourceOptions(topic=topic, bootstrap_servers=config.kafka.bootstrap_servers,
                          topic_prefix=config.kafka.topic_prefix,
                          schema_registry_url=config.kafka.schema_registry_url,
+                         schema_registry_client=registry_client,
+                         subject_name_strategy=config.kafka.subject_name_strategy,
                          kafka_client=dict(config.kafka.client),
                          max_offsets_per_trigger=config.consumer.max_offsets_per_trigger)
     schemas = _wait_for_schemas(opts, discover_schemas)
@@ -338,7 +341,8 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
     df = read_shape_stream(spark, topic, config.kafka.bootstrap_servers, config.kafka.topic_prefix,
                            config.kafka.schema_registry_url, dict(config.kafka.client),
                            config.consumer.max_offsets_per_trigger, schemas=schemas,
-                           on_data_loss=config.consumer.on_data_loss)
+                           on_data_loss=config.consumer.on_data_loss, schema_registry_client=registry_client,
+                           subject_name_strategy=config.kafka.subject_name_strategy)
     checkpoint = Path(config.consumer.checkpoint_dir) / shape.shape_name
     applier.recover(checkpoint, topic)
     query = (df.writeStream.queryName(f"walbridge:{shape.shape_name}").foreachBatch(applier)

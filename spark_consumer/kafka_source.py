@@ -18,8 +18,11 @@ below (discovery then runs in Spark's Python planner worker, which cannot see an
 in-process ``mock://`` registry). Rows and columns: see :mod:`spark_consumer.decode`.
 
 Options (all strings): ``topic``, ``bootstrap_servers``, ``topic_prefix`` (for
-``<prefix>._schemas``), ``schema_registry_url`` (optional), ``kafka_client`` (JSON
-object of extra librdkafka settings), ``max_offsets_per_trigger`` (alias
+``<prefix>._schemas``), ``schema_registry_url`` (optional),
+``schema_registry_secrets`` (JSON object of further Schema Registry client
+settings, credentials among them: Spark redacts options so named),
+``subject_name_strategy`` (``topic`` (default), ``record``, ``topic_record``),
+``kafka_client`` (JSON object of extra librdkafka settings), ``max_offsets_per_trigger`` (alias
 ``maxOffsetsPerTrigger``), ``starting_offsets`` (``earliest`` (default),
 ``latest``, or JSON ``{"<partition>": next offset}``, unlisted partitions earliest;
 an offset outside [earliest, end] is an error, never silently moved),
@@ -29,10 +32,11 @@ many offsets; default one task per partition and batch), ``read_idle_timeout_s``
 (``fail`` (default) or ``follow``, see below). Filled by discovery: ``value_schema``,
 ``key_schema``, ``known_value_schemas``, ``writer_schemas``.
 
-Schema discovery: the newest ``<topic>-value`` schema (registry: the subject's
-latest version; without a registry: the last ``<prefix>._schemas`` record whose
-``wb.subject`` header is ``<topic>-value``) defines the stream's columns, and
-``<topic>-key`` marks the key columns. Every value schema version existing at
+Schema discovery: the newest value schema (registry: the latest version of the
+value subject the strategy names, ``<topic>-value`` by default; without a
+registry: the last ``<prefix>._schemas`` record whose ``wb.subject`` header is
+``<topic>-value``) defines the stream's columns, and the key subject marks the
+key columns. Every value schema version existing at
 that moment is "known" (older messages are read against the newest by name),
 and all value/key schemas found are handed to the executors with the options.
 A message written with a schema published later that adds or retypes a column
@@ -103,9 +107,10 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from schemas import wire
+from schemas.config import redact_dsn
 from schemas.kafka import ensure_topics, read_to_end
 from schemas.reader import SchemaResolver, read_schemas_topic
-from schemas.registry import subject_versions
+from schemas.registry import STRATEGIES, data_subjects, subject_versions
 from spark_consumer.decode import (
     BatchBuilder,
     SchemaChangedError,
@@ -133,6 +138,8 @@ class SourceOptions:
     bootstrap_servers: str
     topic_prefix: str | None = None
     schema_registry_url: str | None = None
+    schema_registry_client: dict[str, Any] = field(default_factory=dict)  # credentials among them
+    subject_name_strategy: str = "topic"
     kafka_client: dict[str, Any] = field(default_factory=dict)
     max_offsets_per_trigger: int | None = None
     starting_offsets: str = "earliest"
@@ -148,11 +155,14 @@ class SourceOptions:
             raise ValueError(f"{SOURCE_NAME}: missing option(s) {', '.join(missing)}")
         limit = o.get("max_offsets_per_trigger") or o.get("maxoffsetspertrigger")
         client = json.loads(o["kafka_client"]) if o.get("kafka_client") else {}
-        if not isinstance(client, dict):
-            raise ValueError(f"{SOURCE_NAME}: option kafka_client must be a JSON object")
+        registry_client = json.loads(o["schema_registry_secrets"]) if o.get("schema_registry_secrets") else {}
+        if not isinstance(client, dict) or not isinstance(registry_client, dict):
+            raise ValueError(f"{SOURCE_NAME}: options kafka_client and schema_registry_secrets must be JSON objects")
         opts = cls(topic=o["topic"], bootstrap_servers=o["bootstrap_servers"],
                    topic_prefix=o.get("topic_prefix") or None,
-                   schema_registry_url=o.get("schema_registry_url") or None, kafka_client=client,
+                   schema_registry_url=o.get("schema_registry_url") or None,
+                   schema_registry_client=registry_client,
+                   subject_name_strategy=o.get("subject_name_strategy") or "topic", kafka_client=client,
                    max_offsets_per_trigger=int(limit) if limit else None,
                    starting_offsets=o.get("starting_offsets") or "earliest",
                    max_offsets_per_task=int(o["max_offsets_per_task"]) if o.get("max_offsets_per_task") else None,
@@ -160,6 +170,9 @@ class SourceOptions:
                    on_data_loss=o.get("on_data_loss") or "fail")
         if opts.on_data_loss not in ("fail", "follow"):
             raise ValueError(f"{SOURCE_NAME}: on_data_loss must be 'fail' or 'follow', not {opts.on_data_loss!r}")
+        if opts.subject_name_strategy not in STRATEGIES:
+            raise ValueError(f"{SOURCE_NAME}: subject_name_strategy must be one of {', '.join(STRATEGIES)}, "
+                             f"not {opts.subject_name_strategy!r}")
         for name in ("max_offsets_per_trigger", "max_offsets_per_task"):
             if getattr(opts, name) is not None and getattr(opts, name) < 1:
                 raise ValueError(f"{SOURCE_NAME}: {name} must be >= 1")
@@ -173,6 +186,9 @@ class SourceOptions:
             out["topic_prefix"] = self.topic_prefix
         if self.schema_registry_url:
             out["schema_registry_url"] = self.schema_registry_url
+            out["subject_name_strategy"] = self.subject_name_strategy
+        if self.schema_registry_client:
+            out["schema_registry_secrets"] = json.dumps(self.schema_registry_client)
         if self.kafka_client:
             out["kafka_client"] = json.dumps(self.kafka_client)
         if self.max_offsets_per_trigger is not None:
@@ -183,6 +199,12 @@ class SourceOptions:
 
     def client_conf(self) -> dict[str, Any]:
         return {"bootstrap.servers": self.bootstrap_servers, **self.kafka_client}
+
+    def registry(self) -> dict[str, Any] | None:
+        """The Schema Registry client settings, or None without a registry."""
+        if not self.schema_registry_url:
+            return None
+        return {"url": self.schema_registry_url, **self.schema_registry_client}
 
 
 # ---------------------------------------------------------- schema discovery
@@ -229,12 +251,14 @@ def discover_schemas(opts: SourceOptions, timeout: float = 30.0) -> ShapeSchemas
     the ``<prefix>._schemas`` topic. Raises ``LookupError`` when the topic has
     no value schema yet (the producer publishes it before the first message)."""
     value_subject, key_subject = f"{opts.topic}-value", f"{opts.topic}-key"
-    if opts.schema_registry_url:
-        values = subject_versions(opts.schema_registry_url, value_subject)
+    registry = opts.registry()
+    if registry is not None:
+        value_subject, key_subject = data_subjects(opts.subject_name_strategy, opts.topic)
+        values = subject_versions(registry, value_subject)
         if not values:
-            raise LookupError(f"no schema under subject {value_subject!r} in {opts.schema_registry_url}: "
+            raise LookupError(f"no schema under subject {value_subject!r} in {redact_dsn(registry['url'])}: "
                               "has the producer published this shape yet?")
-        keys = subject_versions(opts.schema_registry_url, key_subject)
+        keys = subject_versions(registry, key_subject)
         return ShapeSchemas(values[-1][2], keys[-1][2] if keys else None,
                             tuple(f"id:{i}" for _, i, _ in values),
                             {f"id:{schema_id}": schema for _, schema_id, schema in values + keys})
@@ -618,7 +642,8 @@ def read_shape_stream(spark, topic: str, bootstrap_servers: str, topic_prefix: s
                       schema_registry_url: str | None = None, kafka_client: dict[str, Any] | None = None,
                       max_offsets_per_trigger: int | None = None, starting_offsets: str | dict = "earliest",
                       max_offsets_per_task: int | None = None, schemas: ShapeSchemas | None = None,
-                      on_data_loss: str = "fail"):
+                      on_data_loss: str = "fail", schema_registry_client: dict[str, Any] | None = None,
+                      subject_name_strategy: str = "topic"):
     """The streaming DataFrame of one shape topic (schemas discovered here,
     in the calling process, unless given). Spark's Python workers must be
     able to import walbridge: start the session with ``PYSPARK_PYTHON`` set to
@@ -627,7 +652,9 @@ def read_shape_stream(spark, topic: str, bootstrap_servers: str, topic_prefix: s
     if isinstance(starting_offsets, dict):
         starting_offsets = json.dumps(offsets_to_json(offsets_from_json(starting_offsets)))
     opts = SourceOptions(topic=topic, bootstrap_servers=bootstrap_servers, topic_prefix=topic_prefix,
-                         schema_registry_url=schema_registry_url, kafka_client=dict(kafka_client or {}),
+                         schema_registry_url=schema_registry_url,
+                         schema_registry_client=dict(schema_registry_client or {}),
+                         subject_name_strategy=subject_name_strategy, kafka_client=dict(kafka_client or {}),
                          max_offsets_per_trigger=max_offsets_per_trigger, starting_offsets=starting_offsets,
                          max_offsets_per_task=max_offsets_per_task, on_data_loss=on_data_loss)
     schemas = schemas or discover_schemas(opts)
@@ -694,7 +721,7 @@ def schema_lookup(opts: SourceOptions, preloaded: dict[str, dict]):
     """Writer schema (JSON) by wire reference: handed-over schemas first, then
     the registry (by id) or the schemas topic (by fingerprint). Not found →
     :class:`UndecodableMessage`; failures to look up propagate."""
-    resolver = SchemaResolver(opts.client_conf(), opts.topic_prefix, opts.schema_registry_url)
+    resolver = SchemaResolver(opts.client_conf(), opts.topic_prefix, opts.registry())
 
     def lookup(ref: wire.SchemaRef, data: bytes) -> dict:
         found = preloaded.get(schema_ref_key(ref))

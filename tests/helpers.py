@@ -202,7 +202,8 @@ def read_topic(bootstrap: str, topic: str, prefix: str, registry_url: str | None
 
 
 def data_records(records: list[Record]) -> list[Record]:
-    return [r for r in records if r.control is None]
+    """The changes: neither control events nor deletes' tombstones."""
+    return [r for r in records if r.control is None and r.value is not None]
 
 
 def latest_rows(records: list[Record], key_fn: Callable[[Record], Any] | None = None) -> dict:

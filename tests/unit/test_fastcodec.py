@@ -97,12 +97,12 @@ def relation(oid: int, keys) -> Relation:
                     tuple(Column(n, c[1].oid, c[1].base_typmod, n in keys) for n, c in zip(NAMES, COLUMNS)))
 
 
-def build(oid: int, keys, specs) -> tuple[RelationPlan, object]:
+def build(oid: int, keys, specs, tombstones: bool = True) -> tuple[RelationPlan, object]:
     plan = RelationPlan(relation(oid, keys), CODECS, tuple(keys), specs, "wb", "app")
     for i, route in enumerate(plan.routes):
         route.codec.value_prefix = b"\xc3\x01" + bytes([i]) * 8
         route.codec.key_prefix = b"\x00\x00\x00\x00" + bytes([i + 1]) if route.codec.key_schema else None
-    encoder = fastcodec.relation_encoder(plan, {r.topic: PARTITIONS for r in plan.routes})
+    encoder = fastcodec.relation_encoder(plan, {r.topic: PARTITIONS for r in plan.routes}, tombstones)
     assert encoder is not None
     return plan, encoder
 
@@ -151,24 +151,28 @@ def changes(oid: int, keyed: bool):
         yield b"D" + rel + b"O" + tuple_data(row), Delete(oid, row, False)
 
 
-def reference(plan: RelationPlan, change, op_index: int) -> list:
+def reference(plan: RelationPlan, change, op_index: int, tombstones: bool = True) -> list:
+    """What the pipeline's reference path sends: each event, a keyed delete followed by its tombstone."""
     out = []
     for event in plan.events(change, op_index):
         source = event.route.codec.source_bytes(LSN, XID, TS_MS)
         writer, key, value = event_message(event, LSN, CHANGE_LSN, source, SEEN_MS, PARTITIONS)
         out.append((writer, key, value, (event.route.name, event.op)))
+        if event.op == "d" and key is not None and tombstones:
+            out.append((writer, key, None, None))
     return out
 
 
+@pytest.mark.parametrize("tombstones", [True, False], ids=["tombstones", "no-tombstones"])
 @pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "keyless"])
-def test_byte_identical_to_reference(keyed):
+def test_byte_identical_to_reference(keyed, tombstones):
     keys = KEY_COLUMNS if keyed else ()
-    plan, encoder = build(4242, keys, SHAPES if keyed else SHAPES[:1])
+    plan, encoder = build(4242, keys, SHAPES if keyed else SHAPES[:1], tombstones)
     n = 0
     for op_index, (payload, change) in enumerate(changes(4242, keyed)):
         fast = encoder.encode(frame(payload), 25, op_index, LSN, XID, TS_MS, SEEN_MS)
         assert fast is not None, change
-        expected = reference(plan, change, op_index)
+        expected = reference(plan, change, op_index, tombstones)
         for got, want in itertools.zip_longest(fast, expected):
             assert got == want, (change, got, want)
         n += len(fast)

@@ -358,6 +358,17 @@ def test_snapshot_read_truncate_and_control_rows():
     assert all(trunc[c.name] is None for c in COLUMNS)
 
 
+def test_a_deletes_tombstone_is_a_row_that_only_covers_its_offset():
+    shape = Shape()
+    b = shape.builder()
+    b.add(TOPIC, 0, 7, shape.key(ROW), shape.value("d", before=ROW), pos(104))
+    b.add(TOPIC, 0, 8, shape.key(ROW), None, pos(104))
+    delete, tombstone = b.rows()
+    assert delete["_wb_op"] == "d" and delete["_wb_control"] is None
+    assert (tombstone["_wb_control"], tombstone["_wb_op"], tombstone["_wb_offset"]) == ("tombstone", None, 8)
+    assert all(tombstone[c.name] is None for c in COLUMNS)
+
+
 def test_snapshot_id_falls_back_to_the_envelope_source():
     # A plain client's copy of a snapshot row may drop the headers; the
     # envelope's source.snapshot_id (already text) still identifies it.
@@ -398,7 +409,7 @@ def test_position_of_a_writer_before_commit_lsn_is_its_source_lsn(compiled):
 
 
 @pytest.mark.parametrize("case", ["bad prefix", "unknown schema", "corrupt body", "trailing bytes",
-                                  "truncated", "bare tombstone", "bad position", "other shape"])
+                                  "truncated", "bad position", "other shape"])
 def test_undecodable_messages_are_classified(case):
     shape = Shape()
     good = shape.value("c", after=ROW)
@@ -409,7 +420,6 @@ def test_undecodable_messages_are_classified(case):
         "corrupt body": shape.value_prefix + b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff",
         "trailing bytes": good + b"\x00",
         "truncated": good[:-3],
-        "bare tombstone": None,
         "bad position": good,
         "other shape": None,
     }[case]
