@@ -17,6 +17,10 @@ Invariants:
   not match the relation, a NULL or unchanged key column, binary values): the
   caller then takes the reference path for the whole change, so correctness
   never depends on this module recognising a case.
+- Special values (the column's Python encoder returns their text, a str,
+  in the plain layout) make their field null and are collected per change;
+  a record with a side field gets it from ``envelope.special_field`` (the
+  reference's own function) over its columns' collected values.
 - Pure: no I/O. Buffers are reused between calls; an encoder is used by one
   thread at a time.
 """
@@ -372,13 +376,16 @@ cdef class Route:
     cdef dict stats  # op -> stats key
     cdef list toast_names  # per relation column: Avro string bytes of its field name, or None
     cdef bint tombstones  # a delete is followed by its key's tombstone
+    cdef tuple row_side  # plain layout: (relation column index, column name) of the row's special columns
+    cdef tuple key_side  # ... of the key's; None: the record has no side field
+    cdef object special_field  # [(name, text)] -> the side field's bytes
 
     def __cinit__(self):
         self.cols = NULL
         self.keys = NULL
 
     def __init__(self, cols, keys, bytes value_prefix, key_prefix, bytes source_head, bytes source_mid,
-                 list writers, dict stats, list toast_names, bint tombstones):
+                 list writers, dict stats, list toast_names, bint tombstones, row_side, key_side, special_field):
         cdef int i
         self.ncols = len(cols)
         self.nkeys = len(keys)
@@ -399,6 +406,9 @@ cdef class Route:
         self.stats = stats
         self.toast_names = toast_names
         self.tombstones = tombstones
+        self.row_side = tuple(row_side) if row_side is not None else None
+        self.key_side = tuple(key_side) if key_side is not None else None
+        self.special_field = special_field
 
     def __dealloc__(self):
         free(self.cols)
@@ -411,12 +421,14 @@ cdef class RelationEncoder:
     cdef readonly unsigned int oid
     cdef int ncols
     cdef int* wire
-    cdef int* union_size  # branches of the nullable field type: 2 or 3
-    cdef int* typed_branch  # branch of the typed value: 1 or 2
+    cdef int* key_branch  # branch of the typed value in the key field: -1 (bare type), 0 or 1
+    cdef int* typed_branch  # branch of the typed value in the row field: 1 or 2
     cdef int* precision
     cdef int* scale
-    cdef list value_fallback  # per column: raw text bytes -> encoded nullable field
-    cdef list key_fallback  # per column: raw text bytes -> encoded key field (no null branch)
+    cdef list value_fallback  # per column: raw text bytes -> encoded row field, or a special value's text
+    cdef list key_fallback  # per column: raw text bytes -> encoded key field, or a special value's text
+    cdef list special  # per column: the change's special value (text), or None
+    cdef int n_special  # how many are set
     cdef list routes
     # Scratch, reused between calls.
     cdef uint8_t* state
@@ -426,45 +438,48 @@ cdef class RelationEncoder:
     cdef Buf key
 
     def __cinit__(self):
-        self.wire = self.union_size = self.typed_branch = self.precision = self.scale = NULL
+        self.wire = self.key_branch = self.typed_branch = self.precision = self.scale = NULL
         self.state = NULL
         self.start = self.size = NULL
         self.out.data = self.key.data = NULL
         self.out.len = self.out.cap = self.key.len = self.key.cap = 0
 
     def __init__(self, unsigned int oid, list columns, list routes):
-        """``columns``: per relation column ``(wire kind, union size, typed branch,
-        precision, scale, value fallback, key fallback)``."""
+        """``columns``: per relation column ``(wire kind, typed branch in the row
+        field, in the key field (-1: none), precision, scale, value fallback,
+        key fallback)``."""
         cdef int i, n = len(columns)
         self.oid = oid
         self.ncols = n
         m = max(n, 1)
         self.wire = <int*>malloc(m * sizeof(int))
-        self.union_size = <int*>malloc(m * sizeof(int))
+        self.key_branch = <int*>malloc(m * sizeof(int))
         self.typed_branch = <int*>malloc(m * sizeof(int))
         self.precision = <int*>malloc(m * sizeof(int))
         self.scale = <int*>malloc(m * sizeof(int))
         self.state = <uint8_t*>malloc(m)
         self.start = <Py_ssize_t*>malloc(m * sizeof(Py_ssize_t))
         self.size = <Py_ssize_t*>malloc(m * sizeof(Py_ssize_t))
-        if (self.wire == NULL or self.union_size == NULL or self.typed_branch == NULL or self.precision == NULL
+        if (self.wire == NULL or self.key_branch == NULL or self.typed_branch == NULL or self.precision == NULL
                 or self.scale == NULL or self.state == NULL or self.start == NULL or self.size == NULL):
             raise MemoryError()
         self.value_fallback = []
         self.key_fallback = []
-        for i, (kind, usize, branch, precision, scale, value_fb, key_fb) in enumerate(columns):
+        for i, (kind, branch, key_branch, precision, scale, value_fb, key_fb) in enumerate(columns):
             self.wire[i] = WIRE[kind]
-            self.union_size[i] = usize
+            self.key_branch[i] = key_branch
             self.typed_branch[i] = branch
             self.precision[i] = precision
             self.scale[i] = scale
             self.value_fallback.append(value_fb)
             self.key_fallback.append(key_fb)
         self.routes = list(routes)
+        self.special = [None] * n
+        self.n_special = 0
 
     def __dealloc__(self):
         free(self.wire)
-        free(self.union_size)
+        free(self.key_branch)
         free(self.typed_branch)
         free(self.precision)
         free(self.scale)
@@ -509,8 +524,7 @@ cdef class RelationEncoder:
 
     cdef int _value(self, Buf* b, const char* base, int i, bint as_key) except -1:
         """Column ``i``'s value (state 't') as the nullable row field, or as the
-        key field (no null branch: a 2-branch union is its bare type, a
-        3-branch one loses branch 0)."""
+        key field (its typed branch per ``key_branch``)."""
         cdef const char* p = base + self.start[i]
         cdef Py_ssize_t n = self.size[i], k, used
         cdef int w = self.wire[i]
@@ -523,7 +537,7 @@ cdef class RelationEncoder:
         cdef int branch = self.typed_branch[i]
         cdef Py_ssize_t mark = b.len
         if as_key:
-            branch = -1 if self.union_size[i] == 2 else branch - 1
+            branch = self.key_branch[i]
         if w == W_PY:
             return self._fallback(b, p, n, i, as_key)
         if branch >= 0:
@@ -585,7 +599,26 @@ cdef class RelationEncoder:
     cdef int _fallback(self, Buf* b, const char* p, Py_ssize_t n, int i, bint as_key) except -1:
         encode = (self.key_fallback if as_key else self.value_fallback)[i]
         encoded = encode(PyBytes_FromStringAndSize(p, n))
+        if type(encoded) is str:  # a special value (plain layout): a null field, the text to the side field
+            if self.special[i] is None:
+                self.special[i] = encoded
+                self.n_special += 1
+            return _byte(b, 0)
         return _bytes_obj(b, encoded)
+
+    cdef int _side(self, Buf* b, tuple side, special_field) except -1:
+        """A record's side field over the special values of its ``side`` columns."""
+        cdef list pairs = None
+        if self.n_special:
+            for i, name in side:
+                text = self.special[i]
+                if text is not None:
+                    if pairs is None:
+                        pairs = []
+                    pairs.append((name, text))
+        if pairs is None:
+            return _byte(b, 0)
+        return _bytes_obj(b, special_field(pairs))
 
     cdef int _row(self, Buf* b, const char* base, Route route) except -1:
         cdef int j, i
@@ -595,6 +628,8 @@ cdef class RelationEncoder:
                 self._value(b, base, i, 0)
             else:
                 _byte(b, 0)  # null branch (NULL, or unchanged TOAST listed separately)
+        if route.row_side is not None:
+            self._side(b, route.row_side, route.special_field)
         return 0
 
     def encode(self, bytes frame, Py_ssize_t at, int64_t op_index, int64_t lsn, int64_t xid, int64_t ts_ms,
@@ -636,6 +671,10 @@ cdef class RelationEncoder:
             return None
         if not self._tuple(base, n, at + 6):
             return None
+        if self.n_special:
+            for j in range(self.ncols):
+                self.special[j] = None
+            self.n_special = 0
         out = []
         for route in self.routes:
             # The key, prefix and body: what the partition is chosen by.
@@ -647,6 +686,8 @@ cdef class RelationEncoder:
                     if self.state[i] != S_TEXT:
                         return None  # a key column without a value: the reference path decides
                     self._value(&self.key, base, i, 1)
+                if route.key_side is not None:
+                    self._side(&self.key, route.key_side, route.special_field)
                 partition = (_murmur2(<const uint8_t*>self.key.data, self.key.len) & 0x7FFFFFFF) \
                     % <uint32_t>route.partitions
                 key = PyBytes_FromStringAndSize(self.key.data, self.key.len)

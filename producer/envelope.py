@@ -13,6 +13,15 @@ Invariants:
 - Row fields follow the shape's column list and order; every field is nullable
   (a DELETE's ``before`` may carry only the key) and defaults to null, so adding
   a column is a backward-compatible schema change.
+- Special values (what a column's logical type cannot hold: NaN, infinity, BC
+  dates, 24:00, multi-dimensional arrays; the loader gives their PostgreSQL
+  text) travel, in the ``plain`` layout (``[kafka] value_layout``), in the
+  record's side field ``_wb_special`` (``["null", "string"]``: a JSON object
+  ``{column: text}`` with the columns in record order, the columns themselves
+  null), so every column is a plain ``T`` or ``["null", T]``; a record (row or
+  key) has the side field when one of its columns has special values. In the
+  ``union`` layout they travel in a ``string`` branch of the column's union.
+  Either way nothing is lost.
 - Avro names are derived from PostgreSQL names by replacing characters Avro does
   not allow with ``_``; the original name is kept in ``"pg.column"``.
 """
@@ -20,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,9 +37,14 @@ from fastavro import parse_schema, schemaless_writer
 
 import schemas
 from producer.pgtypes import ColumnCodec
+from schemas import wire
 from schemas.wire import avro_name, avro_namespace
 
 ENVELOPE_VERSION = "0.2.0"
+
+SIDE_FIELD = {"name": wire.SPECIAL_FIELD, "type": ["null", "string"], "default": None,
+              "doc": "special values of this record's columns, which are null: JSON {column: PostgreSQL text}"}
+
 
 @dataclass(frozen=True)
 class ShapeColumn:
@@ -42,41 +57,59 @@ class ShapeColumn:
         return avro_name(self.name)
 
 
-def _field(col: ShapeColumn, nullable: bool = True) -> dict:
-    avro_type = col.codec.avro_type if nullable else _without_null(col.codec.avro_type)
+def _field(col: ShapeColumn, layout: str, nullable: bool = True) -> dict:
+    avro_type = col.codec.field_type(layout, nullable)
     f = {"name": col.field_name, "type": avro_type, "pg.type": col.codec.pg_type}
-    if nullable:
+    if isinstance(avro_type, list) and avro_type[0] == "null":
         f["default"] = None
     if col.field_name != col.name:
         f["pg.column"] = col.name
     return f
 
 
-def _without_null(union: list) -> Any:
-    rest = [b for b in union if b != "null"]
-    return rest[0] if len(rest) == 1 else rest
+def _record_fields(columns: list[ShapeColumn], layout: str, nullable: bool = True) -> list[dict]:
+    fields = [_field(c, layout, nullable) for c in columns]
+    if layout == "plain" and any(c.codec.special for c in columns):
+        fields.append(SIDE_FIELD)
+    return fields
 
 
-def field_encoder(col: ShapeColumn, nullable: bool = True) -> Callable[[bytes], bytes]:
+def side_json(pairs: list[tuple[str, str]]) -> str | None:
+    """The side field's value: ``pairs`` ((column, text) in record order) as JSON, None without any."""
+    return json.dumps(dict(pairs), ensure_ascii=False, separators=(",", ":")) if pairs else None
+
+
+def special_field(pairs: list[tuple[str, str]]) -> bytes:
+    """The side field's bytes, as fastavro writes :func:`side_json`."""
+    return _SECOND_BRANCH + avro_string(side_json(pairs)) if pairs else _NULL_BRANCH
+
+
+def field_encoder(col: ShapeColumn, layout: str, nullable: bool = True) -> Callable[[bytes], bytes | str]:
     """One field of a row (or key) record on its own: PostgreSQL text value →
-    loaded → Avro bytes. A record is the concatenation of its fields, so this is
-    the reference path for one column (the compiled encoder's fallback)."""
-    parsed = parse_schema(_field(col, nullable)["type"])
+    loaded → Avro bytes, or, for a special value in the plain layout, its text
+    (a str: the field is null and the value goes to the side field). A record
+    is the concatenation of its fields, so this is the reference path for one
+    column (the compiled encoder's fallback)."""
+    parsed = parse_schema(_field(col, layout, nullable)["type"])
     load = col.codec.load
+    to_side = layout == "plain" and col.codec.special
     buf = io.BytesIO()
 
-    def encode(raw: bytes) -> bytes:
+    def encode(raw: bytes) -> bytes | str:
+        value = load(raw)
+        if to_side and value.__class__ is str:
+            return value
         buf.seek(0)
         buf.truncate()
-        schemaless_writer(buf, parsed, load(raw))
+        schemaless_writer(buf, parsed, value)
         return buf.getvalue()
 
     return encode
 
 
-def value_schema(namespace: str, columns: list[ShapeColumn]) -> dict:
+def value_schema(namespace: str, columns: list[ShapeColumn], layout: str = "plain") -> dict:
     row = {"type": "record", "name": "Value", "namespace": namespace,
-           "fields": [_field(c) for c in columns]}
+           "fields": _record_fields(columns, layout)}
     return {
         "type": "record",
         "name": "Envelope",
@@ -93,12 +126,12 @@ def value_schema(namespace: str, columns: list[ShapeColumn]) -> dict:
     }
 
 
-def key_schema(namespace: str, columns: list[ShapeColumn]) -> dict | None:
+def key_schema(namespace: str, columns: list[ShapeColumn], layout: str = "plain") -> dict | None:
     keys = [c for c in columns if c.is_key]
     if not keys:
         return None
     return {"type": "record", "name": "Key", "namespace": namespace,
-            "fields": [_field(c, nullable=False) for c in keys]}
+            "fields": _record_fields(keys, layout, nullable=False)}
 
 
 def avro_long(n: int) -> bytes:
@@ -168,6 +201,7 @@ class ShapeCodec:
     columns: list[ShapeColumn]
     # Positions of the shape's columns in the relation's tuple.
     indexes: list[int]
+    layout: str = "plain"  # [kafka] value_layout
     value_schema: dict = field(init=False)
     key_schema: dict | None = field(init=False)
     # Wire prefixes of the registered writer schemas (set by the Kafka shell).
@@ -176,21 +210,41 @@ class ShapeCodec:
 
     def __post_init__(self) -> None:
         namespace = avro_namespace(self.topic_prefix, self.shape)
-        self.value_schema = value_schema(namespace, self.columns)
-        self.key_schema = key_schema(namespace, self.columns)
+        self.value_schema = value_schema(namespace, self.columns, self.layout)
+        self.key_schema = key_schema(namespace, self.columns, self.layout)
         self._value_parsed = parse_schema(self.value_schema)
         self._row_parsed = parse_schema(self.value_schema["fields"][0]["type"][1])
         self._key_parsed = parse_schema(self.key_schema) if self.key_schema else None
         self._fields = [(c.field_name, i) for c, i in zip(self.columns, self.indexes)]
         self._key_fields = [(c.field_name, i) for c, i in zip(self.columns, self.indexes) if c.is_key]
+        plain = self.layout == "plain"
+        # (field, tuple index, column name) of columns whose special values go to the side field.
+        self._side = [(c.field_name, i, c.name) for c, i in zip(self.columns, self.indexes)
+                      if plain and c.codec.special]
+        self._key_side = [(c.field_name, i, c.name) for c, i in zip(self.columns, self.indexes)
+                          if plain and c.codec.special and c.is_key]
         self._toast_names = {i: c.field_name for c, i in zip(self.columns, self.indexes)}
         self._buf = io.BytesIO()
 
+    @staticmethod
+    def _with_side(record: dict, values: tuple, side: list) -> dict:
+        """Moves special values (texts) of ``side`` columns to the side field."""
+        pairs = []
+        for name, i, column in side:
+            v = values[i]
+            if v.__class__ is str:
+                record[name] = None
+                pairs.append((column, v))
+        record[wire.SPECIAL_FIELD] = side_json(pairs)
+        return record
+
     def row(self, values: tuple) -> dict:
-        return {name: values[i] for name, i in self._fields}
+        record = {name: values[i] for name, i in self._fields}
+        return self._with_side(record, values, self._side) if self._side else record
 
     def key_row(self, values: tuple) -> dict:
-        return {name: values[i] for name, i in self._key_fields}
+        record = {name: values[i] for name, i in self._key_fields}
+        return self._with_side(record, values, self._key_side) if self._key_side else record
 
     def _encode(self, parsed: Any, prefix: bytes, record: dict) -> bytes:
         buf = self._buf

@@ -20,7 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
-from producer.envelope import ShapeColumn, avro_string, field_encoder
+from producer.envelope import ShapeColumn, avro_string, field_encoder, special_field
 from producer.shapes import RelationPlan
 from schemas import compiled_extension
 from schemas.kafka import Writer
@@ -33,12 +33,22 @@ AVAILABLE = _fastcodec is not None
 CHANGE_KINDS = frozenset(b"IUD")
 
 
-def _column_spec(name: str, codec) -> tuple:
-    union = codec.avro_type
-    decimal = union[-1] if isinstance(union[-1], dict) and union[-1].get("logicalType") == "decimal" else {}
+def _column_spec(name: str, codec, layout: str) -> tuple:
+    typed = codec.typed
+    decimal = typed if isinstance(typed, dict) and typed.get("logicalType") == "decimal" else {}
     column = ShapeColumn(name, codec, is_key=True)
-    return (codec.wire, len(union), len(union) - 1, decimal.get("precision", 0), decimal.get("scale", 0),
-            field_encoder(column, nullable=True), field_encoder(column, nullable=False))
+    row_type, key_type = codec.field_type(layout, True), codec.field_type(layout, False)
+    return (codec.wire, row_type.index(typed), key_type.index(typed) if isinstance(key_type, list) else -1,
+            decimal.get("precision", 0), decimal.get("scale", 0),
+            field_encoder(column, layout, nullable=True), field_encoder(column, layout, nullable=False))
+
+
+def _side_columns(codec, keys_only: bool) -> list | None:
+    """(relation column index, column name) of a record's columns with special
+    values in the plain layout; None when the record has no side field."""
+    cols = [(i, c.name) for c, i in zip(codec.columns, codec.indexes)
+            if (c.is_key or not keys_only) and codec.layout == "plain" and c.codec.special]
+    return cols or None
 
 
 def relation_encoder(plan: RelationPlan, partitions: dict[str, int], tombstones: bool = True):
@@ -49,7 +59,8 @@ def relation_encoder(plan: RelationPlan, partitions: dict[str, int], tombstones:
     if _fastcodec is None or plan.filtered or not plan.routes:
         return None
     relation = plan.relation
-    columns = [_column_spec(col.name, codec) for col, codec in zip(relation.columns, plan.codecs)]
+    layout = plan.routes[0].codec.layout
+    columns = [_column_spec(col.name, codec, layout) for col, codec in zip(relation.columns, plan.codecs)]
     routes = []
     for route in plan.routes:
         codec = route.codec
@@ -60,5 +71,6 @@ def relation_encoder(plan: RelationPlan, partitions: dict[str, int], tombstones:
         routes.append(_fastcodec.Route(
             list(codec.indexes), keys, codec.value_prefix, codec.key_prefix, head, mid, writers,
             {op: (route.name, op) for op in "cud"},
-            [avro_string(n) if n is not None else None for n in toast_names], tombstones))
+            [avro_string(n) if n is not None else None for n in toast_names], tombstones,
+            _side_columns(codec, False), _side_columns(codec, True), special_field))
     return _fastcodec.RelationEncoder(relation.oid, columns, routes)

@@ -6,12 +6,13 @@ Invariants:
   :mod:`producer.catalog`); nothing here talks to a database.
 - Values are parsed by psycopg's own loaders for the type's OID (text format),
   once per change, whatever the number of shapes.
-- Nothing is lost. Every Avro field is a union whose first branch is ``null``.
-  Where a logical type cannot hold every PostgreSQL value (``NaN``/``±Infinity``
-  numerics, ``±infinity`` and out-of-range dates/timestamps, ``24:00:00``,
-  multi-dimensional arrays), the union has a ``string`` branch, placed before the
-  logical branch, that carries the value's PostgreSQL text form; the common values
-  still travel in the typed branch.
+- Nothing is lost. Where a logical type cannot hold every PostgreSQL value
+  (``NaN``/``±Infinity`` numerics, ``±infinity`` and out-of-range
+  dates/timestamps, ``24:00:00``, multi-dimensional arrays) the column is
+  ``special``: its loader returns such a value as its PostgreSQL text form (a
+  ``str``, which no typed value of these columns is), and the envelope carries
+  it beside the typed values (:meth:`ColumnCodec.field_type`: in the plain
+  layout's side field, or the union layout's ``string`` branch).
 - Types with no Avro counterpart (interval, money, inet, enums, ranges,
   composites, geometric, bit strings, xml, json/jsonb, ...) travel as their
   PostgreSQL text form, exactly as PostgreSQL printed it.
@@ -76,15 +77,28 @@ class PgTypeInfo:
 
 @dataclass(frozen=True, slots=True)
 class ColumnCodec:
-    """How one column travels: its Avro field type and its text-value loader."""
+    """How one column travels: the Avro type of its values and its text-value loader."""
 
-    avro_type: list  # a union, ``null`` first
+    typed: Any  # the Avro type of its typed values ("string" for text forms)
+    special: bool  # some values do not fit ``typed``: the loader returns their text (a str)
     load: Callable[[bytes], Any]
     pg_type: str  # the target-side type to recreate (builtin name, or "text")
     # How the compiled encoder (:mod:`producer.fastcodec`) may read the text
     # value straight into Avro: one of :data:`WIRE_KINDS`; "py" means only
     # through ``load`` and fastavro.
     wire: str = "py"
+
+    def field_type(self, layout: str, nullable: bool = True) -> Any:
+        """The Avro type of the column's field in ``layout`` ("plain": special
+        values travel in the record's side field, so the field is ``[null, T]``,
+        nullable even in a key; "union": in a ``string`` branch before ``T``).
+        A key field (``nullable`` False) loses the null branch where it can."""
+        if layout == "plain":
+            return ["null", self.typed] if nullable or self.special else self.typed
+        branches = ["string", self.typed] if self.special else [self.typed]
+        if nullable:
+            return ["null", *branches]
+        return branches if len(branches) > 1 else branches[0]
 
 
 # Text forms the compiled encoder turns into Avro itself, byte-identical to
@@ -143,13 +157,13 @@ def _with_text_fallback(load: Callable[[bytes], Any], text: Callable[[bytes], An
     return load_or_text
 
 
-def _scalar(oid: int, typmod: int, context: Any) -> tuple[list, Callable[[bytes], Any]] | None:
-    """Avro branches (without null) and loader for a builtin scalar; None if it
-    travels as text."""
+def _scalar(oid: int, typmod: int, context: Any) -> tuple[Any, bool, Callable[[bytes], Any]] | None:
+    """Avro type, whether it has special values, and loader for a builtin
+    scalar; None if it travels as text."""
     if oid in _PLAIN:
-        return [_PLAIN[oid]], _loader(oid, context)
+        return _PLAIN[oid], False, _loader(oid, context)
     if oid in _TEMPORAL:
-        return ["string", dict(_TEMPORAL[oid])], _with_text_fallback(_loader(oid, context), _text_loader(context))
+        return dict(_TEMPORAL[oid]), True, _with_text_fallback(_loader(oid, context), _text_loader(context))
     if oid == NUMERIC:
         ps = numeric_precision_scale(typmod)
         if ps is None or not (0 <= ps[1] <= ps[0] <= _DECIMAL_BRANCH_MAX_PRECISION):
@@ -162,7 +176,7 @@ def _scalar(oid: int, typmod: int, context: Any) -> tuple[list, Callable[[bytes]
             value = load_decimal(raw)
             return value if value.is_finite() else text(raw)  # NaN, ±Infinity
 
-        return ["string", decimal], load_numeric
+        return decimal, True, load_numeric
     return None
 
 
@@ -173,11 +187,11 @@ def column_codec(info: PgTypeInfo, context: Any = None) -> ColumnCodec:
     if info.kind == "b" and info.elem_oid == 0:
         scalar = _scalar(info.base_oid, info.base_typmod, context)
         if scalar is not None:
-            branches, load = scalar
+            typed, special, load = scalar
             wire = _WIRE_OF.get(info.base_oid, "py")
             if wire == "text" and not _utf8(context):
                 wire = "py"
-            return ColumnCodec(["null", *branches], load, _target_type(info), wire)
+            return ColumnCodec(typed, special, load, _target_type(info), wire)
     elif info.elem_oid and info.elem_kind == "b" and info.elem_oid in _ARRAY_ITEMS:
         # 1-D arrays of a plain, textual or temporal builtin: an Avro array of
         # nullable items; anything psycopg or Avro cannot hold (multi-dimensional
@@ -194,9 +208,8 @@ def column_codec(info: PgTypeInfo, context: Any = None) -> ColumnCodec:
                 return text(raw)
             return values
 
-        return ColumnCodec(["null", "string", {"type": "array", "items": ["null", item]}],
-                           load_1d_array, _target_type(info))
-    return ColumnCodec(["null", "string"], text, _target_type(info), "text" if _utf8(context) else "py")
+        return ColumnCodec({"type": "array", "items": ["null", item]}, True, load_1d_array, _target_type(info))
+    return ColumnCodec("string", False, text, _target_type(info), "text" if _utf8(context) else "py")
 
 
 _BUILTIN_MAX_OID = 16383  # FirstNormalObjectId - 1

@@ -360,7 +360,7 @@ class Pipeline:
             key = ()  # REPLICA IDENTITY FULL flags every column; that is not a key
         codecs = [column_codec(self._type_info(c.type_oid, c.typmod), self.catalog_conn) for c in rel.columns]
         plan = RelationPlan(rel, codecs, key, self.shape_specs.get(qualified, []), self.config.kafka.topic_prefix,
-                            self.db_name)
+                            self.db_name, self.config.kafka.value_layout)
         plan.fetch_current = self._fetch_current
         for route in plan.routes:
             self._register(route.codec, route.topic)

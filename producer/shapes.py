@@ -76,7 +76,7 @@ class RelationPlan:
     """How changes of one relation are loaded and routed."""
 
     def __init__(self, relation: Relation, codecs: list[ColumnCodec], key_columns: tuple[str, ...],
-                 specs: list[ShapeSpec], topic_prefix: str, db: str):
+                 specs: list[ShapeSpec], topic_prefix: str, db: str, layout: str = "plain"):
         self.relation = relation
         self.names = [c.name for c in relation.columns]
         self.codecs = list(codecs)
@@ -92,7 +92,7 @@ class RelationPlan:
             idx = [self.names.index(c) for c in wanted]
             columns = [ShapeColumn(relation.columns[i].name, codecs[i], relation.columns[i].name in keys)
                        for i in idx]
-            codec = ShapeCodec(spec.name, topic_prefix, db, relation.schema, relation.name, columns, idx)
+            codec = ShapeCodec(spec.name, topic_prefix, db, relation.schema, relation.name, columns, idx, layout)
             self.routes.append(ShapeRoute(spec.name, spec.topic, codec, spec.row_filter))
         self.filtered = any(r.row_filter is not None for r in self.routes)
         self.keyless = not keys

@@ -100,6 +100,9 @@ DATA_TOPIC_CONFIG = {"retention.ms": "-1", "retention.bytes": "-1"}
 
 # Names in the target database.
 RESERVED_PREFIX = "_wb_"  # walbridge's columns; a source column may not start so
+# The plain layout's side field of a row or key record (walbridge's, so ``_wb_``):
+# its special values as JSON {column: PostgreSQL text}, their columns being null.
+SPECIAL_FIELD = "_wb_special"
 META_SCHEMA = "_walbridge"  # progress, backfills, staging
 TOMBSTONES_SUFFIX = "__wb_tombstones"  # after a keyed shape's table name: its deleted keys
 

@@ -26,6 +26,7 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
+import json
 from decimal import Context, Decimal
 
 from schemas import wire
@@ -392,6 +393,7 @@ cdef class RowAssembler:
     cdef tuple key_indexes
     cdef dict name_by_field
     cdef tuple names
+    cdef frozenset column_names
     cdef tuple unscaled_indexes  # columns whose values may be Unscaled (``_wb_before`` holds Decimals)
     cdef Py_ssize_t n_row
 
@@ -402,13 +404,17 @@ cdef class RowAssembler:
         self.key_indexes = tuple(key_indexes)
         self.name_by_field = name_by_field
         self.names = tuple(names)
+        self.column_names = frozenset(self.names)
         self.n_row = len(self.names)
 
     cdef list _take_specials(self, list values):
-        """Moves string-branch values of special columns out of ``values``:
-        their [(column, text)], or None."""
+        """Takes the side field off ``values`` and moves the special values
+        (the side field's, and string-branch values of special columns) out:
+        their [(column, text)], or None. Raises on a side field that is not a
+        JSON object of texts (the builder's own path then decides)."""
         cdef Py_ssize_t i
         cdef list special = None
+        side = values.pop()
         for i, name in self.special:
             v = values[i]
             if type(v) is str:
@@ -416,6 +422,17 @@ cdef class RowAssembler:
                     special = []
                 special.append((name, v))
                 values[i] = None
+        if side is not None:
+            pairs = json.loads(side)
+            if type(pairs) is not dict:
+                raise ValueError("side field is not a JSON object")
+            for name, text in (<dict>pairs).items():
+                if type(text) is not str:
+                    raise ValueError("side field value is not a text")
+                if name in self.column_names:
+                    if special is None:
+                        special = []
+                    special.append((name, text))
         return special
 
     def add(self, topic, partition, offset, key, value, headers):
@@ -476,14 +493,20 @@ cdef class RowAssembler:
             values = [None] * self.n_row
         else:
             values = <list>row
-            special = self._take_specials(values)
+            try:
+                special = self._take_specials(values)
+            except ValueError:  # a damaged side field: the builder's path decides
+                return None
         if unchanged:
             unchanged = [self.name_by_field.get(f, f) for f in unchanged]
         else:
             unchanged = None
         before_special = None
         if op == "u" and before is not None:
-            before_special = self._take_specials(<list>before)
+            try:
+                before_special = self._take_specials(<list>before)
+            except ValueError:
+                return None
             for i in self.unscaled_indexes:
                 v = (<list>before)[i]
                 if type(v) is Unscaled:

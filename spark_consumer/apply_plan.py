@@ -175,10 +175,12 @@ class ShapeTarget:
         and its key schema (None for keyless shapes) or the key field names."""
         keys = set(key_fields or ())
         if key_schema:
-            keys |= {f["name"] for f in key_schema.get("fields", ())}
+            keys |= {f["name"] for f in key_schema.get("fields", ()) if f["name"] != wire.SPECIAL_FIELD}
         cols = []
         seen: set[str] = set()
         for f in _row_record(value_schema)["fields"]:
+            if f["name"] == wire.SPECIAL_FIELD:
+                continue  # the plain layout's side field: special values, not a column
             name = f.get("pg.column", f["name"])
             if name.startswith(wire.RESERVED_PREFIX):
                 raise PlanError(f"column {name!r}: names starting with {wire.RESERVED_PREFIX!r} are reserved")

@@ -34,11 +34,12 @@ Values come from ``after`` (ops c, u, r) or, for deletes, from ``before``
 (at least the key columns; when ``before`` lacks them they are filled from the
 message key). Truncates (``t``) and control rows have all row columns null.
 
-Special values: where the producer's Avro union has a ``string`` branch beside a
-typed branch (infinite/BC dates and timestamps, ``24:00:00``, NaN/Infinity
-numerics, multi-dimensional arrays), a value that arrived in the string branch
-leaves the typed column null and its PostgreSQL text form goes to
-``_wb_special[column]``.
+Special values (infinite/BC dates and timestamps, ``24:00:00``, NaN/Infinity
+numerics, multi-dimensional arrays) leave the typed column null and their
+PostgreSQL text form goes to ``_wb_special[column]``. They arrive either in the
+record's side field ``_wb_special`` (the plain layout: JSON ``{column: text}``)
+or, from writers of the union layout, in a ``string`` branch beside the typed
+one; a layout of either kind reads writers of both.
 
 Then walbridge's bookkeeping columns (``BOOKKEEPING``), all nullable unless noted:
 
@@ -160,6 +161,8 @@ _PRIMITIVES: dict[str, DataType] = {
 }
 # Logical types read as their underlying primitive (see the module docstring).
 _STRIPPED_LOGICAL = frozenset({"date", "time-micros", "timestamp-micros", "local-timestamp-micros", "uuid"})
+# Typed values that may have special values (a str where a writer's union has a string branch).
+_SPECIAL_LOGICAL = frozenset({"decimal", "date", "time-micros", "timestamp-micros", "local-timestamp-micros"})
 
 
 class UnsupportedSchema(ValueError):
@@ -197,7 +200,8 @@ class ColumnType:
     """How one Avro field becomes one Spark column."""
 
     spark_type: DataType
-    has_special: bool  # union has a string branch beside the typed one
+    # Special values may come as a str in the column (a union-layout writer's string branch).
+    has_special: bool
     # Applied to each non-null, non-special value (None: value goes to Arrow as is).
     convert: Callable[[Any], Any] | None = None
 
@@ -251,16 +255,20 @@ def _map_single(t: Any, where: str) -> tuple[DataType, Callable[[Any], Any] | No
     raise UnsupportedSchema(f"{where}: Avro type {t!r} is not supported")
 
 
+def _may_be_special(t: Any) -> bool:
+    return isinstance(t, dict) and (t.get("logicalType") in _SPECIAL_LOGICAL or t.get("type") == "array")
+
+
 def column_type(avro_type: Any, where: str = "field") -> ColumnType:
     """The Spark column for an Avro field type (a union with null, as the
     producer writes them, or a bare type)."""
     branches = _non_null_branches(avro_type)
-    has_special = "string" in branches and len(branches) > 1
-    typed = [b for b in branches if b != "string"] if has_special else branches
+    string_branch = "string" in branches and len(branches) > 1
+    typed = [b for b in branches if b != "string"] if string_branch else branches
     if len(typed) != 1:
         raise UnsupportedSchema(f"{where}: union {avro_type!r} has no single typed branch")
     spark_type, convert = _map_single(typed[0], where)
-    return ColumnType(spark_type, has_special, convert)
+    return ColumnType(spark_type, string_branch or _may_be_special(typed[0]), convert)
 
 
 @dataclass(frozen=True)
@@ -314,6 +322,8 @@ class ShapeLayout:
         columns = []
         seen: set[str] = set()
         for f in row["fields"]:
+            if f["name"] == wire.SPECIAL_FIELD:
+                continue  # the plain layout's side field: special values, not a column
             name = f.get("pg.column", f["name"])
             if name.startswith(wire.RESERVED_PREFIX):
                 raise UnsupportedSchema(f"column {name!r}: names starting with {wire.RESERVED_PREFIX!r} are reserved "
@@ -335,6 +345,10 @@ class ShapeLayout:
     @property
     def key_columns(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.columns if c.is_key)
+
+    def row_fields(self) -> list[str]:
+        """The Avro fields a decoded row holds, in order: the columns', then the side field."""
+        return [c.avro_field for c in self.columns] + [wire.SPECIAL_FIELD]
 
     def unscaled_decimals(self) -> dict[str, tuple[int, int]]:
         """{Avro field: (precision, scale)} of the Spark decimal columns the
@@ -359,6 +373,8 @@ class ShapeLayout:
             return  # an older version: read by name, dropped columns ignored
         by_field = {c.avro_field: c for c in self.columns}
         for f in writer_row["fields"]:
+            if f["name"] == wire.SPECIAL_FIELD:
+                continue
             col = by_field.get(f["name"])
             if col is None:
                 raise SchemaChangedError(
@@ -436,7 +452,7 @@ class WriterSchemas:
         stripped = strip_logical_types(raw)
         if check and self.compiled:
             self._readers[key] = fastdecode.envelope_reader(
-                stripped, [c.avro_field for c in self.layout.columns], self.layout.unscaled_decimals())
+                stripped, self.layout.row_fields(), self.layout.unscaled_decimals())
         parsed = self._parsed[key] = parse_schema(stripped)
         return parsed
 
@@ -491,11 +507,13 @@ class BatchBuilder:
             arrow_schema = to_arrow_schema(layout.spark_schema(), timezone="UTC")
         self.arrow_schema = arrow_schema
         self._fields = [c.avro_field for c in layout.columns]
+        self._row_fields = layout.row_fields()
         self._special = [(i, c.name) for i, c in enumerate(layout.columns) if c.type.has_special]
         self._converters = [c.type.convert for c in layout.columns]
         self._name_by_field = {c.avro_field: c.name for c in layout.columns}
         self._key_fields = [(i, c.avro_field) for i, c in enumerate(layout.columns) if c.is_key]
         self._names = [c.name for c in layout.columns]
+        self._column_names = frozenset(self._names)
         self._struct_converters = [(c.name, c.type.convert) for c in layout.columns if c.type.convert is not None]
         self._empty_row = [None] * len(self._fields)
         # wire prefix bytes -> (parsed writer schema, body offset, compiled reader or None),
@@ -530,7 +548,8 @@ class BatchBuilder:
     def _envelope(self, value: bytes) -> list:
         """The envelope's parts as ``fastdecode.ENVELOPE_SLOTS`` orders them:
         [before, after, source, op, ts_ms, unchanged_toast], rows as lists in
-        the layout's column order, source as [lsn, op_index, snapshot_id, commit_lsn]."""
+        the layout's column order followed by the side field, source as [lsn,
+        op_index, snapshot_id, commit_lsn]."""
         parsed, body_offset, reader = self._writer(value)
         if reader is not None:
             try:
@@ -538,7 +557,7 @@ class BatchBuilder:
             except Exception:
                 pass  # a body the compiled reader refuses: fastavro decides (values or UndecodableMessage)
         env = decode_body(value, body_offset, parsed)
-        fields = self._fields
+        fields = self._row_fields
         before, after, source = env.get("before"), env.get("after"), env.get("source") or {}
         return [None if before is None else [before.get(f) for f in fields],
                 None if after is None else [after.get(f) for f in fields],
@@ -611,8 +630,10 @@ class BatchBuilder:
         self._records.append(values)
 
     def _take_specials(self, values: list) -> list | None:
-        """Moves the special-value texts (NaN, infinity, ...: a special column's
-        string branch) out of ``values``: their [(column, text)], or None."""
+        """Takes the side field off a decoded row and moves the special-value
+        texts (NaN, infinity, ...: the side field's, and a union writer's
+        string branch values) out of ``values``: their [(column, text)], or None."""
+        side = values.pop()
         special = None
         for i, name in self._special:
             v = values[i]
@@ -621,6 +642,8 @@ class BatchBuilder:
                     special = []
                 special.append((name, v))
                 values[i] = None
+        if side is not None:  # columns dropped since the writer's schema are ignored, as their values are
+            special = (special or []) + [p for p in side_pairs(side) if p[0] in self._column_names]
         return special
 
     def _old_row(self, record: list) -> tuple[dict, list | None]:
@@ -650,10 +673,15 @@ class BatchBuilder:
             key_record = decode_body(key, ref.body_offset, parsed)
         except (ValueError, UndecodableMessage):
             return row  # the value is what counts; an unreadable key adds nothing
-        filled = list(row) if row is not None else list(self._empty_row)
+        filled = list(row) if row is not None else self._empty_row + [None]
         for i, f in self._key_fields:
             if filled[i] is None:
                 filled[i] = key_record.get(f)
+        key_side = key_record.get(wire.SPECIAL_FIELD)
+        if key_side is not None:  # the plain layout's key: its special values, merged into the row's
+            merged = dict(side_pairs(filled[-1])) if filled[-1] is not None else {}
+            merged.update(side_pairs(key_side))
+            filled[-1] = json.dumps(merged)
         return filled
 
     def to_record_batch(self):
@@ -684,6 +712,17 @@ class BatchBuilder:
     def rows(self) -> list[dict]:
         """The rows added since the last call as plain dicts (tests, debugging)."""
         return self.to_record_batch().to_pylist()
+
+
+def side_pairs(side: str) -> list[tuple[str, str]]:
+    """The (column, text) pairs of a side field's JSON."""
+    try:
+        pairs = json.loads(side)
+    except ValueError:
+        pairs = None
+    if not isinstance(pairs, dict) or not all(isinstance(v, str) for v in pairs.values()):
+        raise UndecodableMessage(f"side field {wire.SPECIAL_FIELD} is not a JSON object of texts: {side[:100]!r}")
+    return list(pairs.items())
 
 
 def _text(value: bytes | str | None) -> str | None:

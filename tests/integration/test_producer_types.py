@@ -1,5 +1,8 @@
 """Every supported PostgreSQL type round-trips exactly: decode the topic and
-compare with the source row read by psycopg."""
+compare with the source row read by psycopg. In the plain layout (the default)
+every column is a plain ``T`` or ``["null", T]`` (what Spark's ``from_avro``
+and Kafka Connect map to a plain column) and the special values travel in the
+side field ``_wb_special``; in the union layout in a ``string`` branch."""
 
 from __future__ import annotations
 
@@ -8,7 +11,9 @@ from decimal import Decimal
 
 import psycopg
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 
+from schemas.reader import SchemaResolver
 from tests.helpers import ProducerThread, data_records, make_config, read_topic, wait_for
 
 TYPES_DDL = """
@@ -79,12 +84,19 @@ def _same(avro_value, py_value, text_value, column: str) -> bool:
         isinstance(py_value, (int, float)) and avro_value == py_value)
 
 
-@pytest.mark.parametrize("registry", [None, "mock://types"])
-def test_every_type_round_trips(source_db, kafka_broker, topic_prefix, registry):
+def _value(after: dict, col: str):
+    """A column's value: the field, or its special value from the side field (plain layout)."""
+    if after[col] is None and after.get("_wb_special"):
+        return json.loads(after["_wb_special"]).get(col)
+    return after[col]
+
+
+@pytest.mark.parametrize("registry, layout", [(None, "plain"), ("mock://types", "plain"), (None, "union")])
+def test_every_type_round_trips(source_db, kafka_broker, topic_prefix, registry, layout):
     with psycopg.connect(source_db, autocommit=True) as conn:
         conn.execute(TYPES_DDL)
         conn.execute("INSERT INTO every_type VALUES " + ROWS[0])  # before the slot: snapshot
-    kafka = {"schema_registry_url": registry} if registry else {}
+    kafka = {"schema_registry_url": registry, "value_layout": layout} if registry else {"value_layout": layout}
     cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix, [{"table": "public.every_type"}], kafka=kafka)
     topic = f"{topic_prefix}.public.every_type"
     with ProducerThread(cfg):
@@ -109,9 +121,16 @@ def test_every_type_round_trips(source_db, kafka_broker, topic_prefix, registry)
                     py_value = conn.execute(f"SELECT {col} FROM every_type WHERE id = %s", (row_id,)).fetchone()[0]
                 except psycopg.DataError:  # psycopg cannot hold it either: text form expected
                     py_value = _Special()
-                if not _same(after[col], py_value, text_value, col):
+                if not _same(_value(after, col), py_value, text_value, col):
                     mismatches.append((row_id, col, after[col], py_value, text_value))
     assert not mismatches, "\n".join(map(repr, mismatches))
+    specials = {col: text for r in records.values() for col, text in json.loads(
+        r.value["after"].get("_wb_special") or "{}").items()}
+    if layout == "plain":  # the row of values a logical type cannot hold has them all in its side field
+        assert {"f4", "n_bounded", "d", "tm", "ts", "tstz", "arr_d", "arr_2d"} <= specials.keys()
+        assert specials["tm"] == "24:00:00" and specials["d"] in ("infinity", "0044-03-15 BC")
+    else:
+        assert not specials and "_wb_special" not in records[1].value["after"]
 
 
 def test_avro_types_are_logical_where_possible(source_db, kafka_broker, topic_prefix):
@@ -126,19 +145,26 @@ def test_avro_types_are_logical_where_possible(source_db, kafka_broker, topic_pr
             conn.execute("INSERT INTO every_type VALUES " + ROWS[0])
         rec = wait_for(lambda: data_records(read_topic(kafka_broker.bootstrap, topic, topic_prefix)),
                        what="a row")[0]
-    from schemas.reader import SchemaResolver
-
     raw = None
-    from confluent_kafka import Consumer, TopicPartition
     c = Consumer({"bootstrap.servers": kafka_broker.bootstrap, "group.id": "x", "enable.auto.commit": False})
     c.assign([TopicPartition(topic, rec.partition, rec.offset)])
     while raw is None:
         m = c.poll(5)
         if m is not None and not m.error():
-            raw = m.value()
+            raw, key_raw = m.value(), m.key()
     c.close()
     schema = SchemaResolver({"bootstrap.servers": kafka_broker.bootstrap}, topic_prefix).raw_schema(raw)
     row_fields = {f["name"]: f for f in schema["fields"][0]["type"][1]["fields"]}
+    # Union-free: every column a plain T or [null, T], as from_avro and Connect map to a plain column.
+    for name, f in row_fields.items():
+        t = f["type"]
+        assert not isinstance(t, list) or (len(t) == 2 and t[0] == "null" and not isinstance(t[1], list)), (name, t)
+        if isinstance(t, list) and isinstance(t[1], dict) and t[1].get("type") == "array":
+            items = t[1]["items"]
+            assert not isinstance(items, list) or (len(items) == 2 and items[0] == "null"), (name, items)
+    assert row_fields["_wb_special"]["type"] == ["null", "string"]
+    key_schema = SchemaResolver({"bootstrap.servers": kafka_broker.bootstrap}, topic_prefix).raw_schema(key_raw)
+    assert key_schema["fields"] == [{"name": "id", "type": "long", "pg.type": "bigint"}]
 
     def logical(col):
         return {b.get("logicalType") for b in row_fields[col]["type"] if isinstance(b, dict)} - {None}

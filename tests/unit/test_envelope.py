@@ -16,10 +16,10 @@ NUM = PgTypeInfo(1700, "numeric(10,2)", 1700, "numeric(10,2)", (10 << 16 | 2) + 
 TSTZ = PgTypeInfo(1184, "timestamp with time zone", 1184, "timestamp with time zone", -1, "b")
 
 
-def codec():
+def codec(layout: str = "plain"):
     cols = [ShapeColumn("id", column_codec(INT), True), ShapeColumn("body text", column_codec(TEXT), False),
             ShapeColumn("n", column_codec(NUM), False), ShapeColumn("at", column_codec(TSTZ), False)]
-    return ShapeCodec("orders-eu", "wb", "app", "public", "orders", cols, [0, 2, 3, 4])
+    return ShapeCodec("orders-eu", "wb", "app", "public", "orders", cols, [0, 2, 3, 4], layout)
 
 
 ROW = (7, "unused", "hé", Decimal("1.25"), datetime.datetime(2024, 1, 1, tzinfo=datetime.timezone.utc))
@@ -30,8 +30,9 @@ ROW = (7, "unused", "hé", Decimal("1.25"), datetime.datetime(2024, 1, 1, tzinfo
     ("t", None, None, ()), ("u", None, (7, None, None, "NaN", None), (2, 4)),
 ])
 @pytest.mark.parametrize("op_index", [0, 1, 63, 64, 300, 2**40])
-def test_composed_encoding_equals_fastavro(op, before, after, unchanged, op_index):
-    c = codec()
+@pytest.mark.parametrize("layout", ["plain", "union"])
+def test_composed_encoding_equals_fastavro(op, before, after, unchanged, op_index, layout):
+    c = codec(layout)
     src = c.source(0x16B3748, op_index, 991, 1_700_000_000_000, change_lsn=0x16B3000)
     reference = c.encode_value(b"P", c.envelope(op, before, after, src, 1_700_000_000_123, list(unchanged)))
     composed = c.encode_change(b"P", op, before, after, c.source_bytes(0x16B3748, 991, 1_700_000_000_000),
@@ -59,10 +60,26 @@ def test_avro_long_matches_fastavro(n):
     assert avro_long(n) == buf.getvalue()
 
 
+def test_plain_layout_has_plain_columns_and_a_side_field():
+    c = codec("plain")
+    row = c.value_schema["fields"][0]["type"][1]
+    types = {f["name"]: f["type"] for f in row["fields"]}
+    assert types["n"] == ["null", {"type": "bytes", "logicalType": "decimal", "precision": 10, "scale": 2}]
+    assert types["_wb_special"] == ["null", "string"]
+    assert all(not isinstance(t, list) or (len(t) == 2 and t[0] == "null") for t in types.values())
+    special = (7, None, "x", "NaN", "-infinity")
+    value = c.encode_change(b"", "c", None, special, c.source_bytes(1, 2, 3), 0, 4)
+    after = schemaless_reader(io.BytesIO(value), parse_schema(c.value_schema), None)["after"]
+    assert after == {"id": 7, "body_text": "x", "n": None, "at": None,
+                     "_wb_special": '{"n":"NaN","at":"-infinity"}'}
+    union = codec("union").value_schema["fields"][0]["type"][1]["fields"]
+    assert union[2]["type"][:2] == ["null", "string"] and len(union) == 4  # no side field
+
+
 def test_avro_names_are_sanitised():
     assert avro_name("body text") == "body_text" and avro_name("1st") == "_1st" and avro_name("ok_1") == "ok_1"
     schema = codec().value_schema
     row = schema["fields"][0]["type"][1]
-    assert [f["name"] for f in row["fields"]] == ["id", "body_text", "n", "at"]
+    assert [f["name"] for f in row["fields"]] == ["id", "body_text", "n", "at", "_wb_special"]
     assert row["fields"][1]["pg.column"] == "body text"
     assert codec().key_schema["fields"] == [{"name": "id", "type": "int", "pg.type": "integer"}]

@@ -97,8 +97,8 @@ def relation(oid: int, keys) -> Relation:
                     tuple(Column(n, c[1].oid, c[1].base_typmod, n in keys) for n, c in zip(NAMES, COLUMNS)))
 
 
-def build(oid: int, keys, specs, tombstones: bool = True) -> tuple[RelationPlan, object]:
-    plan = RelationPlan(relation(oid, keys), CODECS, tuple(keys), specs, "wb", "app")
+def build(oid: int, keys, specs, tombstones: bool = True, layout: str = "plain") -> tuple[RelationPlan, object]:
+    plan = RelationPlan(relation(oid, keys), CODECS, tuple(keys), specs, "wb", "app", layout)
     for i, route in enumerate(plan.routes):
         route.codec.value_prefix = b"\xc3\x01" + bytes([i]) * 8
         route.codec.key_prefix = b"\x00\x00\x00\x00" + bytes([i + 1]) if route.codec.key_schema else None
@@ -163,12 +163,13 @@ def reference(plan: RelationPlan, change, op_index: int, tombstones: bool = True
     return out
 
 
+@pytest.mark.parametrize("layout", ["plain", "union"])
 @pytest.mark.parametrize("tombstones", [True, False], ids=["tombstones", "no-tombstones"])
 @pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "keyless"])
-def test_byte_identical_to_reference(keyed, tombstones):
+def test_byte_identical_to_reference(keyed, tombstones, layout):
     keys = KEY_COLUMNS if keyed else ()
-    plan, encoder = build(4242, keys, SHAPES if keyed else SHAPES[:1], tombstones)
-    n = 0
+    plan, encoder = build(4242, keys, SHAPES if keyed else SHAPES[:1], tombstones, layout)
+    n = specials = 0
     for op_index, (payload, change) in enumerate(changes(4242, keyed)):
         fast = encoder.encode(frame(payload), 25, op_index, LSN, XID, TS_MS, SEEN_MS)
         assert fast is not None, change
@@ -176,7 +177,9 @@ def test_byte_identical_to_reference(keyed, tombstones):
         for got, want in itertools.zip_longest(fast, expected):
             assert got == want, (change, got, want)
         n += len(fast)
+        specials += sum(b'"d":"infinity"' in (m[2] or b"") for m in fast)
     assert n > 40
+    assert specials > 0 if layout == "plain" else specials == 0  # the side field was exercised
 
 
 def test_declines_what_it_does_not_handle():

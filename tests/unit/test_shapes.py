@@ -42,7 +42,9 @@ def test_insert_goes_to_matching_shapes_only():
 def test_column_limited_shape_rows():
     p = plan(EU)
     (ev,) = p.events(Insert(1, (b"2", b"eu", b"10.00", b"x")), 0)
-    assert ev.route.codec.row(ev.after) == {"id": 2, "total": Decimal("10.00")}
+    assert ev.route.codec.row(ev.after) == {"id": 2, "total": Decimal("10.00"), "_wb_special": None}
+    (ev,) = p.events(Insert(1, (b"3", b"eu", b"NaN", b"x")), 1)
+    assert ev.route.codec.row(ev.after) == {"id": 3, "total": None, "_wb_special": '{"total":"NaN"}'}
 
 
 def test_update_move_in_move_out_with_full_identity():

@@ -110,8 +110,8 @@ SPECIAL_ROW = (
 class Shape:
     """A shape's codec plus single-object prefixes and a schema lookup."""
 
-    def __init__(self, columns=COLUMNS, shape: str = "public.t", prefix: str = "wb"):
-        self.codec = ShapeCodec(shape, prefix, "db", "public", "t", columns, list(range(len(columns))))
+    def __init__(self, columns=COLUMNS, shape: str = "public.t", prefix: str = "wb", layout: str = "plain"):
+        self.codec = ShapeCodec(shape, prefix, "db", "public", "t", columns, list(range(len(columns))), layout)
         self.schemas: dict[bytes, dict] = {}
         self.value_prefix = self.publish(self.codec.value_schema)
         self.key_prefix = self.publish(self.codec.key_schema) if self.codec.key_schema else None
@@ -265,8 +265,9 @@ def test_typed_row_from_after():
     assert row["_wb_ts_ms"] == 1_700_000_000_123 and row["_wb_snapshot_id"] is None
 
 
-def test_special_values_go_to_the_special_map():
-    shape = Shape()
+@pytest.mark.parametrize("layout", ["plain", "union"])
+def test_special_values_go_to_the_special_map(layout):
+    shape = Shape(layout=layout)
     b = shape.builder()
     b.add(TOPIC, 0, 1, None, shape.value("c", after=SPECIAL_ROW), pos(100))
     [row] = b.rows()
@@ -277,6 +278,48 @@ def test_special_values_go_to_the_special_map():
     assert dict(row["_wb_special"]) == {
         "amount": "NaN", "huge": "Infinity", "day": "infinity", "at": "24:00:00", "local_ts": "-infinity",
         "ts": "0044-03-15 00:00:00+00 BC", "ints": "{{1,2},{3,4}}", "days": "{infinity}"}
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "fastavro"])
+@pytest.mark.parametrize("newest", ["plain", "union"])
+def test_writers_of_either_layout_read_into_a_layout_of_the_other(newest, compiled):
+    """A topic written in the union layout (before 0.2.0) and then in the plain
+    one, or back: every message reads into the newest layout, specials included."""
+    older = "union" if newest == "plain" else "plain"
+    shape, old = Shape(layout=newest), Shape(layout=older)
+    shape.schemas.update(old.schemas)
+    layout = shape.layout
+    b = BatchBuilder(layout, WriterSchemas(layout, shape.lookup, shape.known(), compiled=compiled))
+    b.add(TOPIC, 0, 0, None, old.value("c", after=SPECIAL_ROW), pos(1))
+    b.add(TOPIC, 0, 1, None, shape.value("c", after=SPECIAL_ROW), pos(2))
+    b.add(TOPIC, 0, 2, None, old.value("u", before=SPECIAL_ROW, after=ROW), pos(3))
+    b.add(TOPIC, 0, 3, None, shape.value("u", before=SPECIAL_ROW, after=ROW), pos(4))
+    first, second, third, fourth = b.rows()
+    for r in (first, second, third, fourth):
+        del r["_wb_offset"], r["_wb_lsn"]
+    assert first == second and third == fourth
+    assert dict(first["_wb_special"])["days"] == "{infinity}" and first["amount"] is None
+    assert dict(third["_wb_before_special"])["at"] == "24:00:00" and third["_wb_before"]["at"] is None
+
+
+def test_plain_layout_delete_with_a_special_key_fills_it_from_the_key():
+    shape = Shape([_col("day", 1082, "date", key=True), _col("v", 23, "integer")])
+    assert shape.codec.key_schema["fields"][-1]["name"] == "_wb_special"
+    b = shape.builder()
+    b.add(TOPIC, 0, 0, shape.key(("infinity", None)), shape.value("d", before=None), pos(5))
+    [row] = b.rows()
+    assert row["day"] is None and dict(row["_wb_special"]) == {"day": "infinity"} and row["_wb_op"] == "d"
+
+
+def test_a_damaged_side_field_is_undecodable():
+    shape = Shape()
+    good = shape.value("c", after=SPECIAL_ROW)
+    text = b'"amount":"NaN"'
+    assert good.count(text) == 1
+    bad = good.replace(text, b'"amount":12345')
+    for b in (shape.builder(), _reference_builder(shape)):
+        with pytest.raises(UndecodableMessage, match="side field"):
+            b.add(TOPIC, 0, 0, None, bad, pos(1))
 
 
 def test_update_with_unchanged_toast_names_the_columns():
@@ -291,8 +334,9 @@ def test_update_with_unchanged_toast_names_the_columns():
     assert row["_wb_unchanged"] == ["body", "Mixed Case"]
 
 
-def test_update_with_the_old_row_carries_it_in_wb_before():
-    shape = Shape()
+@pytest.mark.parametrize("layout", ["plain", "union"])
+def test_update_with_the_old_row_carries_it_in_wb_before(layout):
+    shape = Shape(layout=layout)
     b = shape.builder()
     b.add(TOPIC, 0, 1, None, shape.value("u", before=SPECIAL_ROW, after=ROW), pos(101))
     b.add(TOPIC, 0, 2, None, shape.value("u", after=ROW), pos(102))  # default replica identity: no old row
@@ -549,8 +593,9 @@ def _every_kind_of_message(shape: Shape) -> list[tuple]:
 
 
 @pytest.mark.skipif(not fastdecode.AVAILABLE, reason="spark_consumer._fastdecode is not built")
-def test_compiled_reader_rows_equal_fastavro_rows():
-    shape = Shape()
+@pytest.mark.parametrize("layout", ["plain", "union"])
+def test_compiled_reader_rows_equal_fastavro_rows(layout):
+    shape = Shape(layout=layout)
     messages = _every_kind_of_message(shape)
     compiled, reference = shape.builder(), _reference_builder(shape)
     for b in (compiled, reference):
@@ -592,13 +637,15 @@ def _damaged(value: bytes, body: int) -> list[bytes]:
 
 
 @pytest.mark.skipif(not fastdecode.AVAILABLE, reason="spark_consumer._fastdecode is not built")
-def test_compiled_reader_refuses_exactly_what_fastavro_refuses():
+@pytest.mark.parametrize("layout", ["plain", "union"])
+def test_compiled_reader_refuses_exactly_what_fastavro_refuses(layout):
     """Damaged bodies: the same UndecodableMessage (same text), or the same rows."""
-    shape = Shape()
+    shape = Shape(layout=layout)
     body = len(shape.value_prefix)
     compiled, reference = shape.builder(), _reference_builder(shape)  # a failed add leaves a builder as it was
     seen = set()
-    for value in (shape.value("u", before=EDGE_ROW, after=ROW, unchanged=[15]), shape.value("d", before=NULL_ROW)):
+    for value in (shape.value("u", before=EDGE_ROW, after=ROW, unchanged=[15]), shape.value("d", before=NULL_ROW),
+                  shape.value("c", after=SPECIAL_ROW)):
         for damaged in _damaged(value, body):
             fast = _outcome(compiled, None, damaged, pos(1))
             assert fast == _outcome(reference, None, damaged, pos(1)), damaged.hex()
@@ -629,12 +676,14 @@ def test_unscaled_decimals_make_the_column_pyarrow_makes_of_decimals():
 
 
 @pytest.mark.skipif(not fastdecode.AVAILABLE, reason="spark_consumer._fastdecode is not built")
-def test_a_decimal_beyond_its_declared_precision_fails_as_with_fastavro():
-    shape = Shape()
+@pytest.mark.parametrize("layout", ["plain", "union"])
+def test_a_decimal_beyond_its_declared_precision_fails_as_with_fastavro(layout):
+    shape = Shape(layout=layout)
     good = shape.value("c", after=ROW)
-    amount = b"\x04\x04\x04\xce"  # union branch 2, 2 bytes: 1230 (12.30)
+    branch = b"\x02" if layout == "plain" else b"\x04"  # union branch 1 of [null, T], 2 of [null, string, T]
+    amount = branch + b"\x04\x04\xce"  # 2 bytes: 1230 (12.30)
     assert good.count(amount) == 1
-    eleven_digits = good.replace(amount, b"\x04\x0a" + (12345678912).to_bytes(5, "big", signed=True))
+    eleven_digits = good.replace(amount, branch + b"\x0a" + (12345678912).to_bytes(5, "big", signed=True))
     outcomes = []
     for b in (shape.builder(), _reference_builder(shape)):
         b.add(TOPIC, 0, 0, None, good, pos(1))
