@@ -71,15 +71,23 @@ def _tail_of(msg: Any) -> Tail | None:
 def read_tails(conf: dict[str, Any], writers: Iterable[Writer], timeout: float = 30.0) -> dict[Writer, Tail | None]:
     """The last streamed (or initial-snapshot) walbridge message of each
     partition (None for partitions holding none); backfill messages are
-    skipped. Reads all partitions together, from a little before the reported end
-    (which may be too low) to end-of-partition, widening the window backwards
+    skipped."""
+    return {w: tail for w, (_, _, tail) in read_partitions(conf, writers, timeout).items()}
+
+
+def read_partitions(conf: dict[str, Any], writers: Iterable[Writer],
+                    timeout: float = 30.0) -> dict[Writer, tuple[int, int, Tail | None]]:
+    """Each partition's earliest offset, reported end offset (may be low) and
+    tail (:func:`read_tails`). Reads all partitions together, from a little
+    before the reported end to end-of-partition, widening the window backwards
     where only foreign messages were found."""
     writers = list(writers)
     consumer = scan_consumer(conf, "tail")
     try:
-        bounds = {}
+        bounds, reported = {}, {}
         for w in writers:
             low, reported_end = consumer.get_watermark_offsets(TopicPartition(*w), timeout=timeout)
+            reported[w] = (low, reported_end)
             bounds[w] = (low, max(reported_end, low + 1))
         tails: dict[Writer, Tail | None] = {w: None for w in writers}
         window = 1
@@ -92,7 +100,7 @@ def read_tails(conf: dict[str, Any], writers: Iterable[Writer], timeout: float =
             window *= 8
             todo = {w: (max(bounds[w][0], bounds[w][1] - window), start)
                     for w, (start, _) in todo.items() if tails[w] is None and start > bounds[w][0]}
-        return tails
+        return {w: (*reported[w], tails[w]) for w in writers}
     finally:
         consumer.close()
 

@@ -35,16 +35,19 @@ Invariants:
   unrelated tables never hold WAL back.
 - A restart (crash or lost connection) takes the same path as a first start:
   read partition tails, rebuild ack state from Kafka, stream from the slot.
-- Initial snapshot (``snapshot.py``): taken when the slot is created. A snapshot
-  is complete once a ``snapshot_end`` control event sits on every partition of
-  every shape topic; if the producer finds the slot but not that (it crashed
-  mid-snapshot, or the broker lost its data), it drops the slot and *redoes* the
-  snapshot at a new consistent point. The partial rows already in the topics are
-  older (lower position) than the redone ones, so apply converges; the
-  ``snapshot_end`` event tells the consumer which snapshot is complete.
-  Exception: shapes whose topics hold nothing at all while the others are
-  complete were added to the config; they are backfilled (``backfill.py``)
-  while the others stream on.
+- Initial snapshot (``snapshot.py``): taken when the slot is created, which is
+  recorded in the source database (``slot_binding.py``: the topic prefix and
+  Kafka cluster the slot's data goes to), and in ``<prefix>._checkpoint``
+  before it starts and once Kafka acknowledged every ``snapshot_end``
+  (``checkpoint_store.py``). A producer that finds its slot decides with
+  ``recovery.py``: a slot bound to other topics stops it; a snapshot Kafka
+  does not hold completely (it crashed mid-snapshot, the broker lost its data,
+  records no consumer group had read are gone) makes it drop the slot and
+  *redo* the snapshot at a new consistent point. The partial rows already in
+  the topics are older (lower position) than the redone ones, so apply
+  converges; the ``snapshot_end`` event tells the consumer which snapshot is
+  complete. Topics the checkpoint does not cover belong to shapes added to the
+  config; they are backfilled (``backfill.py``) while the others stream on.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any, Callable
 
 import psycopg
@@ -60,25 +64,27 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
-from producer import catalog, pgoutput
+from producer import catalog, pgoutput, recovery, slot_binding
 from producer.acks import Acks
 from producer.backfill import Backfills
 from producer.catalog import TableInfo
+from producer.checkpoint_store import CheckpointStore
 from producer.envelope import control_key
 from producer.fastcodec import CHANGE_KINDS, relation_encoder
 from producer.flush_tracker import LogOffset
-from producer.kafka_io import Tail, producer_config, read_tails
+from producer.kafka_io import Tail, producer_config, read_partitions
 from producer.pgoutput import Begin, Commit, Delete, Insert, Keepalive, Relation, Truncate, TypeMsg, Update
 from producer.pgtypes import column_codec
 from producer.reads import Reads
+from producer.recovery import check_binding
 from producer.replication import ReplicationConnection, ReplicationError, connect
 from producer.shapes import Event, RelationPlan, ShapeSpec, event_message
-from producer.snapshot import InitialSnapshot
+from producer.snapshot import InitialSnapshot, snapshot_id
 from producer.status import Stats, StatusPublisher
 from producer.topics import prepare_topics
 from schemas import wire
 from schemas.config import Config, redact_dsn
-from schemas.kafka import Writer, client_config
+from schemas.kafka import Writer, client_config, topic_id
 from schemas.publisher import SchemaPublisher
 from schemas.shape_filter import compile_filter
 
@@ -106,6 +112,11 @@ class Pipeline:
                                        else None, config.kafka.subject_name_strategy)
         self.acks = Acks(config, self.admin, kafka_conf)
         self.ledger = self.acks.ledger  # the stream's own reference: it counts every message
+        self.checkpoints = CheckpointStore(kafka_conf, self.kafka, self.admin, config.kafka.topic_prefix,
+                                           list(config.ack_groups))
+        self._slot: dict | None = None  # the slot's state at start (None: none yet)
+        self._cluster_id: str | None = None
+        self._bind: recovery.Binding | None = None  # a binding to record (a slot from before bindings)
         self.partitions: dict[str, int] = {}
         self.tails: dict[Writer, Tail | None] = {}
         self._replay_until: tuple[int, int] | None = None  # highest tail position: below it, check for replays
@@ -139,12 +150,18 @@ class Pipeline:
         self._stop.set()
 
     def prepare(self) -> None:
-        """Validate against the live source and create publication and topics.
-        Nothing here creates a slot."""
+        """Validate against the live source (and an existing slot against what
+        its data went to) and create publication and topics. Nothing here
+        creates a slot."""
         cfg = self.config
         self.catalog_conn = connect(cfg.source.dsn)
         self.db_name = self.catalog_conn.info.dbname
         self.tables = catalog.check_source(self.catalog_conn, cfg)
+        self._cluster_id = self.admin.list_topics(timeout=30).cluster_id
+        self._slot = catalog.slot_state(self.catalog_conn, cfg.source.slot)
+        if self._slot is not None:
+            self._bind = check_binding(cfg.source.slot, slot_binding.read(self.catalog_conn, cfg.source.slot),
+                                       cfg.kafka.topic_prefix, self._cluster_id)
         plan = catalog.plan_publication(list(self.tables.values()), cfg.source.keyless_tables)
         self.publications = catalog.ensure_publications(self.catalog_conn, cfg.source.publication, plan)
         for shape in cfg.shapes:
@@ -180,32 +197,38 @@ class Pipeline:
         self.prepare()
         self._assemble()
         self.repl = ReplicationConnection(cfg.source.dsn, cfg.source.slot)
-        slot = catalog.slot_state(self.catalog_conn, cfg.source.slot)
-        new_topics: set[str] = set()  # shapes added to a running deployment: backfilled below
+        slot = self._slot
+        decision = recovery.Decision(False)
         if slot is not None:
             if slot["plugin"] != "pgoutput" or slot["slot_type"] != "logical":
                 raise ReplicationError(f"slot {cfg.source.slot} exists but is not a logical pgoutput slot")
             if slot["active"]:
                 raise ReplicationError(f"slot {cfg.source.slot} is in use by another process "
                                        f"(pid {slot['active_pid']}); is another producer running?")
-            self.tails = read_tails(self._kafka_conf, self.writers())
-            new_topics = self._new_topics()
-            if new_topics == set(self.partitions) or not self._snapshot_complete(ignore=new_topics):
-                log.warning("slot %s exists but the snapshot in Kafka is incomplete: dropping the slot and "
-                            "redoing the snapshot", cfg.source.slot)
+            decision = self._recover()
+            if decision.resnapshot:
+                log.warning("slot %s: %s: dropping the slot and redoing the snapshot", cfg.source.slot,
+                            decision.reason)
                 self.catalog_conn.execute("SELECT pg_drop_replication_slot(%s)", (cfg.source.slot,))
-                slot, new_topics = None, set()
+                slot, decision = None, recovery.Decision(True)
         if slot is None:
             lsn, snapshot_name = self.repl.create_slot()
             log.info("created slot %s at %s (snapshot %s)", cfg.source.slot, pgoutput.lsn_to_str(lsn), snapshot_name)
-            self.snapshot.take(lsn, snapshot_name, self.writers(), self._between_snapshot_chunks, self._flush_all)
+            slot_binding.write(self.catalog_conn, cfg.source.slot,
+                               recovery.Binding(cfg.kafka.topic_prefix, self._cluster_id))
+            self._take_snapshot(lsn, snapshot_name)
             self.tails = {}
             start = lsn
         else:
             start = pgoutput.lsn_to_int(slot["confirmed_flush_lsn"])
             self.acks.rebuild(self.writers())
         self._replay_until = max((t.position for t in self.tails.values() if t is not None), default=None)
-        self.backfills.load(new_topics)
+        self.backfills.load(set(decision.new_topics))
+        if decision.checkpoint is not None:
+            # After the new shapes' backfill requests are in Kafka: a topic the
+            # checkpoint covers is never taken for a new one again.
+            self._flush_all()
+            self.checkpoints.write(decision.checkpoint, wait=True)
         self.repl.start(self.publications, start)
         self._streaming = True
         log.info("streaming from slot %s (publications %s) to %s", cfg.source.slot, ", ".join(self.publications),
@@ -214,24 +237,41 @@ class Pipeline:
         self._flush_all()
         self.status.publish()  # the final numbers, for whoever watches
 
-    def _new_topics(self) -> set[str]:
-        """Topics none of whose partitions holds a streamed or snapshot message:
-        shapes added to the config since the snapshot (or a broker that lost
-        everything, when that is every topic)."""
-        tails_of: dict[str, list] = defaultdict(list)
-        for w in self.writers():
-            tails_of[w[0]].append(self.tails.get(w))
-        return {t for t, tails in tails_of.items() if all(x is None for x in tails)}
+    def _recover(self) -> recovery.Decision:
+        """What to do with the existing slot (:mod:`producer.recovery`), from
+        what Kafka holds: the checkpoint and each partition's bounds and tail."""
+        cfg = self.config
+        if self._bind is not None:
+            slot_binding.write(self.catalog_conn, cfg.source.slot, self._bind)
+        read = read_partitions(self._kafka_conf, self.writers())
+        self.tails = {w: tail for w, (_, _, tail) in read.items()}
+        ids = self._topic_ids()
+        checkpoint = self.checkpoints.read()
+        committed = self.checkpoints.committed(checkpoint) if checkpoint and cfg.ack_groups else None
+        decision = recovery.decide(
+            slot=cfg.source.slot, database=self.db_name, checkpoint=checkpoint, topics=dict(self.partitions),
+            partitions={w: recovery.PartitionFacts(low, end, tail, ids.get(w[0])) for w, (low, end, tail) in read.items()},
+            committed=committed)
+        for note in decision.notes:
+            log.info("slot %s: %s", cfg.source.slot, note)
+        if decision.new_topics and not decision.resnapshot:
+            log.info("topics new to the deployment: %s", ", ".join(sorted(decision.new_topics)))
+        return decision
 
-    def _snapshot_complete(self, ignore: set[str] = frozenset()) -> bool:
-        for writer in self.writers():
-            if writer[0] in ignore:
-                continue
-            tail = self.tails.get(writer)
-            if tail is None or (tail.snapshot_id is not None and tail.control is None):
-                log.info("partition %s[%d] holds no complete snapshot", *writer)
-                return False
-        return True
+    def _topic_ids(self) -> dict[str, str | None]:
+        return {t: topic_id(self.admin, t) for t in self.partitions}
+
+    def _take_snapshot(self, lsn: int, snapshot_name: str) -> None:
+        """The initial snapshot at the new slot's consistent point, recorded in
+        the checkpoint before it starts and once Kafka holds all of it."""
+        cfg = self.config
+        started = recovery.Checkpoint(cfg.source.slot, self.db_name, snapshot_id(cfg.source.slot, lsn), lsn,
+                                      topics=dict(self.partitions))
+        self.checkpoints.write(started, wait=True)
+        self.snapshot.take(lsn, snapshot_name, self.writers(), self._between_snapshot_chunks, self._flush_all)
+        ends = {t: [self.ledger.last_offset[(t, p)] + 1 for p in range(n)] for t, n in self.partitions.items()}
+        self.checkpoints.write(replace(started, complete=True, ends=ends, topic_ids=self._topic_ids(),
+                                       consumed=not cfg.ack_groups), wait=True)
 
     def close(self) -> None:
         if self.backfills is not None:
@@ -286,6 +326,7 @@ class Pipeline:
                 self._send_status()
                 status.publish()
                 backfills.poll()
+                self.checkpoints.watch_consumed(now)
             elif idle and acks.confirmed_lsn > repl.flushed and now - self._last_status >= CONFIRM_INTERVAL:
                 # Caught up: release the WAL now rather than at the next periodic update.
                 self._send_status()

@@ -158,6 +158,10 @@ def run_snapshot(dsn: str, snapshot_name: str, pieces: list[Piece], workers: int
     return rows
 
 
+def snapshot_id(slot: str, lsn: int) -> str:
+    return f"{slot}@{lsn_to_str(lsn)}"
+
+
 class InitialSnapshot:
     """Takes the initial snapshot at a new slot's consistent point: every
     table's rows as reads, then ``snapshot_end`` on every partition."""
@@ -177,7 +181,7 @@ class InitialSnapshot:
         ``writers``. ``between_chunks`` serves the producer after each chunk;
         ``flush`` waits until Kafka has acknowledged everything sent."""
         source = self._config.source
-        snapshot_id = f"{source.slot}@{lsn_to_str(lsn)}"
+        this_id = snapshot_id(source.slot, lsn)
         now_ms = int(time.time() * 1000)
         plans: dict[str, RelationPlan] = {}
         work = []
@@ -185,11 +189,11 @@ class InitialSnapshot:
             plans[qualified] = plan = self._plan_table(table)
             work.append((table, tuple(plan.names), relpages(self._conn, table)))
         total = sum(row_estimate(self._conn, t) for t in self._tables.values())
-        self.progress = {"id": snapshot_id, "rows": 0, "total_estimate": total, "started": time.time(),
+        self.progress = {"id": this_id, "rows": 0, "total_estimate": total, "started": time.time(),
                          "done": False}
-        sources = {route.name: route.codec.source_bytes(lsn, None, now_ms, True, snapshot_id)
+        sources = {route.name: route.codec.source_bytes(lsn, None, now_ms, True, this_id)
                    for plan in plans.values() for route in plan.routes}
-        headers = [(wire.POSITION_HEADER, wire.position_header(lsn, 0)), (wire.SNAPSHOT_HEADER, snapshot_id.encode())]
+        headers = [(wire.POSITION_HEADER, wire.position_header(lsn, 0)), (wire.SNAPSHOT_HEADER, this_id.encode())]
         started = time.monotonic()
         sent = 0
 
@@ -204,8 +208,8 @@ class InitialSnapshot:
         pieces = plan_pieces(work, source.snapshot_workers)
         rows = run_snapshot(source.dsn, snapshot_name, pieces, source.snapshot_workers, emit)
         flush()
-        self._reads.send_end(writers, headers, wire.SNAPSHOT_END, snapshot_id,
-                             {"snapshot_id": snapshot_id, "lsn": lsn, "rows": rows})
+        self._reads.send_end(writers, headers, wire.SNAPSHOT_END, this_id,
+                             {"snapshot_id": this_id, "lsn": lsn, "rows": rows})
         flush()
         self.progress.update(rows=rows, done=True, finished=time.time())
-        log.info("snapshot %s done: %d rows in %.1fs", snapshot_id, rows, time.monotonic() - started)
+        log.info("snapshot %s done: %d rows in %.1fs", this_id, rows, time.monotonic() - started)

@@ -25,6 +25,7 @@ from confluent_kafka import (
     KafkaError,
     KafkaException,
     Message,
+    TopicCollection,
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -125,6 +126,19 @@ def read_to_end(conf: dict[str, Any], topic: str, purpose: str = "read",
         yield from scan(consumer, {(topic, p): (0, None) for p in sorted(meta.partitions)}, timeout)
     finally:
         consumer.close()
+
+
+def topic_id(admin: AdminClient, topic: str, timeout: float = 30.0) -> str | None:
+    """The topic's id (KIP-516; it changes when the topic is recreated), or
+    None where the broker has none. Raises LookupError if the topic is missing."""
+    try:
+        desc = admin.describe_topics(TopicCollection([topic]))[topic].result(timeout=timeout)
+    except KafkaException as e:
+        if e.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+            raise LookupError(f"topic {topic} does not exist") from None
+        raise
+    tid = str(desc.topic_id) if desc.topic_id is not None else ""
+    return tid if tid.strip("A=") else None  # all-zero id: the broker keeps none
 
 
 def group_offsets(admin: AdminClient, groups: Iterable[str], writers: list[Writer],

@@ -93,7 +93,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicCollection, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
@@ -109,6 +109,7 @@ from pyspark.sql.types import StructType
 from schemas import wire
 from schemas.config import redact_dsn
 from schemas.kafka import ensure_topics, read_to_end
+from schemas.kafka import topic_id as describe_topic_id
 from schemas.reader import SchemaResolver, read_schemas_topic
 from schemas.registry import STRATEGIES, data_subjects, subject_versions
 from spark_consumer.decode import (
@@ -352,19 +353,6 @@ def plan_ranges(topic: str, start: Offsets, end: Offsets, max_per_task: int | No
         bounds = [s + (e - s) * i // pieces for i in range(pieces)] + [e]
         tasks += [OffsetRange(topic, p, a, b, topic_id) for a, b in zip(bounds, bounds[1:])]
     return tasks
-
-
-def describe_topic_id(admin, topic: str, timeout: float = 30.0) -> str | None:
-    """The topic's id (KIP-516; it changes when the topic is recreated), or
-    None where the broker has none. Raises LookupError if the topic is missing."""
-    try:
-        desc = admin.describe_topics(TopicCollection([topic]))[topic].result(timeout=timeout)
-    except KafkaException as e:
-        if e.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
-            raise LookupError(f"topic {topic} does not exist") from None
-        raise
-    tid = str(desc.topic_id) if desc.topic_id is not None else ""
-    return tid if tid.strip("A=") else None  # all-zero id: the broker keeps none
 
 
 # ------------------------------------------------------------- driver side
