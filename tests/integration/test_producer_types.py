@@ -127,7 +127,7 @@ def test_every_type_round_trips(source_db, kafka_broker, topic_prefix, registry,
     specials = {col: text for r in records.values() for col, text in json.loads(
         r.value["after"].get("_wb_special") or "{}").items()}
     if layout == "plain":  # the row of values a logical type cannot hold has them all in its side field
-        assert {"f4", "n_bounded", "d", "tm", "ts", "tstz", "arr_d", "arr_2d"} <= specials.keys()
+        assert {"n_bounded", "d", "tm", "ts", "tstz", "arr_d", "arr_2d"} <= specials.keys()  # floats hold NaN
         assert specials["tm"] == "24:00:00" and specials["d"] in ("infinity", "0044-03-15 BC")
     else:
         assert not specials and "_wb_special" not in records[1].value["after"]

@@ -26,6 +26,7 @@ from producer.envelope import ShapeCodec, ShapeColumn
 from producer.kafka_io import producer_config
 from producer.partitioner import partition_for
 from producer.pgtypes import PgTypeInfo, column_codec
+from producer.topics import describe
 from schemas import wire
 from schemas.kafka import ensure_topics
 from schemas.publisher import SchemaPublisher
@@ -80,15 +81,15 @@ class ShapeTopic:
         ensure_topics(admin, [self.topic], partitions, 1)
         ensure_topics(admin, [prefix + wire.SCHEMAS_TOPIC_SUFFIX], 1, 1)
         self.producer = Producer(producer_config({"bootstrap.servers": bootstrap}))
-        self.publisher = SchemaPublisher(self.producer, prefix, registry_url)
+        self.publisher = SchemaPublisher(self.producer, prefix, {"url": registry_url} if registry_url else None)
         self._new_codec()
         self.lsn = 1000
 
     def _new_codec(self) -> None:
         self.codec = ShapeCodec("public.t", self.prefix, "db", "public", "t", self.columns,
                                 list(range(len(self.columns))))
-        self.codec.value_prefix = self.publisher.prefix(f"{self.topic}-value", self.codec.value_schema)
-        self.codec.key_prefix = self.publisher.prefix(f"{self.topic}-key", self.codec.key_schema)
+        self.codec.value_prefix = self.publisher.prefix(self.topic, self.codec.value_schema)
+        self.codec.key_prefix = self.publisher.prefix(self.topic, self.codec.key_schema, is_key=True)
 
     def add_column(self, name: str) -> None:
         """ALTER TABLE ADD COLUMN <name> text: a new writer schema, published."""
@@ -290,7 +291,7 @@ def test_poison_messages_go_to_the_dlq_and_the_stream_goes_on(spark, kafka_broke
             (b"not avro", [("origin", b"plain client")]),
             (wire.single_object_prefix(b"\x07" * 8) + good_value[10:], None),  # unknown schema
             (shape.codec.value_prefix + b"\xff" * 12, None),  # corrupt body
-            (None, None),  # a tombstone that is no control event
+            (None, None),  # a tombstone that is no control event: skipped, as a delete's is
         ]
         plain = Producer({"bootstrap.servers": kafka_broker.bootstrap})
         for value, headers in poison:
@@ -308,14 +309,18 @@ def test_poison_messages_go_to_the_dlq_and_the_stream_goes_on(spark, kafka_broke
     assert Counter((p, o) for p, o, *_ in rows) == expected
     assert sorted(r[2] for r in rows if r[3] is None) == list(range(600))
     dlq_rows = sorted((o, err) for p, o, _, control, err in rows if control == "dlq")
-    assert len(dlq_rows) == 4 and all(p == 1 for p, _, _, control, _ in rows if control == "dlq")
+    assert len(dlq_rows) == 3 and all(p == 1 for p, _, _, control, _ in rows if control == "dlq")
     assert "unknown wire prefix" in dlq_rows[0][1] and "fingerprint" in dlq_rows[1][1]
-    assert "corrupt Avro body" in dlq_rows[2][1] and "tombstone" in dlq_rows[3][1]
+    assert "corrupt Avro body" in dlq_rows[2][1]
+    assert [control for _, _, _, control, _ in rows if control not in (None, "dlq")] == ["tombstone"]
 
     letters = read_dead_letters(kafka_broker.bootstrap, shape.topic)
-    assert len(letters) == 4  # the count, readable from anywhere
+    assert len(letters) == 3  # the count, readable from anywhere
     assert [(d.origin, d.value) for d in letters] == [
         ((shape.topic, 1, o), v) for (o, _), (v, _) in zip(dlq_rows, poison)]
+    # The DLQ keeps every dead letter for good (not compacted: keys repeat).
+    settings = describe(AdminClient({"bootstrap.servers": kafka_broker.bootstrap}), [wire.dlq_topic(shape.topic)])
+    assert settings[wire.dlq_topic(shape.topic)] == wire.DLQ_TOPIC_CONFIG
     assert all(d.key == b"k" and d.error for d in letters)
     assert letters[0].headers["origin"] == b"plain client"  # original headers are kept
 
@@ -413,8 +418,8 @@ def test_real_producer_topic_typed_rows(spark, source_db, kafka_broker, topic_pr
             conn.execute("""INSERT INTO typed (id, body)
                 SELECT 4, string_agg(md5(random()::text), '') FROM generate_series(1, 300)""")  # TOASTed
             conn.execute("UPDATE typed SET amount = 1 WHERE id = 4")
-        wait_for(lambda: len(read_topic(kafka_broker.bootstrap, topic, topic_prefix, registry)) == 10,
-                 what="7 changes and 3 control events")
+        wait_for(lambda: len(read_topic(kafka_broker.bootstrap, topic, topic_prefix, registry)) == 11,
+                 what="7 changes, the delete's tombstone and 3 control events")
 
     if registry:
         # A mock:// registry is per process: Spark's Python workers cannot see
@@ -433,7 +438,7 @@ def test_real_producer_topic_typed_rows(spark, source_db, kafka_broker, topic_pr
         df = read_shape_stream(spark, topic, kafka_broker.bootstrap, topic_prefix, schema_registry_url=registry,
                                schemas=blind)
         rows = [r for _, b in run_available_now(df, tmp_path / "ck-blind", ["_wb_control", "_wb_error"]) for r in b]
-        assert Counter(c for c, _ in rows) == {"dlq": 7, "snapshot_end": 3}
+        assert Counter(c for c, _ in rows) == {"dlq": 7, "snapshot_end": 3, "tombstone": 1}
         assert all("mock:// registry lives in one process" in e for c, e in rows if c == "dlq")
 
     df = read_shape_stream(spark, topic, kafka_broker.bootstrap, topic_prefix, schema_registry_url=registry)
@@ -443,8 +448,9 @@ def test_real_producer_topic_typed_rows(spark, source_db, kafka_broker, topic_pr
     assert schema["id"].metadata["wb.key"] is True and schema["amount"].metadata["pg.type"] == "numeric(10,2)"
     columns = [f.name for f in schema.fields]
     rows = [dict(zip(columns, r)) for _, b in run_available_now(df, tmp_path / "ck", columns) for r in b]
-    assert len(rows) == 10
-    controls = [r for r in rows if r["_wb_control"]]
+    assert len(rows) == 11
+    assert [r["_wb_control"] for r in rows].count("tombstone") == 1
+    controls = [r for r in rows if r["_wb_control"] and r["_wb_control"] != "tombstone"]
     assert {r["_wb_control"] for r in controls} == {"snapshot_end"} and len(controls) == 3
     snapshot_id = controls[0]["_wb_snapshot_id"]
     assert snapshot_id and all(r["_wb_snapshot_id"] == snapshot_id and r["id"] is None for r in controls)
