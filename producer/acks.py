@@ -125,7 +125,7 @@ class Acks:
                 break
             del self._commit_times[lsn]
             if lsn == newest.tx_offset:
-                metrics.PRODUCE_LATENCY.set(max(time.time() - ts_ms / 1000, 0))
+                metrics.PRODUCE_LATENCY.observe(max(time.time() - ts_ms / 1000, 0))
         now = time.monotonic()
         for writer, offset, tx_last in boundaries:
             self._on_boundary(writer, offset, tx_last, now)

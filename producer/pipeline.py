@@ -275,6 +275,8 @@ class Pipeline:
                 else:
                     keepalive(decode_frame(frame))
             backfill_busy = backfills.tick(idle)
+            if idle:
+                self.stats.stream_idle = True
             self.kafka.poll(0)
             if self.ledger.error is not None:
                 raise KafkaException(self.ledger.error)
@@ -443,7 +445,9 @@ class Pipeline:
         last = LogOffset(commit.commit_lsn, max(self._op - 1, 0))
         self.acks.commit(last, self._tx_writers, self._tx_done_writers, self._tx_ts_ms, time.monotonic())
         self._tx = None
-        self.stats.transactions += 1
+        stats = self.stats
+        stats.transactions += 1
+        stats.last_commit_ts_ms, stats.stream_idle = self._tx_ts_ms, False
 
     def _on_keepalive(self, ka: Keepalive) -> None:
         if self._tx is None and self.acks.idle():

@@ -112,6 +112,6 @@ class Outage:
         self._failing.add(failure.endpoint)
         OUTAGE.labels(failure.endpoint).set(elapsed)
         RETRIES.labels(failure.endpoint).inc()
-        hint = f" ({failure.fix})" if failure.fix else ""
-        self._log.warning("%s%s; retrying in %.1fs (failing for %.0fs)", failure.headline, hint,
-                          state.next_action.sleep, elapsed)
+        hint = f" — {failure.fix}" if failure.fix else ""
+        self._log.warning("%s; retrying in %.1fs (failing for %.0fs)%s", failure.headline,
+                          state.next_action.sleep, elapsed, hint)

@@ -102,6 +102,17 @@ def retry_policy(config: Config) -> RetryPolicy:
     return RetryPolicy(config.consumer.reconnect_max_backoff, config.consumer.reconnect_max_elapsed)
 
 
+def reach_target(config: Config, stop: threading.Event | None = None) -> None:
+    """Connect to the target once before Spark starts: a refused password or
+    an unknown database ends the consumer in seconds, an unreachable target
+    is waited for."""
+    if not config.consumer.target_dsn:
+        raise ConfigError(["consumer.target_dsn: is required by the consumer (the database to apply to)"])
+    for attempt in Outage(retry_policy(config), stop, log):
+        with attempt, attributed(database=(TARGET, config.consumer.target_dsn)):
+            psycopg.connect(config.consumer.target_dsn, connect_timeout=10).close()
+
+
 class ShapeApplier:
     """The foreachBatch function of one shape's query.
 
@@ -247,7 +258,7 @@ class ShapeApplier:
         if result.total("dlq"):
             metrics.DLQ_MESSAGES.labels(name).inc(result.total("dlq"))
         if newest:
-            metrics.APPLY_LATENCY.labels(name).set(max(time.time() - newest / 1000, 0))
+            metrics.APPLY_LATENCY.labels(name).observe(max(time.time() - newest / 1000, 0))
 
 
 def _newest_ts_ms(table) -> int | None:
@@ -316,8 +327,6 @@ def _quiet(spark):
 
 def start_queries(spark, config: Config, stop: threading.Event | None = None) -> tuple[list, list[ShapeApplier]]:
 
-    if not config.consumer.target_dsn:
-        raise ConfigError(["consumer.target_dsn: is required by the consumer (the database to apply to)"])
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
     queries, appliers = [], []
     for shape in config.shapes:
@@ -408,6 +417,9 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
     """Run the queries until ``stop`` is set or one fails for good; ``appliers``
     (if given) receives each query's :class:`ShapeApplier` (for counters)."""
 
+    reach_target(config, stop)
+    if stop is not None and stop.is_set():
+        return
     spark = _quiet(spark_session(master))
     queries: list = []
     started: list[ShapeApplier] = []

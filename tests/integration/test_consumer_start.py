@@ -1,18 +1,21 @@
 """A shape query's start on a real target: ``ShapeApplier.recover`` reads the
 target's progress and has Spark replay a batch its checkpoint logged as done
-but the target lacks; an unreachable target is retried with backoff, then fatal."""
+but the target lacks; an unreachable target is waited for with backoff (up to
+``[consumer] reconnect_max_elapsed``), a target that refuses the consumer ends
+it at once."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import psycopg
 import pytest
 
 from schemas.config import parse_config
-from spark_consumer import job
+from schemas.failures import TARGET, Failure
 from spark_consumer.apply_driver import apply_batch
-from spark_consumer.job import RECOVER_ATTEMPTS, ShapeApplier
+from spark_consumer.job import ShapeApplier
 from spark_consumer.progress import ensure_progress
 from spark_consumer.target_layout import ensure_table
 from tests.helpers import make_config
@@ -23,10 +26,10 @@ from walbridge.embedded import free_port
 GROUP = "g-start"
 
 
-def applier(target_dsn: str, tmp_path) -> ShapeApplier:
+def applier(target_dsn: str, tmp_path, **consumer) -> ShapeApplier:
     cfg = parse_config(make_config("postgresql://unused@127.0.0.1:1/x", "127.0.0.1:1", "wb", [{"table": "app.items"}],
                                    consumer={"group": GROUP, "target_dsn": target_dsn,
-                                             "checkpoint_dir": str(tmp_path / "ck")}))
+                                             "checkpoint_dir": str(tmp_path / "ck"), **consumer}))
     return ShapeApplier(cfg, cfg.shapes[0], items_target(), {"bootstrap.servers": "127.0.0.1:1"})
 
 
@@ -55,13 +58,27 @@ def test_recover_uncommits_the_batch_the_target_lacks(target_db, tmp_path, caplo
         a.close()
 
 
-def test_recover_retries_an_unreachable_target_then_fails(tmp_path, monkeypatch):
-    sleeps: list[float] = []
-    monkeypatch.setattr(job.time, "sleep", sleeps.append)
-    a = applier(f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere?connect_timeout=2", tmp_path)
+def test_recover_waits_for_an_unreachable_target_then_gives_up_after_max_elapsed(tmp_path, caplog):
+    a = applier(f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere?connect_timeout=2", tmp_path,
+                reconnect_max_backoff=0.2, reconnect_max_elapsed=1.5)
+    started = time.monotonic()
     try:
-        with pytest.raises(psycopg.OperationalError):
+        with pytest.raises(Failure) as e:
             a.recover(tmp_path / "ck" / "app.items", TOPIC)
-        assert sleeps == [2.0, 4.0, 8.0, 16.0][:RECOVER_ATTEMPTS - 1]
     finally:
         a.close()
+    assert e.value.endpoint == TARGET and not e.value.permanent and "Connection refused" in e.value.problem
+    assert 1.5 <= time.monotonic() - started < 10
+    waits = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    assert len(waits) >= 2 and all(w.startswith("target postgresql://postgres@127.0.0.1:") for w in waits)
+
+
+def test_recover_fails_at_once_on_a_target_that_refuses_the_consumer(pg_cluster, tmp_path):
+    a = applier(pg_cluster.dsn("no_such_database"), tmp_path)
+    started = time.monotonic()
+    try:
+        with pytest.raises(Failure, match='database "no_such_database" does not exist') as e:
+            a.recover(tmp_path / "ck" / "app.items", TOPIC)
+    finally:
+        a.close()
+    assert e.value.permanent and time.monotonic() - started < 5
