@@ -55,7 +55,7 @@ class Failure(Exception):
         self.endpoint = endpoint
         self.problem = problem
         self.fix = fix
-        self.address = address
+        self.address = redact_dsn(address) if address else None
         self.permanent = permanent
 
     def at(self, address: str | None) -> Failure:
