@@ -148,6 +148,7 @@ class Acks:
         """Read the groups' commits, if ``[ack] interval`` has passed since the last read."""
         if self.groups and now - self._last_poll >= self._config.interval:
             self._last_poll = now
+            self._admin.poll(0)  # serves the admin client's log records (schemas.kafka)
             self._poll_group_offsets()
 
     def _poll_group_offsets(self) -> None:

@@ -6,7 +6,9 @@ it at once."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 
 import psycopg
@@ -14,11 +16,13 @@ import pytest
 
 from schemas.config import parse_config
 from schemas.failures import TARGET, Failure
+from schemas.retry import RetryPolicy
 from spark_consumer.apply_driver import apply_batch
-from spark_consumer.job import ShapeApplier
+from spark_consumer.job import ShapeApplier, Stopped, _wait_for_schemas
+from spark_consumer.kafka_source import SourceOptions, discover_schemas
 from spark_consumer.progress import ensure_progress
 from spark_consumer.target_layout import ensure_table
-from tests.helpers import make_config
+from tests.helpers import make_config, wait_for
 from tests.integration.test_target_apply import TOPIC, change, items_target, part
 from tests.unit.test_checkpoint import names, write_batches
 from walbridge.embedded import free_port
@@ -82,3 +86,35 @@ def test_recover_fails_at_once_on_a_target_that_refuses_the_consumer(pg_cluster,
     finally:
         a.close()
     assert e.value.permanent and time.monotonic() - started < 5
+
+
+def test_the_start_waits_for_a_broker_that_is_down_and_goes_on_when_it_is_back(private_kafka_broker, caplog):
+    """The consumer never exits on an unreachable broker: its start waits
+    (saying for what), then goes on to wait for the producer's schema."""
+    caplog.set_level(logging.INFO, logger="walbridge.consumer")
+    private_kafka_broker.stop()
+    opts = SourceOptions(topic="wb.app.items", bootstrap_servers=private_kafka_broker.bootstrap, topic_prefix="wb")
+    stop = threading.Event()
+    outcome: list = []
+
+    def start() -> None:
+        try:
+            outcome.append(_wait_for_schemas(opts, functools.partial(discover_schemas, timeout=1.0),
+                                             RetryPolicy(max_backoff=1.0), stop))
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            outcome.append(e)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    try:
+        waiting = f"kafka {private_kafka_broker.bootstrap}: cannot reach the broker"
+        wait_for(lambda: sum(waiting in r.getMessage() for r in caplog.records) >= 2, timeout=30,
+                 what="two waits for the broker")
+        assert not outcome
+        private_kafka_broker.start()
+        wait_for(lambda: "waiting for the producer to publish the schema of wb.app.items" in caplog.text,
+                 timeout=30, what="the wait for the producer")
+    finally:
+        stop.set()
+        thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], Stopped)
