@@ -60,7 +60,16 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class SourceConfig(_Section):
+class _Reconnecting(_Section):
+    # Transient failures (a lost connection, an unreachable broker) are retried
+    # with jittered exponential backoff up to reconnect_max_backoff seconds
+    # between attempts; the process gives up after reconnect_max_elapsed
+    # seconds of failing (None: never).
+    reconnect_max_backoff: Annotated[float, Field(gt=0)] = 30.0
+    reconnect_max_elapsed: Annotated[float, Field(gt=0)] | None = None
+
+
+class SourceConfig(_Reconnecting):
     dsn: str = Field(repr=False)  # may hold a password: shown only through redact_dsn
     # Joined into the DSN (keeps a secret out of it: password_file, ${VAR}).
     password: str | None = Field(default=None, repr=False)
@@ -71,11 +80,6 @@ class SourceConfig(_Section):
     # to a publication that publishes UPDATE/DELETE would make PostgreSQL reject the
     # application's own UPDATE/DELETE on it, so walbridge never does that silently.
     keyless_tables: Literal["refuse", "inserts_only"] = "refuse"
-    # Transient failures (a lost connection, an unreachable broker) are retried
-    # with jittered exponential backoff up to this wait; the producer gives up
-    # after reconnect_max_elapsed seconds of failing (None: never).
-    reconnect_max_backoff: Annotated[float, Field(gt=0)] = 30.0
-    reconnect_max_elapsed: Annotated[float, Field(gt=0)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -182,7 +186,7 @@ class ShapeConfig(_Section):
         return self.name or f"{self.schema_name}.{self.table_name}"
 
 
-class ConsumerConfig(_Section):
+class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, registry and target
     group: str = "walbridge-spark"
     target_dsn: str | None = Field(default=None, repr=False)
     target_password: str | None = Field(default=None, repr=False)  # joined into target_dsn
@@ -197,9 +201,6 @@ class ConsumerConfig(_Section):
     # their start and applies by position (the producer re-snapshots); "stop"
     # stops the consumer with an error.
     on_data_loss: Literal["follow", "stop"] = "follow"
-    # As [source] reconnect_*: the consumer's waits for an unreachable broker or target.
-    reconnect_max_backoff: Annotated[float, Field(gt=0)] = 30.0
-    reconnect_max_elapsed: Annotated[float, Field(gt=0)] | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -13,7 +13,9 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+import psycopg
 from confluent_kafka import TopicCollection
 from confluent_kafka.admin import AclOperation, AdminClient
 
@@ -74,24 +76,25 @@ def render_checks(checks: Checklist) -> str:
     return "\n".join(lines)
 
 
-def _source(config: Config, checks: Checklist) -> None:
-    dsn = config.source.dsn
+def _database(endpoint: str, dsn: str, checks: Checklist, inspect: Callable[[psycopg.Connection], None]) -> None:
+    """Connect to the database at ``endpoint`` and ``inspect`` it; a failure
+    is one failed check (the connection's, or what was being looked at)."""
     try:
-        with attributed(database=(SOURCE, dsn)):
+        with attributed(database=(endpoint, dsn)):
             conn = connect(dsn, connect_timeout=10)
     except Failure as f:
-        checks.failed(SOURCE, f"connect to {redact_dsn(dsn)}", f)
+        checks.failed(endpoint, f"connect to {redact_dsn(dsn)}", f)
         return
     with conn:
         try:
-            with attributed(database=(SOURCE, dsn)):
-                _source_catalog(config, conn, checks)
-                repl = connect(dsn, replication="database", connect_timeout=10)
-                with repl:
-                    repl.execute("IDENTIFY_SYSTEM")
-                checks.add(SOURCE, "replication connection", True, "accepted (pg_hba.conf allows it)")
+            with attributed(database=(endpoint, dsn)):
+                inspect(conn)
         except Failure as f:
-            checks.failed(SOURCE, "replication connection" if f.permanent else "catalog", f)
+            checks.failed(endpoint, "catalog", f)
+
+
+def _source(config: Config, checks: Checklist) -> None:
+    _database(SOURCE, config.source.dsn, checks, lambda conn: _source_catalog(config, conn, checks))
 
 
 def _source_catalog(config: Config, conn, checks: Checklist) -> None:
@@ -132,6 +135,13 @@ def _source_catalog(config: Config, conn, checks: Checklist) -> None:
         checks.add(SOURCE, f"slot {config.source.slot}", True,
                    f"exists at {slot['confirmed_flush_lsn']}, {active}, retaining "
                    f"{(slot['retained_wal_bytes'] or 0) / 2**20:.1f} MiB of WAL")
+    try:
+        with attributed(database=(SOURCE, config.source.dsn)):
+            with connect(config.source.dsn, replication="database", connect_timeout=10) as repl:
+                repl.execute("IDENTIFY_SYSTEM")
+        checks.add(SOURCE, "replication connection", True, "accepted (pg_hba.conf allows it)")
+    except Failure as f:
+        checks.failed(SOURCE, "replication connection", f)
 
 
 def _kafka(config: Config, checks: Checklist) -> None:
@@ -186,33 +196,24 @@ def _registry(config: Config, checks: Checklist) -> None:
 
 
 def _target(config: Config, checks: Checklist) -> None:
-    dsn = config.consumer.target_dsn
-    try:
-        with attributed(database=(TARGET, dsn)):
-            conn = connect(dsn, connect_timeout=10)
-    except Failure as f:
-        checks.failed(TARGET, f"connect to {redact_dsn(dsn)}", f)
-        return
-    with conn:
-        try:
-            with attributed(database=(TARGET, dsn)):
-                user, db, read_only = conn.execute(
-                    "SELECT current_user, current_database(), pg_is_in_recovery() "
-                    "OR current_setting('transaction_read_only')::bool").fetchone()
-                checks.add(TARGET, f"connect to {redact_dsn(dsn)}", not read_only,
-                           f"as {user} to {db}" + (" — read-only (a standby?): point [consumer] target_dsn at "
-                                                   "a primary" if read_only else ""))
-                schemas = sorted({wire.target_table(s.shape_name)[0] for s in config.shapes} | {wire.META_SCHEMA})
-                for schema in schemas:
-                    exists, may = conn.execute(
-                        "SELECT n.oid IS NOT NULL, CASE WHEN n.oid IS NULL THEN "
-                        "has_database_privilege(current_database(), 'CREATE') "
-                        "ELSE has_schema_privilege(n.oid, 'CREATE') END "
-                        "FROM (SELECT 1) one LEFT JOIN pg_namespace n ON n.nspname = %s", (schema,)).fetchone()
-                    checks.add(TARGET, f"schema {schema}", may,
-                               ("exists, " if exists else "will be created, ")
-                               + ("writable" if may else f"but {user} may not create in it "
-                                  f"(GRANT CREATE ON {'SCHEMA ' + schema if exists else 'DATABASE ' + db} "
-                                  f"TO {user})"))
-        except Failure as f:
-            checks.failed(TARGET, "privileges", f)
+    _database(TARGET, config.consumer.target_dsn, checks, lambda conn: _target_catalog(config, conn, checks))
+
+
+def _target_catalog(config: Config, conn: psycopg.Connection, checks: Checklist) -> None:
+    user, db, read_only = conn.execute(
+        "SELECT current_user, current_database(), pg_is_in_recovery() "
+        "OR current_setting('transaction_read_only')::bool").fetchone()
+    checks.add(TARGET, f"connect to {redact_dsn(config.consumer.target_dsn)}", not read_only,
+               f"as {user} to {db}" + (" — read-only (a standby?): point [consumer] target_dsn at "
+                                       "a primary" if read_only else ""))
+    schemas = sorted({wire.target_table(s.shape_name)[0] for s in config.shapes} | {wire.META_SCHEMA})
+    for schema in schemas:
+        exists, may = conn.execute(
+            "SELECT n.oid IS NOT NULL, CASE WHEN n.oid IS NULL THEN "
+            "has_database_privilege(current_database(), 'CREATE') "
+            "ELSE has_schema_privilege(n.oid, 'CREATE') END "
+            "FROM (SELECT 1) one LEFT JOIN pg_namespace n ON n.nspname = %s", (schema,)).fetchone()
+        checks.add(TARGET, f"schema {schema}", may,
+                   ("exists, " if exists else "will be created, ")
+                   + ("writable" if may else f"but {user} may not create in it "
+                      f"(GRANT CREATE ON {'SCHEMA ' + schema if exists else 'DATABASE ' + db} TO {user})"))

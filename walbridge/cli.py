@@ -34,6 +34,7 @@ from walbridge.render import render_status, render_verify, verify_details
 from walbridge.runtime import (
     EXIT_DIFFERENCES,
     EXIT_OK,
+    EXIT_SIGNAL,
     LOG_LEVELS,
     consumer_service,
     producer_service,
@@ -70,8 +71,8 @@ def cmd_producer(args) -> int:
 def cmd_up(args) -> int:
     config = load_config(args.config) if args.config else None
     rate = args.rate if args.rate is not None else (0.0 if config else 20.0)
-    run_up(config, Path(args.data_dir), args.duration, rate, headless=args.headless)
-    return EXIT_OK
+    last = run_up(config, Path(args.data_dir), args.duration, rate, headless=args.headless)
+    return EXIT_SIGNAL + last["signal"] if "signal" in last else EXIT_OK
 
 
 def cmd_verify(args) -> int:

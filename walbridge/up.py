@@ -213,6 +213,7 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
     admin = None
     last: dict = {}
     failed: list[BaseException] = []  # what ended a part for good
+    signals: list[int] = []  # what stopped the run
     try:
         if config is None:
             # A throwaway demo: each run starts from nothing (the broker keeps no
@@ -242,6 +243,7 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
         deadline = time.monotonic() + duration if duration else None
 
         def on_signal(signum, frame):
+            signals.append(signum)
             stop.set()
 
         if threading.current_thread() is threading.main_thread():
@@ -278,6 +280,8 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
             last["verify"] = as_json(diffs)
         if before_stop is not None:
             before_stop(config)
+        if signals:
+            last["signal"] = signals[0]
     finally:
         stop.set()
         if workload:

@@ -272,6 +272,16 @@ def test_a_bad_input_gets_a_clear_error_and_its_exit_code(case: Bad, servers, ou
     assert failure_lines or "✗" in got.out or "usage:" in got.out, got.out
 
 
+def test_a_live_check_of_a_good_config_passes(servers, tmp_path):
+    (tmp_path / "wb.toml").write_text(servers.fill(config(tail=TARGET)))
+    got = walbridge(["check-config", "-c", str(tmp_path / "wb.toml"), "--live"], tmp_path)
+    assert got.code == 0 and got.out.rstrip().endswith("all checks passed"), got.out
+    for line in ("✓ wal_level: wal_level is 'logical'", "✓ shapes[0] (public.orders).table: public.orders: key (id)",
+                 "· slot wbbad_", "✓ replication connection", f"✓ broker {servers.broker}", "✓ schema public"):
+        assert line in got.out, got.out
+    assert SECRET not in got.out
+
+
 def test_a_traceback_only_with_log_level_debug(servers, tmp_path):
     (tmp_path / "wb.toml").write_text(servers.fill(config(shapes='table = "public.nosuch"')))
     got = walbridge(["producer", "-c", str(tmp_path / "wb.toml"), "--log-level", "debug"], tmp_path)
