@@ -84,6 +84,7 @@ class OffsetCommitter:
         again (meanwhile the producer holds the WAL those offsets would release)."""
 
         offsets = {**self._failed, **offsets}
+        self._consumer.poll(0)  # serves the client's log records (schemas.kafka)
         if offsets:
             try:
                 self._consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
