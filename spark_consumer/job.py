@@ -455,12 +455,14 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                 # progress table makes that exactly-once (a crashed Python
                 # worker, a broker restart mid-read). A transient failure (an
                 # endpoint that does not answer) is waited out with backoff; a
-                # permanent one ends the job; too many others stop it too.
+                # target refusing the connection ends the job; other failures
+                # (a statement's: a restart re-reads the schemas) are restarted
+                # QUERY_RESTARTS times in QUERY_FAILURE_WINDOW, then end it.
                 now = time.monotonic()
                 verdict = query_failure(config, failure)
-                if verdict is not None and verdict.permanent:
-                    raise verdict from failure
-                if verdict is not None:
+                if verdict is not None and verdict.permanent and isinstance(failure, psycopg.OperationalError):
+                    raise verdict from failure  # the target refuses the connection: no restart helps
+                if verdict is not None and not verdict.permanent:
                     outages[i].append(now)
                     elapsed = now - outages[i][0]
                     if policy.max_elapsed and elapsed > policy.max_elapsed:
@@ -473,6 +475,10 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                 else:
                     failures[i] = [t for t in failures[i] if now - t < QUERY_FAILURE_WINDOW] + [now]
                     if len(failures[i]) > QUERY_RESTARTS:
+                        log.error("query %s failed %d times in %.0fs", q.name, len(failures[i]),
+                                  QUERY_FAILURE_WINDOW)
+                        if verdict is not None:
+                            raise verdict from failure
                         raise RuntimeError(f"query {q.name} failed {len(failures[i])} times in "
                                            f"{QUERY_FAILURE_WINDOW:.0f}s; last: {failure}")
                     delay = min(2.0 ** len(failures[i]), 30.0)

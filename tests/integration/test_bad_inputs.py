@@ -252,7 +252,11 @@ def outcomes(servers, tmp_path_factory) -> dict[str, Outcome]:
     base = tmp_path_factory.mktemp("bad")
     with ThreadPoolExecutor(3) as pool:
         futures = {c.id: pool.submit(_run, c, servers, base) for c in CASES}
-        return {k: f.result() for k, f in futures.items()}
+        got = {k: f.result() for k, f in futures.items()}
+    for c in CASES:  # the table, for `pytest -s`
+        print(f"{c.id:36} exit {got[c.id].code:3}  {got[c.id].seconds:5.1f}s  "
+              f"{servers.fill(c.fragment).splitlines()[0][:90]}")
+    return got
 
 
 def test_the_table_is_long_enough():
