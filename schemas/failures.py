@@ -58,6 +58,11 @@ class Failure(Exception):
         self.address = redact_dsn(address) if address else None
         self.permanent = permanent
 
+    def __reduce__(self):
+        # Subclasses take other arguments: rebuild from the state, not __init__
+        # (a failure may cross processes, e.g. out of a Spark task).
+        return _restore, (type(self), self.args, dict(self.__dict__))
+
     def at(self, address: str | None) -> Failure:
         """This failure with its endpoint's (redacted) address, if it had none."""
         if self.address is None and address:
@@ -71,6 +76,13 @@ class Failure(Exception):
 
     def __str__(self) -> str:
         return self.headline + (f"\n  fix: {self.fix}" if self.fix else "")
+
+
+def _restore(cls: type, args: tuple, state: dict) -> Failure:
+    failure = cls.__new__(cls)
+    Exception.__init__(failure, *args)
+    failure.__dict__.update(state)
+    return failure
 
 
 # -- PostgreSQL -------------------------------------------------------------

@@ -3,12 +3,16 @@ the operator reads about each (endpoint, redacted address, problem, fix)."""
 
 from __future__ import annotations
 
+import pickle
+
 import httpx2
 import psycopg
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
+from producer.catalog import SourceError
+from producer.replication import ReplicationError
 from schemas.failures import KAFKA, REGISTRY, SOURCE, TARGET, Failure, attributed, classify, classify_text
 
 DSN = "postgresql://app:s3cr3t@db:5432/app"
@@ -104,3 +108,11 @@ def test_failures_from_spark_tasks_are_recognised_in_their_text():
     assert classify_text(text).endpoint == KAFKA and not classify_text(text).permanent
     assert classify_text("psycopg.OperationalError: connection failed: Connection refused").endpoint == TARGET
     assert classify_text("ZeroDivisionError: division by zero") is None
+
+
+def test_a_failure_survives_pickling_whatever_its_class():
+    for failure in (Failure(KAFKA, "down", "start it", address="k:1", permanent=False),
+                    SourceError("table public.x does not exist"),
+                    ReplicationError("replication stream ended: closed", "57P01")):
+        back = pickle.loads(pickle.dumps(failure))
+        assert type(back) is type(failure) and str(back) == str(failure) and back.permanent == failure.permanent
