@@ -33,11 +33,16 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable
 
 from producer.kafka_io import Tail
+from schemas.failures import SOURCE, Failure
 from schemas.kafka import Writer
 
 
-class SlotElsewhereError(RuntimeError):
-    """The slot's data went to other topics than the config names."""
+class SlotElsewhereError(Failure):
+    """The slot's data went to other topics than the config names (permanent:
+    the config or the slot must change; a ``source`` failure, exit code 3)."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(SOURCE, problem, fix)
 
 
 @dataclass(frozen=True)
@@ -106,14 +111,16 @@ def check_binding(slot: str, binding: Binding | None, prefix: str, cluster_id: s
         raise SlotElsewhereError(
             f"slot {slot} streams into the topics of prefix {binding.topic_prefix!r}, but the config says "
             f"[kafka] topic_prefix = {prefix!r}: those topics never held this slot's data, so walbridge neither "
-            f"drops the slot nor re-snapshots by itself. To go on streaming, set topic_prefix = "
-            f"{binding.topic_prefix!r} again. {redo} A second deployment needs a [source] slot of its own.")
+            f"drops the slot nor re-snapshots by itself",
+            f"to go on streaming, set topic_prefix = {binding.topic_prefix!r} again. {redo} A second deployment "
+            f"needs a [source] slot of its own.")
     if binding.cluster_id and cluster_id and binding.cluster_id != cluster_id:
         raise SlotElsewhereError(
             f"slot {slot} streams into Kafka cluster {binding.cluster_id}, but the configured bootstrap servers "
             f"reach cluster {cluster_id}: its topics never held this slot's data, so walbridge neither drops the "
-            f"slot nor re-snapshots by itself. If cluster {cluster_id} does hold that data (a migrated cluster), "
-            f"record it: UPDATE _walbridge.producer_slots SET kafka_cluster_id = '{cluster_id}' WHERE slot_name = "
+            f"slot nor re-snapshots by itself",
+            f"if cluster {cluster_id} does hold that data (a migrated cluster), record it: UPDATE "
+            f"_walbridge.producer_slots SET kafka_cluster_id = '{cluster_id}' WHERE slot_name = "
             f"'{slot}'; {redo}")
     return None
 
@@ -163,7 +170,8 @@ def decide(*, slot: str, database: str, checkpoint: Checkpoint | None, topics: d
     if checkpoint.slot != slot or checkpoint.database != database:
         raise SlotElsewhereError(
             f"these topics hold the data of slot {checkpoint.slot} of database {checkpoint.database}, not of slot "
-            f"{slot} of {database}: two deployments share a [kafka] topic_prefix. Give each its own prefix.")
+            f"{slot} of {database}: two deployments share a [kafka] topic_prefix",
+            "give each deployment its own [kafka] topic_prefix")
     if not checkpoint.complete:
         return Decision(True, f"the producer stopped before the snapshot {checkpoint.snapshot_id} was complete")
     gone = sorted(w for w in _snapshot_partitions(checkpoint) if w in partitions and _gone(checkpoint, w, partitions[w]))

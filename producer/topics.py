@@ -29,6 +29,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 
 from schemas import wire
 from schemas.config import Config
+from schemas.failures import KAFKA, Failure
 from schemas.kafka import ensure_topics
 
 log = logging.getLogger("walbridge.producer")
@@ -38,8 +39,12 @@ _DAY_MS = 86_400_000
 DEFAULT_DELETE_RETENTION_MS = _DAY_MS
 
 
-class TopicConfigError(RuntimeError):
-    """A data topic's settings could lose changes (see the module invariants)."""
+class TopicConfigError(Failure):
+    """A data topic's settings could lose changes (see the module invariants):
+    permanent, a ``kafka`` failure (exit code 4)."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(KAFKA, problem, fix)
 
 
 def _duration(ms: int) -> str:
@@ -142,7 +147,8 @@ def prepare_topics(admin: AdminClient, config: Config, with_schemas_topic: bool,
         if topic in keyless_topics and "compact" in (_policies(config_) or ()):
             raise TopicConfigError(
                 f"topic {topic} is compacted, but its shape has no primary key: its messages have no key, "
-                "which a compacted topic rejects. Give the table a primary key, or set the topic's "
+                "which a compacted topic rejects",
+                "give the table a primary key, or set the topic's "
                 f"cleanup.policy to delete ({fix_command(k.bootstrap_servers, topic, {'cleanup.policy': 'delete'})})")
         for finding in data_findings(topic, config_, k.tombstones_on_delete, k.bootstrap_servers):
             refused.append(f"topic {topic} {finding}")
@@ -150,6 +156,7 @@ def prepare_topics(admin: AdminClient, config: Config, with_schemas_topic: bool,
         text = ("a consumer group that falls behind further than a data topic keeps its messages loses changes "
                 "without noticing: " + " | ".join(refused))
         if k.on_finite_retention == "refuse":
-            raise TopicConfigError(text + ' | or set [kafka] on_finite_retention = "warn" to run anyway')
+            raise TopicConfigError(text, "run the command named for each topic (it keeps its messages for good), "
+                                         'or set [kafka] on_finite_retention = "warn" to run anyway')
         log.warning("%s (on_finite_retention = \"warn\": running anyway)", text)
     return partitions

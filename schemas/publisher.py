@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import time
 
-from confluent_kafka import Producer
+from confluent_kafka import KafkaException, Producer
 from confluent_kafka.schema_registry import Schema
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 import schemas
 from schemas import wire
 from schemas.config import redact_dsn
+from schemas.kafka import timed_out
 from schemas.registry import RegistryConf, control_key_subject, registry_client, subject_name
 
 PUBLISH_TIMEOUT_S = 30.0
@@ -92,9 +93,10 @@ class SchemaPublisher:
             deadline = time.monotonic() + PUBLISH_TIMEOUT_S
             while not outcome and time.monotonic() < deadline:
                 self._producer.poll(0.05)
-            if not outcome or outcome[0] is not None:
-                raise RuntimeError(f"could not publish schema for {subject} to {self._schemas_topic}"
-                                   + (f": {outcome[0].str()}" if outcome else ""))
+            if not outcome:
+                raise timed_out(f"could not publish schema for {subject} to {self._schemas_topic}")
+            if outcome[0] is not None:
+                raise KafkaException(outcome[0])
             prefix = wire.single_object_prefix(fp)
         self._prefixes[(subject, text)] = prefix
         return prefix

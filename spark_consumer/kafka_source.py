@@ -108,7 +108,7 @@ from pyspark.sql.types import StructType
 
 from schemas import wire
 from schemas.config import redact_dsn
-from schemas.kafka import ensure_topics, read_to_end
+from schemas.kafka import client_config, ensure_topics, read_to_end
 from schemas.kafka import topic_id as describe_topic_id
 from schemas.reader import SchemaResolver, read_schemas_topic
 from schemas.registry import STRATEGIES, data_subjects, subject_versions
@@ -266,7 +266,9 @@ def discover_schemas(opts: SourceOptions, timeout: float = 30.0) -> ShapeSchemas
     if not opts.topic_prefix:
         raise ValueError(f"{SOURCE_NAME}: without schema_registry_url the option topic_prefix is needed "
                          "(schemas live in <topic_prefix>._schemas)")
-    records = read_schemas_topic(opts.client_conf(), wire.schemas_topic(opts.topic_prefix), timeout)
+    # On the driver, at the query's start: librdkafka's records go through Python logging.
+    conf = client_config(opts.bootstrap_servers, opts.kafka_client)
+    records = read_schemas_topic(conf, wire.schemas_topic(opts.topic_prefix), timeout)
     values = [(fp, s) for subject, fp, s in records if subject == value_subject]
     keys = [(fp, s) for subject, fp, s in records if subject == key_subject]
     if not values:
