@@ -123,7 +123,7 @@ class KafkaConfig(_Section):
     # A delete is followed by a tombstone (key, null value), so compaction can drop the key (Debezium's default).
     tombstones_on_delete: bool = True
     # "plain": every column a plain [null, T] field, special values (NaN, infinity, ...) in a side field;
-    # "union": special values in a string branch of the column's union (walbridge before 0.2).
+    # "union": special values in a string branch of the column's union (the layout of earlier versions).
     value_layout: Literal["plain", "union"] = "plain"
 
     @field_validator("client")
