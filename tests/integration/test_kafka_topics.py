@@ -9,7 +9,10 @@ partition's data by re-creating its topic."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -18,14 +21,15 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from producer.partitioner import partition_for
 from producer.pipeline import Pipeline
-from producer.recovery import Checkpoint, SlotElsewhereError
+from producer.recovery import Checkpoint
 from producer.topics import TopicConfigError, describe
 from schemas import wire
 from schemas.config import parse_config
 from schemas.publisher import CONTROL_KEY_SCHEMA
 from schemas.reader import SchemaResolver
-from tests.helpers import ProducerThread, data_records, make_config, read_topic, wait_for
+from tests.helpers import ProducerThread, data_records, make_config, read_topic, wait_for, write_toml
 
+ROOT = Path(__file__).resolve().parents[2]
 KEEP = {"cleanup.policy": "compact", "retention.ms": "-1"}
 
 
@@ -236,7 +240,10 @@ def test_restart_after_an_idle_topic_lost_its_data_keeps_the_snapshot_when_every
     reader.close()
 
 
-def test_a_changed_topic_prefix_stops_with_the_explanation_and_keeps_the_slot(source_db, kafka_broker, topic_prefix):
+def test_a_changed_topic_prefix_stops_with_the_explanation_and_keeps_the_slot(source_db, kafka_broker, topic_prefix,
+                                                                              tmp_path):
+    """Through the real ``walbridge producer``: a permanent source failure
+    (exit 3, README "Failures and exit codes"), the slot and its data kept."""
     with psycopg.connect(source_db, autocommit=True) as conn:
         conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
         conn.execute("INSERT INTO t VALUES (1, 'a')")
@@ -244,17 +251,20 @@ def test_a_changed_topic_prefix_stops_with_the_explanation_and_keeps_the_slot(so
     slot = cfg["source"]["slot"]
     with ProducerThread(cfg):
         _snapshot_done(kafka_broker.bootstrap, f"{topic_prefix}.public.t", topic_prefix)
-    moved = {**cfg, "kafka": {**cfg["kafka"], "topic_prefix": topic_prefix + "x"}}
-    pipeline = Pipeline(parse_config(moved))
-    try:
-        with pytest.raises(SlotElsewhereError) as e:
-            pipeline.run()
-    finally:
-        pipeline.close()
-    text = str(e.value)
-    assert f"streams into the topics of prefix {topic_prefix!r}" in text
-    assert f"topic_prefix = {topic_prefix + 'x'!r}" in text and "never held this slot's data" in text
-    assert f"SELECT pg_drop_replication_slot('{slot}');" in text
+    moved = write_toml({**cfg, "kafka": {**cfg["kafka"], "topic_prefix": topic_prefix + "x"}}, tmp_path / "wb.toml")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "walbridge", "producer", "-c", str(moved)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=90)
+    out = done.stdout + done.stderr
+    assert done.returncode == 3, out
+    assert time.monotonic() - started < 30  # permanent: no retries
+    assert "Traceback" not in out
+    headline, fix = [ln for ln in out.splitlines() if ln.startswith(("walbridge: ", "  fix: "))]
+    assert headline.startswith("walbridge: source postgresql://")
+    assert f"slot {slot} streams into the topics of prefix {topic_prefix!r}" in headline
+    assert f"topic_prefix = {topic_prefix + 'x'!r}" in headline and "never held this slot's data" in headline
+    assert f"set topic_prefix = {topic_prefix!r} again" in fix
+    assert f"SELECT pg_drop_replication_slot('{slot}');" in fix and "a full re-snapshot, on purpose" in fix
     assert _slot_exists(source_db, slot)
     topics = AdminClient({"bootstrap.servers": kafka_broker.bootstrap}).list_topics(timeout=10).topics
     assert not [t for t in topics if t.startswith(topic_prefix + "x.")]  # nothing made for the wrong prefix
