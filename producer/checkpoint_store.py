@@ -15,7 +15,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -24,7 +23,7 @@ from confluent_kafka.admin import AdminClient
 
 from producer.recovery import Checkpoint
 from schemas import wire
-from schemas.kafka import Writer, group_offsets, read_to_end
+from schemas.kafka import Writer, group_offsets, produce_acknowledged, read_to_end
 
 log = logging.getLogger("walbridge.producer")
 
@@ -57,19 +56,12 @@ class CheckpointStore:
         return found
 
     def write(self, checkpoint: Checkpoint, wait: bool = False) -> None:
-        outcome: list = []
-        self._producer.produce(self.topic, checkpoint.to_json(), KEY, on_delivery=lambda err, msg: outcome.append(err))
         self.current = checkpoint
-        if not wait:
-            return
-        # This message only: a flush() would wait for every queued change too.
-        deadline = time.monotonic() + DELIVERY_TIMEOUT_S
-        while not outcome and time.monotonic() < deadline:
-            self._producer.poll(0.05)
-        if not outcome:
-            raise RuntimeError(f"the checkpoint was not acknowledged by {self.topic} within {DELIVERY_TIMEOUT_S:.0f}s")
-        if outcome[0] is not None:
-            raise KafkaException(outcome[0])
+        if wait:
+            produce_acknowledged(self._producer, self.topic, checkpoint.to_json(), KEY, DELIVERY_TIMEOUT_S,
+                                 "writing the checkpoint")
+        else:
+            self._producer.produce(self.topic, checkpoint.to_json(), KEY)
 
     def watch_consumed(self, now: float) -> None:
         """Record once every ack group has committed past the snapshot."""

@@ -33,6 +33,7 @@ from confluent_kafka import (
     KafkaError,
     KafkaException,
     Message,
+    Producer,
     TopicCollection,
     TopicPartition,
 )
@@ -89,6 +90,22 @@ def client_config(bootstrap: str, extra: dict[str, Any] | None = None) -> dict[s
 
 def timed_out(what: str) -> KafkaException:
     return KafkaException(KafkaError(KafkaError._TIMED_OUT, what))
+
+
+def produce_acknowledged(producer: Producer, topic: str, value: bytes, key: bytes, timeout: float, what: str,
+                         headers: list[tuple[str, bytes]] | None = None) -> None:
+    """Produce one message and wait for its acknowledgement alone (a flush()
+    would wait for every queued change too); raises KafkaException, _TIMED_OUT
+    (transient) when none came within ``timeout`` seconds."""
+    outcome: list = []
+    producer.produce(topic, value, key, headers=headers, on_delivery=lambda err, msg: outcome.append(err))
+    deadline = time.monotonic() + timeout
+    while not outcome and time.monotonic() < deadline:
+        producer.poll(0.05)
+    if not outcome:
+        raise timed_out(f"{what}: no acknowledgement from {topic} within {timeout:.0f}s")
+    if outcome[0] is not None:
+        raise KafkaException(outcome[0])
 
 
 def ensure_topics(admin: AdminClient, topics: Iterable[str], partitions: int, replication: int,

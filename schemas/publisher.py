@@ -16,16 +16,14 @@ Invariants:
 
 from __future__ import annotations
 
-import time
-
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import Producer
 from confluent_kafka.schema_registry import Schema
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 import schemas
 from schemas import wire
 from schemas.config import redact_dsn
-from schemas.kafka import timed_out
+from schemas.kafka import produce_acknowledged
 from schemas.registry import RegistryConf, control_key_subject, registry_client, subject_name
 
 PUBLISH_TIMEOUT_S = 30.0
@@ -84,19 +82,9 @@ class SchemaPublisher:
             prefix = wire.confluent_prefix(schema_id)
         else:
             fp = wire.schema_fingerprint(schema)
-            outcome: list = []
-            self._producer.produce(self._schemas_topic, key=fp.hex().encode(), value=text.encode(),
-                                   headers=[(wire.SUBJECT_HEADER, subject.encode())],
-                                   on_delivery=lambda err, msg: outcome.append(err))
-            # Wait for this message only: a flush() would also wait for every
-            # change still queued (a new relation mid-stream stalls the stream).
-            deadline = time.monotonic() + PUBLISH_TIMEOUT_S
-            while not outcome and time.monotonic() < deadline:
-                self._producer.poll(0.05)
-            if not outcome:
-                raise timed_out(f"could not publish schema for {subject} to {self._schemas_topic}")
-            if outcome[0] is not None:
-                raise KafkaException(outcome[0])
+            produce_acknowledged(self._producer, self._schemas_topic, text.encode(), fp.hex().encode(),
+                                 PUBLISH_TIMEOUT_S, f"publishing the schema of {subject}",
+                                 headers=[(wire.SUBJECT_HEADER, subject.encode())])
             prefix = wire.single_object_prefix(fp)
         self._prefixes[(subject, text)] = prefix
         return prefix

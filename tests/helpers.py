@@ -164,19 +164,15 @@ class Record:
     headers: dict
 
 
-def read_topic(bootstrap: str, topic: str, prefix: str, registry_url: str | None = None,
-               timeout: float = 30.0) -> list[Record]:
-    """Every message of a topic, decoded, in partition/offset order."""
-    conf = {"bootstrap.servers": bootstrap}
-    resolver = SchemaResolver(conf, prefix, registry_url)
-    consumer = Consumer({**conf, "group.id": f"test-read-{time.monotonic_ns()}", "enable.auto.commit": False,
-                         "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+def raw_messages(bootstrap: str, topic: str, timeout: float = 30.0) -> list:
+    """Every message of a topic as the broker holds it, in partition/offset order."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"test-read-{time.monotonic_ns()}",
+                         "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "earliest"})
     try:
-        meta = consumer.list_topics(topic, timeout=10).topics[topic]
-        parts = sorted(meta.partitions)
+        parts = sorted(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
         consumer.assign([TopicPartition(topic, p, 0) for p in parts])
         done: set[int] = set()
-        out: list[Record] = []
+        out = []
         deadline = time.monotonic() + timeout
         while len(done) < len(parts):
             if time.monotonic() > deadline:
@@ -189,16 +185,33 @@ def read_topic(bootstrap: str, topic: str, prefix: str, registry_url: str | None
                     done.add(msg.partition())
                     continue
                 raise RuntimeError(msg.error())
-            headers = dict(msg.headers() or [])
-            pos = headers.get(wire.POSITION_HEADER)
-            control = headers.get(wire.CONTROL_HEADER)
-            out.append(Record(topic, msg.partition(), msg.offset(), wire.parse_position(pos) if pos else None,
-                              control.decode() if control else None, resolver.decode(msg.key()),
-                              resolver.decode(msg.value()), headers))
-        out.sort(key=lambda r: (r.partition, r.offset))
+            out.append(msg)
+        out.sort(key=lambda m: (m.partition(), m.offset()))
         return out
     finally:
         consumer.close()
+
+
+def read_topic(bootstrap: str, topic: str, prefix: str, registry_url: str | None = None,
+               timeout: float = 30.0) -> list[Record]:
+    """Every message of a topic, decoded, in partition/offset order."""
+    resolver = SchemaResolver({"bootstrap.servers": bootstrap}, prefix, registry_url)
+    out: list[Record] = []
+    for msg in raw_messages(bootstrap, topic, timeout):
+        headers = dict(msg.headers() or [])
+        pos = headers.get(wire.POSITION_HEADER)
+        control = headers.get(wire.CONTROL_HEADER)
+        out.append(Record(topic, msg.partition(), msg.offset(), wire.parse_position(pos) if pos else None,
+                          control.decode() if control else None, resolver.decode(msg.key()),
+                          resolver.decode(msg.value()), headers))
+    return out
+
+
+def wait_snapshot_done(bootstrap: str, topic: str, prefix: str, partitions: int = 3,
+                       registry_url: str | None = None) -> None:
+    """Until ``topic`` has its ``snapshot_end`` on every partition."""
+    wait_for(lambda: sum(r.control == "snapshot_end" for r in read_topic(bootstrap, topic, prefix, registry_url))
+             == partitions, what=f"snapshot_end on every partition of {topic}")
 
 
 def data_records(records: list[Record]) -> list[Record]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from producer.partitioner import partition_for
@@ -27,36 +27,19 @@ from schemas import wire
 from schemas.config import parse_config
 from schemas.publisher import CONTROL_KEY_SCHEMA
 from schemas.reader import SchemaResolver
-from tests.helpers import ProducerThread, data_records, make_config, read_topic, wait_for, write_toml
+from tests.helpers import (
+    ProducerThread,
+    data_records,
+    make_config,
+    raw_messages,
+    read_topic,
+    wait_for,
+    wait_snapshot_done,
+    write_toml,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 KEEP = {"cleanup.policy": "compact", "retention.ms": "-1"}
-
-
-def _snapshot_done(bootstrap: str, topic: str, prefix: str, partitions: int = 3) -> None:
-    wait_for(lambda: len([r for r in read_topic(bootstrap, topic, prefix) if r.control == "snapshot_end"])
-             == partitions, what=f"snapshot_end on every partition of {topic}")
-
-
-def _raw(bootstrap: str, topic: str) -> list:
-    """Every message of ``topic`` as the broker holds it (key, value, headers)."""
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"raw-{time.monotonic_ns()}",
-                  "enable.partition.eof": True, "auto.offset.reset": "earliest"})
-    parts = sorted(c.list_topics(topic, timeout=10).topics[topic].partitions)
-    c.assign([TopicPartition(topic, p, 0) for p in parts])
-    out, eof = [], set()
-    deadline = time.monotonic() + 30
-    while len(eof) < len(parts) and time.monotonic() < deadline:
-        m = c.poll(0.5)
-        if m is None:
-            continue
-        if m.error():
-            if m.error().code() == KafkaError._PARTITION_EOF:
-                eof.add(m.partition())
-            continue
-        out.append(m)
-    c.close()
-    return out
 
 
 def _create(bootstrap: str, topic: str, partitions: int, config: dict) -> None:
@@ -73,7 +56,7 @@ def test_internal_topics_are_compacted_and_kept_and_an_old_one_is_reported(sourc
             {"cleanup.policy": "delete", "retention.ms": "604800000"})
     cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix, [{"table": "public.t"}])
     with ProducerThread(cfg):
-        _snapshot_done(kafka_broker.bootstrap, f"{topic_prefix}.public.t", topic_prefix)
+        wait_snapshot_done(kafka_broker.bootstrap, f"{topic_prefix}.public.t", topic_prefix)
     settings = describe(AdminClient({"bootstrap.servers": kafka_broker.bootstrap}),
                         wire.internal_topics(topic_prefix) + [f"{topic_prefix}.public.t"])
     for topic in (wire.schemas_topic(topic_prefix), wire.backfills_topic(topic_prefix),
@@ -127,7 +110,7 @@ def test_a_compacted_topic_gets_a_key_on_every_message(source_db, kafka_broker, 
                       kafka={"topic_config": {"cleanup.policy": "compact"}, "on_finite_retention": "warn"})
     topic = f"{topic_prefix}.public.t"
     with ProducerThread(cfg):
-        _snapshot_done(kafka_broker.bootstrap, topic, topic_prefix)
+        wait_snapshot_done(kafka_broker.bootstrap, topic, topic_prefix)
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("UPDATE t SET v = 'y' WHERE id = 1")
             conn.execute("DELETE FROM t WHERE id = 2")
@@ -138,7 +121,7 @@ def test_a_compacted_topic_gets_a_key_on_every_message(source_db, kafka_broker, 
                  what="the truncate on every partition")
     settings = describe(AdminClient({"bootstrap.servers": kafka_broker.bootstrap}), [topic])[topic]
     assert settings["cleanup.policy"] == "compact"
-    raw = _raw(kafka_broker.bootstrap, topic)
+    raw = raw_messages(kafka_broker.bootstrap, topic)
     assert raw and all(m.key() is not None for m in raw)  # Apache Kafka rejects a keyless one here
     records = read_topic(kafka_broker.bootstrap, topic, topic_prefix)
     ends = [r for r in records if r.control == "snapshot_end"]
@@ -174,8 +157,8 @@ def test_partitions_are_those_a_java_client_picks(source_db, kafka_broker, topic
                       kafka={"partitions": 7})
     topic = f"{topic_prefix}.public.t"
     with ProducerThread(cfg):
-        _snapshot_done(kafka_broker.bootstrap, topic, topic_prefix, partitions=7)
-    ours = {m.key(): m.partition() for m in _raw(kafka_broker.bootstrap, topic)
+        wait_snapshot_done(kafka_broker.bootstrap, topic, topic_prefix, partitions=7)
+    ours = {m.key(): m.partition() for m in raw_messages(kafka_broker.bootstrap, topic)
             if not wire.header(m.headers(), wire.CONTROL_HEADER)}
     assert len(ours) == 200 and len(set(ours.values())) == 7
     java = Producer({"bootstrap.servers": kafka_broker.bootstrap, "partitioner": "murmur2_random"})
@@ -189,7 +172,7 @@ def test_partitions_are_those_a_java_client_picks(source_db, kafka_broker, topic
 
 
 def _checkpoint(bootstrap: str, prefix: str) -> Checkpoint | None:
-    found = [Checkpoint.from_json(r.value) for r in _raw(bootstrap, wire.checkpoint_topic(prefix))]
+    found = [Checkpoint.from_json(r.value) for r in raw_messages(bootstrap, wire.checkpoint_topic(prefix))]
     return found[-1] if found else None
 
 
@@ -212,10 +195,10 @@ def test_restart_after_an_idle_topic_lost_its_data_keeps_the_snapshot_when_every
     busy, idle = f"{topic_prefix}.public.busy", f"{topic_prefix}.public.idle"
     reader = Consumer({"bootstrap.servers": kafka_broker.bootstrap, "group.id": group, "enable.auto.commit": False})
     with ProducerThread(cfg):
-        _snapshot_done(kafka_broker.bootstrap, idle, topic_prefix)
-        _snapshot_done(kafka_broker.bootstrap, busy, topic_prefix)
+        wait_snapshot_done(kafka_broker.bootstrap, idle, topic_prefix)
+        wait_snapshot_done(kafka_broker.bootstrap, busy, topic_prefix)
         # The consumer group reads (and commits) everything there is.
-        ends = {(m.topic(), m.partition()): m.offset() + 1 for t in (busy, idle) for m in _raw(kafka_broker.bootstrap, t)}
+        ends = {(m.topic(), m.partition()): m.offset() + 1 for t in (busy, idle) for m in raw_messages(kafka_broker.bootstrap, t)}
         reader.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in ends.items()], asynchronous=False)
         recorded = wait_for(lambda: (lambda cp: cp if cp and cp.consumed else None)(
             _checkpoint(kafka_broker.bootstrap, topic_prefix)), timeout=30, what="the snapshot recorded as read")
@@ -250,7 +233,7 @@ def test_a_changed_topic_prefix_stops_with_the_explanation_and_keeps_the_slot(so
     cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix, [{"table": "public.t"}])
     slot = cfg["source"]["slot"]
     with ProducerThread(cfg):
-        _snapshot_done(kafka_broker.bootstrap, f"{topic_prefix}.public.t", topic_prefix)
+        wait_snapshot_done(kafka_broker.bootstrap, f"{topic_prefix}.public.t", topic_prefix)
     moved = write_toml({**cfg, "kafka": {**cfg["kafka"], "topic_prefix": topic_prefix + "x"}}, tmp_path / "wb.toml")
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "walbridge", "producer", "-c", str(moved)], cwd=ROOT,

@@ -6,12 +6,15 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from tests.helpers import ProducerThread, data_records, latest_rows, make_config, read_topic, wait_for
-
-
-def _snapshot_done(bootstrap, topic, prefix, partitions=3):
-    wait_for(lambda: len([r for r in read_topic(bootstrap, topic, prefix) if r.control == "snapshot_end"])
-             == partitions, what=f"snapshot_end on every partition of {topic}")
+from tests.helpers import (
+    ProducerThread,
+    data_records,
+    latest_rows,
+    make_config,
+    read_topic,
+    wait_for,
+    wait_snapshot_done,
+)
 
 
 def _source_rows(dsn, query):
@@ -33,7 +36,7 @@ def test_filtered_and_column_limited_shapes_track_the_source(source_db, kafka_br
     cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix, shapes)
     eu_topic = f"{topic_prefix}.orders_eu"
     with ProducerThread(cfg):
-        _snapshot_done(kafka_broker.bootstrap, eu_topic, topic_prefix)
+        wait_snapshot_done(kafka_broker.bootstrap, eu_topic, topic_prefix)
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("UPDATE orders SET region = 'eu' WHERE id IN (20, 25)")  # move in
             conn.execute("UPDATE orders SET region = 'us' WHERE id IN (30, 33)")  # move out
@@ -72,7 +75,7 @@ def test_truncate_reaches_every_partition(source_db, kafka_broker, topic_prefix)
     cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix, [{"table": "public.t"}])
     topic = f"{topic_prefix}.public.t"
     with ProducerThread(cfg):
-        _snapshot_done(kafka_broker.bootstrap, topic, topic_prefix)
+        wait_snapshot_done(kafka_broker.bootstrap, topic, topic_prefix)
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("TRUNCATE t")
             conn.execute("INSERT INTO t VALUES (7, 'after')")
@@ -97,7 +100,7 @@ def test_unchanged_toast_is_flagged_not_sent(source_db, kafka_broker, topic_pref
     cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix, [{"table": "public.docs"}])
     topic = f"{topic_prefix}.public.docs"
     with ProducerThread(cfg):
-        _snapshot_done(kafka_broker.bootstrap, topic, topic_prefix)
+        wait_snapshot_done(kafka_broker.bootstrap, topic, topic_prefix)
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("UPDATE docs SET title = 'b' WHERE id = 1")
             conn.execute("UPDATE docs SET body = 'short' WHERE id = 1")
@@ -118,7 +121,7 @@ def test_keyless_table_with_replica_identity_full(source_db, kafka_broker, topic
     cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix, [{"table": "public.events"}])
     topic = f"{topic_prefix}.public.events"
     with ProducerThread(cfg):
-        _snapshot_done(kafka_broker.bootstrap, topic, topic_prefix)
+        wait_snapshot_done(kafka_broker.bootstrap, topic, topic_prefix)
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("INSERT INTO events VALUES (2, 'b')")
             conn.execute("UPDATE events SET what = 'c' WHERE at = 2")
@@ -152,7 +155,7 @@ def test_keyless_default_identity_is_refused_or_inserts_only(source_db, kafka_br
     cfg["source"]["keyless_tables"] = "inserts_only"
     topic = f"{topic_prefix}.public.log"
     with ProducerThread(cfg):
-        _snapshot_done(kafka_broker.bootstrap, topic, topic_prefix)
+        wait_snapshot_done(kafka_broker.bootstrap, topic, topic_prefix)
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("INSERT INTO log VALUES ('one')")
             conn.execute("UPDATE log SET msg = 'two'")  # the application's own write still works

@@ -27,7 +27,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from schemas import wire
 from schemas.reader import SchemaResolver
 from schemas.registry import registry_client
-from tests.helpers import ProducerThread, make_config, read_topic, wait_for
+from tests.helpers import ProducerThread, make_config, read_topic, wait_for, wait_snapshot_done
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -65,8 +65,7 @@ def test_every_topic_decodes_with_stock_tools(source_db, kafka_broker, topic_pre
     cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix, [{"table": "public.t"}], kafka=kafka)
     topic = f"{topic_prefix}.public.t"
     with ProducerThread(cfg):
-        wait_for(lambda: sum(r.control == "snapshot_end" for r in read_topic(
-            kafka_broker.bootstrap, topic, topic_prefix, registry)) == 3, what="snapshot_end on every partition")
+        wait_snapshot_done(kafka_broker.bootstrap, topic, topic_prefix, registry_url=registry)
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("INSERT INTO t VALUES (4, 'NaN', 'infinity', 'special')")
             conn.execute("UPDATE t SET note = 'b2' WHERE id = 2")
