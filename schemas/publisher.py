@@ -23,6 +23,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 import schemas
 from schemas import wire
 from schemas.config import redact_dsn
+from schemas.failures import REGISTRY, Failure
 from schemas.kafka import produce_acknowledged
 from schemas.registry import RegistryConf, control_key_subject, registry_client, subject_name
 
@@ -31,8 +32,12 @@ PUBLISH_TIMEOUT_S = 30.0
 CONTROL_KEY_SCHEMA = schemas.load("control_key")
 
 
-class SchemaRegistrationError(RuntimeError):
-    """The Schema Registry refused a writer schema."""
+class SchemaRegistrationError(Failure):
+    """The Schema Registry refused a writer schema (incompatible or invalid):
+    permanent, a ``registry`` failure (exit code 4)."""
+
+    def __init__(self, problem: str, fix: str, address: str | None):
+        super().__init__(REGISTRY, problem, fix, address=address)
 
 
 class SchemaPublisher:
@@ -74,11 +79,14 @@ class SchemaPublisher:
             try:
                 schema_id = self._registry.register_schema(subject, Schema(text, "AVRO"))
             except SchemaRegistryError as e:
-                if not 400 <= (e.http_status_code or 0) < 500:
-                    raise
+                if e.http_status_code not in (409, 422):
+                    raise  # credentials, availability: judged by schemas.failures
                 raise SchemaRegistrationError(
-                    f"the Schema Registry at {self._registry_url} refused the schema of subject {subject!r} "
-                    f"(HTTP {e.http_status_code}, error {e.error_code}): {e.error_message}") from None
+                    f"refused the schema of subject {subject!r} (HTTP {e.http_status_code}, error {e.error_code}): "
+                    f"{e.error_message}",
+                    "HTTP 409 is the subject's compatibility level refusing the table's new schema: set the "
+                    "subject's compatibility (PUT /config/<subject>) to one this change meets, or NONE",
+                    self._registry_url) from None
             prefix = wire.confluent_prefix(schema_id)
         else:
             fp = wire.schema_fingerprint(schema)
