@@ -15,7 +15,9 @@ Invariants:
 - A compacted data topic never receives a message without a key (Kafka
   rejects them): a keyless shape on one stops the producer.
 - What the broker does not report is not guessed at: a setting missing from
-  DescribeConfigs (Tansu reports only those set) is never a finding.
+  DescribeConfigs (Tansu reports only those set) is never a finding by
+  itself; a reported retention on a topic whose cleanup.policy is not
+  reported is judged under Kafka's default policy, delete.
 - The analysis (:func:`internal_findings`, :func:`data_findings`) is pure.
 """
 
@@ -62,8 +64,7 @@ def _policies(config: dict[str, str]) -> set[str] | None:
 
 def _deletes(config: dict[str, str]) -> list[str]:
     """What a topic with cleanup.policy ``delete`` removes by time or size."""
-    policies = _policies(config)
-    if policies is None or "delete" not in policies:
+    if "delete" not in (_policies(config) or {"delete"}):  # unreported: Kafka's default, delete
         return []
     out = []
     ms, size = config.get("retention.ms"), config.get("retention.bytes")

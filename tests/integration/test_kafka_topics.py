@@ -43,8 +43,8 @@ KEEP = {"cleanup.policy": "compact", "retention.ms": "-1"}
 
 
 def _create(bootstrap: str, topic: str, partitions: int, config: dict) -> None:
-    AdminClient({"bootstrap.servers": bootstrap}).create_topics(
-        [NewTopic(topic, partitions, 1, config=config)])[topic].result(10)
+    admin = AdminClient({"bootstrap.servers": bootstrap})  # alive until the answer came
+    admin.create_topics([NewTopic(topic, partitions, 1, config=config)])[topic].result(10)
 
 
 def test_internal_topics_are_compacted_and_kept_and_an_old_one_is_reported(source_db, kafka_broker, topic_prefix,
@@ -63,7 +63,7 @@ def test_internal_topics_are_compacted_and_kept_and_an_old_one_is_reported(sourc
                   wire.checkpoint_topic(topic_prefix)):
         assert settings[topic] == KEEP, topic
     assert settings[f"{topic_prefix}.public.t"] == {"retention.ms": "-1", "retention.bytes": "-1"}
-    warning = next(r.getMessage() for r in caplog.records if wire.status_topic(topic_prefix) in r.getMessage())
+    warning = " ".join(r.getMessage() for r in caplog.records if wire.status_topic(topic_prefix) in r.getMessage())
     assert "is not compacted (cleanup.policy=delete)" in warning and "deletes messages after 7 days" in warning
     assert (f"kafka-configs.sh --bootstrap-server {kafka_broker.bootstrap} --alter --entity-type topics "
             f"--entity-name {wire.status_topic(topic_prefix)} --add-config cleanup.policy=compact,retention.ms=-1"
@@ -172,7 +172,7 @@ def test_partitions_are_those_a_java_client_picks(source_db, kafka_broker, topic
 
 
 def _checkpoint(bootstrap: str, prefix: str) -> Checkpoint | None:
-    found = [Checkpoint.from_json(r.value) for r in raw_messages(bootstrap, wire.checkpoint_topic(prefix))]
+    found = [Checkpoint.from_json(m.value()) for m in raw_messages(bootstrap, wire.checkpoint_topic(prefix))]
     return found[-1] if found else None
 
 

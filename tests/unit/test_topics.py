@@ -1,0 +1,55 @@
+"""What a topic's described settings mean for walbridge: an internal topic
+that may lose records, a data topic that may delete changes before every
+group read them (producer.topics, pure)."""
+
+import pytest
+
+from producer.topics import data_findings, fix_command, internal_findings
+from schemas import wire
+
+BOOT = "kafka:9092"
+
+
+def test_topics_as_walbridge_creates_them_have_no_finding():
+    assert internal_findings("wb._status", dict(wire.INTERNAL_TOPIC_CONFIG), wire.INTERNAL_TOPIC_CONFIG) == []
+    assert internal_findings("wb.t.dlq", dict(wire.DLQ_TOPIC_CONFIG), wire.DLQ_TOPIC_CONFIG) == []
+    assert data_findings("wb.t", dict(wire.DATA_TOPIC_CONFIG), True, BOOT) == []
+    assert data_findings("wb.t", {"cleanup.policy": "delete", **wire.DATA_TOPIC_CONFIG}, True, BOOT) == []
+
+
+def test_an_internal_topic_with_the_brokers_defaults_is_reported_twice():
+    found = internal_findings("wb._schemas", {"cleanup.policy": "delete", "retention.ms": "604800000"},
+                              wire.INTERNAL_TOPIC_CONFIG)
+    assert found == ["is not compacted (cleanup.policy=delete)",
+                     "deletes messages after 7 days (retention.ms=604800000)"]
+    # compact,delete still deletes by time
+    assert internal_findings("wb._schemas", {"cleanup.policy": "compact,delete", "retention.ms": "86400000"},
+                             wire.INTERNAL_TOPIC_CONFIG) == ["deletes messages after 1 day (retention.ms=86400000)"]
+
+
+@pytest.mark.parametrize("config, finding", [
+    ({"cleanup.policy": "delete", "retention.ms": "3600000"}, "deletes messages after 1 h (retention.ms=3600000)"),
+    ({"retention.ms": "1500"}, "deletes messages after 1.5 s (retention.ms=1500)"),  # unreported policy: delete
+    ({"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "1073741824"},
+     "deletes the oldest messages beyond 1073741824 bytes per partition (retention.bytes=1073741824)"),
+])
+def test_a_data_topic_that_deletes_by_time_or_size_is_found_with_its_fix(config, finding):
+    found = data_findings("wb.t", config, True, BOOT)
+    assert found == [f"{finding}; keep them: {fix_command(BOOT, 'wb.t', {'retention.ms': '-1', 'retention.bytes': '-1'})}"]
+    assert "kafka-configs.sh --bootstrap-server kafka:9092 --alter --entity-type topics --entity-name wb.t " \
+           "--add-config retention.ms=-1,retention.bytes=-1" in found[0]
+
+
+def test_what_is_not_reported_is_not_guessed():
+    assert data_findings("wb.t", {}, True, BOOT) == []
+    assert internal_findings("wb._status", {}, wire.INTERNAL_TOPIC_CONFIG) == []
+
+
+def test_a_compacted_data_topic_drops_tombstones_and_their_deletes_unless_tombstones_are_off():
+    config = {"cleanup.policy": "compact", "delete.retention.ms": "3600000"}
+    (found,) = data_findings("wb.t", config, True, BOOT)
+    assert "drops a deleted key's tombstone, with the delete before it, 1 h after compaction" in found
+    assert "tombstones_on_delete = false" in found
+    assert data_findings("wb.t", config, False, BOOT) == []
+    (default,) = data_findings("wb.t", {"cleanup.policy": "compact"}, True, BOOT)
+    assert "1 day after compaction (delete.retention.ms=86400000)" in default
