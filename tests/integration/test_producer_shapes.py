@@ -49,11 +49,12 @@ def test_filtered_and_column_limited_shapes_track_the_source(source_db, kafka_br
         wait_for(lambda: any(r.key["id"] == 102 for r in data_records(
             read_topic(kafka_broker.bootstrap, f"{topic_prefix}.public.orders", topic_prefix))), what="marker row")
     eu = read_topic(kafka_broker.bootstrap, eu_topic, topic_prefix)
-    expected = {(r[0],): {"id": r[0], "total": r[1]} for r in _source_rows(
+    # numeric(10,2) could meet a NaN: the plain layout's side field is there, empty
+    expected = {(r[0],): {"id": r[0], "total": r[1], "_wb_special": None} for r in _source_rows(
         source_db, "SELECT id, total FROM orders WHERE region = 'eu' AND total > 100")}
     got = {(k[0][1],): v for k, v in latest_rows(eu).items()}
     assert got == expected
-    assert all(set(r.value["after"]) == {"id", "total"} for r in data_records(eu) if r.value["after"])
+    assert all(set(r.value["after"]) == {"id", "total", "_wb_special"} for r in data_records(eu) if r.value["after"])
     ops = {r.key["id"]: r.value["op"] for r in data_records(eu) if r.value["op"] != "r"}
     if identity == "full":
         assert ops[20] == ops[25] == "c" and ops[30] == ops[33] == ops[39] == "d" and ops[36] == "u"
