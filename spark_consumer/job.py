@@ -2,8 +2,10 @@
 micro-batch applied to the target PostgreSQL exactly once, then its offsets
 committed to the consumer group (which the producer's FlushTracker reads).
 
-    spark-submit walbridge/spark_submit.py -c walbridge.toml   # production
+    spark-submit walbridge/spark_submit.py -c walbridge.toml   # production (README: on a cluster)
     walbridge consumer -c walbridge.toml                       # the same, local[*]
+
+The session and whose settings it takes: :mod:`spark_consumer.session`.
 
 The path of one micro-batch, top to bottom:
 1. :func:`spark_consumer.kafka_source.read_shape_stream` gives the batch's
@@ -14,6 +16,11 @@ The path of one micro-batch, top to bottom:
    skips what the progress table says is applied, writes the rest with
    position guards and moves the progress. Meanwhile Spark reads the next
    batch (one batch in flight; foreachBatch waits for the previous apply).
+   With the staged apply (``[consumer] staged_apply``; by default on a
+   cluster, :func:`spark_consumer.session.staged_apply_default`) each executor
+   task stages its partitions' rows in the target instead, and the driver
+   commits the staged parts and progress in one transaction
+   (:mod:`spark_consumer.apply_staged`).
 3. Only after that commit are the group's offsets committed to Kafka.
 
 Invariants:
@@ -31,8 +38,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +49,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from pyspark.errors import StreamingQueryException
-from pyspark.sql import SparkSession
 
 from schemas.config import Config, ShapeConfig
 from schemas.kafka import client_config
@@ -57,6 +61,7 @@ from spark_consumer.checkpoint import replay_unapplied
 from spark_consumer.decode import arrow_rows
 from spark_consumer.kafka_source import SourceOptions, discover_schemas, read_shape_stream
 from spark_consumer.progress import ensure_progress, read_progress
+from spark_consumer.session import spark_session, staged_apply_default
 from spark_consumer.target_layout import ensure_table
 
 log = logging.getLogger("walbridge.consumer")
@@ -106,12 +111,15 @@ class ShapeApplier:
     the next ``__call__`` or through :attr:`error` (the run loop restarts the
     query)."""
 
-    def __init__(self, config: Config, shape: ShapeConfig, target: ShapeTarget, kafka_conf: dict[str, Any]):
+    def __init__(self, config: Config, shape: ShapeConfig, target: ShapeTarget, kafka_conf: dict[str, Any],
+                 staged: bool | None = None):
 
         self.config = config
         self.shape = shape
         self.target = target
         self.kafka_conf = kafka_conf
+        # [consumer] staged_apply, else the deploy mode's default (start_query).
+        self.staged = config.consumer.staged_apply if config.consumer.staged_apply is not None else bool(staged)
         self._conn = None
         self._committer: OffsetCommitter | None = None
         self._apply_thread = ThreadPoolExecutor(1, thread_name_prefix=f"apply-{shape.shape_name}")
@@ -179,7 +187,7 @@ class ShapeApplier:
     def __call__(self, batch_df, batch_id: int) -> None:
 
         started = time.monotonic()
-        if self.config.consumer.staged_apply:
+        if self.staged:
             # Seed 004: each executor task plans and stages its partition's part
             # (in parallel, each on its own connection); the commit of all the
             # staged parts, with progress, is one decision on the driver.
@@ -279,37 +287,6 @@ def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, batche
         ("rows", pa.int64()), ("newest_ts_ms", pa.int64())]))
 
 
-DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"  # see spark_session
-
-
-def spark_session(master: str | None = None):
-
-    # Python workers (the data source's readers) must run this interpreter,
-    # which has walbridge's dependencies.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-
-    builder = SparkSession.builder.appName("walbridge-consumer")
-    if master:
-        builder = builder.master(master)
-    return (builder.config("spark.sql.session.timeZone", "UTC")
-            .config("spark.driver.host", "127.0.0.1")  # stay on loopback: no other network here
-            .config("spark.driver.bindAddress", "127.0.0.1")
-            .config("spark.sql.shuffle.partitions", "2")
-            .config("spark.ui.enabled", "false")
-            .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
-            # Where this process starts the driver JVM (not under spark-submit):
-            # C1 only. The JVM's share of a batch is small, and C2's long warm-up
-            # takes the cores from the Python workers (bench/RESULTS.md). User
-            # extraJavaOptions come after it and win.
-            .config("spark.driver.defaultJavaOptions", DRIVER_JAVA_OPTIONS)
-            .getOrCreate())
-
-
-def _quiet(spark):
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
-
-
 def start_queries(spark, config: Config) -> tuple[list, list[ShapeApplier]]:
 
     if not config.consumer.target_dsn:
@@ -334,7 +311,7 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
                          max_offsets_per_trigger=config.consumer.max_offsets_per_trigger)
     schemas = _wait_for_schemas(opts, discover_schemas)
     target = ShapeTarget.from_avro(shape.shape_name, schemas.value_schema, schemas.key_schema)
-    applier = ShapeApplier(config, shape, target, kafka_conf)
+    applier = ShapeApplier(config, shape, target, kafka_conf, staged=staged_apply_default(spark.sparkContext.master))
     df = read_shape_stream(spark, topic, config.kafka.bootstrap_servers, config.kafka.topic_prefix,
                            config.kafka.schema_registry_url, dict(config.kafka.client),
                            config.consumer.max_offsets_per_trigger, schemas=schemas,
@@ -344,7 +321,8 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
     query = (df.writeStream.queryName(f"walbridge:{shape.shape_name}").foreachBatch(applier)
              .option("checkpointLocation", str(checkpoint))
              .trigger(processingTime=f"{config.consumer.trigger_interval} seconds").start())
-    log.info("consuming %s into %s.%s (checkpoint %s)", topic, target.schema, target.table, checkpoint)
+    log.info("consuming %s into %s.%s (checkpoint %s, %s apply)", topic, target.schema, target.table, checkpoint,
+             "staged" if applier.staged else "driver")
     return query, applier
 
 
@@ -376,7 +354,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
     """Run the queries until ``stop`` is set or one fails; ``appliers`` (if
     given) receives each query's :class:`ShapeApplier` (for counters)."""
 
-    spark = _quiet(spark_session(master))
+    spark = spark_session(master)
     queries, started = start_queries(spark, config)
     if appliers is not None:
         appliers.extend(started)

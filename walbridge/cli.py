@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from rich.console import Console
 
 from producer.backfill_requests import request_backfill
 from schemas.config import ConfigError, load_config
+from walbridge.pack import pack
 from walbridge.reconcile import reconcile, wait_for
 from walbridge.render import render_status, render_verify, verify_details
 from walbridge.runtime import MissingExtra, consumer_service, producer_service, setup_logging, stop_on_signals
@@ -96,6 +98,20 @@ def cmd_reconcile(args) -> int:
     return 0 if all(d.ok for d in final) or (after is None and args.no_wait) else 1
 
 
+def cmd_pack(args) -> int:
+    try:
+        out = pack(Path(args.output), args.python_prefix, args.force)
+    except FileExistsError as e:
+        print(f"walbridge pack: {e}", file=sys.stderr)
+        return 2
+    except subprocess.CalledProcessError as e:
+        print(f"walbridge pack: installing into the new environment failed (exit status {e.returncode}); "
+              "pip's output is above", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
 def cmd_check(args) -> int:
     config = load_config(args.config)
     print(f"config ok: {len(config.shapes)} shape(s): " + ", ".join(s.shape_name for s in config.shapes))
@@ -142,6 +158,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="request the backfills and exit")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.set_defaults(func=cmd_reconcile)
+    p = sub.add_parser("pack", help="build the Spark consumer's Python environment as one archive, "
+                                    "for spark-submit --archives ENV.tar.gz#env on a cluster")
+    p.add_argument("-o", "--output", default="walbridge-env.tar.gz", help="archive to write (.tar.gz, .zip, ...)")
+    p.add_argument("--python-prefix", help="where Python lives on the cluster's hosts, if not where it lives here "
+                                           "(e.g. /usr/local)")
+    p.add_argument("--force", action="store_true", help="replace an existing archive")
+    p.set_defaults(func=cmd_pack)
     p = sub.add_parser("check-config", help="validate a config file and exit")
     p.add_argument("-c", "--config", required=True)
     p.set_defaults(func=cmd_check)
