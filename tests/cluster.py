@@ -11,6 +11,9 @@ run the consumer the way a cluster runs it.
   ``spark-class`` (the wheel is a Spark installation), with a conf dir of
   their own. The worker's environment names no Python of ours: executors run
   whatever the application ships (``spark.pyspark.python``).
+* :func:`readme_commands` -- the README's command blocks for a cluster, which
+  tests and benchmarks run as written (in :func:`user_env`, the shell of a
+  user whose walbridge environment is active).
 
 Both need root (``ip netns``); :func:`namespaces_unavailable` says why they
 cannot be made here, for a clear skip.
@@ -21,8 +24,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -33,7 +38,20 @@ import pyspark
 from walbridge.embedded import free_port
 
 SPARK_HOME = Path(pyspark.__file__).parent
+ROOT = Path(__file__).resolve().parent.parent
 _PREFIX = "10.213"
+_README_BLOCK = re.compile(r"<!-- cluster-test: (\w+) -->\s*```bash\n(.*?)```", re.S)
+
+
+def readme_commands() -> dict[str, str]:
+    """The README's command blocks marked ``<!-- cluster-test: NAME -->``."""
+    return dict(_README_BLOCK.findall((ROOT / "README.md").read_text()))
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """The environment of a user's shell with this walbridge environment active."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
+    return {**env, "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}", **extra}
 
 
 def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -126,14 +144,18 @@ def mapped_files(pid: int) -> set[str]:
             and line.split(None, 5)[5].startswith("/")}
 
 
-def _get_json(url: str, timeout: float = 5.0):
+def get_json(url: str, timeout: float = 5.0):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.load(r)
 
 
 class SparkStandalone:
     """A Spark standalone master (this host, ``netns.host_ip``) and one worker
-    (inside ``netns``, ``netns.peer_ip``) with ``cores`` and ``memory``."""
+    (inside ``netns``, ``netns.peer_ip``) with ``cores`` and ``memory``.
+
+    Its conf dir's ``spark-defaults.conf`` (what an operator would write there)
+    gives an application's driver its UI on ``driver_ui_port``, where Spark's
+    REST API answers (:meth:`app_rest`); one application at a time."""
 
     def __init__(self, netns: NetworkNamespace, base_dir: Path, cores: int = 2, memory: str = "2g"):
         self.netns = netns
@@ -143,6 +165,7 @@ class SparkStandalone:
         self.cores, self.memory = cores, memory
         self.port = free_port(netns.host_ip)
         self.ui_port = free_port(netns.host_ip)
+        self.driver_ui_port = free_port(netns.host_ip)
         self._master: subprocess.Popen | None = None
         self._worker: subprocess.Popen | None = None
 
@@ -165,6 +188,7 @@ class SparkStandalone:
     def start(self, timeout: float = 90.0) -> SparkStandalone:
         self.conf_dir.mkdir(parents=True, exist_ok=True)
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        (self.conf_dir / "spark-defaults.conf").write_text(f"spark.ui.port {self.driver_ui_port}\n")
         spark_class = str(SPARK_HOME / "bin" / "spark-class")
         self._master = self._spawn([spark_class, "org.apache.spark.deploy.master.Master", "--host",
                                     self.netns.host_ip, "--port", str(self.port), "--webui-port",
@@ -190,7 +214,13 @@ class SparkStandalone:
 
     def master_state(self) -> dict:
         """The master's JSON view: workers, active and completed applications."""
-        return _get_json(f"http://{self.netns.host_ip}:{self.ui_port}/json/")
+        return get_json(f"http://{self.netns.host_ip}:{self.ui_port}/json/")
+
+    def app_rest(self, path: str = ""):
+        """Spark's REST API of the running application's driver (``path`` under the application)."""
+        base = f"http://{self.netns.host_ip}:{self.driver_ui_port}/api/v1/applications"
+        app = get_json(base)[0]["id"]
+        return get_json(f"{base}/{app}{path}")
 
     def executor_pids(self) -> list[int]:
         """The executor JVMs running inside the namespace."""

@@ -16,11 +16,9 @@ its own databases, topics and consumer application.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,18 +28,19 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.cluster import NetworkNamespace, SparkStandalone, _get_json, cmdline, mapped_files, namespaces_unavailable
+from tests.cluster import (
+    ROOT,
+    NetworkNamespace,
+    SparkStandalone,
+    cmdline,
+    mapped_files,
+    namespaces_unavailable,
+    readme_commands,
+    user_env,
+)
 from tests.helpers import ProducerThread, wait_for, write_toml
 from tests.integration.test_e2e import _caught_up, _prepare_source, _verify_ok, e2e_config, pgbench
-from walbridge.embedded import PostgresCluster, TansuBroker, free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-README_BLOCK = re.compile(r"<!-- cluster-test: (\w+) -->\s*```bash\n(.*?)```", re.S)
-
-
-def readme_commands() -> dict[str, str]:
-    """The README's command blocks marked ``<!-- cluster-test: NAME -->``."""
-    return dict(README_BLOCK.findall((ROOT / "README.md").read_text()))
+from walbridge.embedded import PostgresCluster, TansuBroker
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +67,7 @@ def servers(netns, tmp_path_factory):
 @pytest.fixture(scope="module")
 def spark_cluster(netns, tmp_path_factory):
     with SparkStandalone(netns, tmp_path_factory.mktemp("spark")) as cluster:
-        # spark-defaults.conf, as an operator would have it: the driver's UI
-        # on a port of our own (the tests read Spark's REST API there).
-        cluster.driver_ui_port = free_port(netns.host_ip)
-        (cluster.conf_dir / "spark-defaults.conf").write_text(f"spark.ui.port {cluster.driver_ui_port}\n")
         yield cluster
-
-
-def _user_env(**extra: str) -> dict[str, str]:
-    """A shell of a user whose walbridge environment is active."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
-    return {**env, "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}", **extra}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +76,7 @@ def packed(tmp_path_factory):
     where = tmp_path_factory.mktemp("packed")
     started = time.monotonic()
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", readme_commands()["pack"]], cwd=where,
-                            env=_user_env(), capture_output=True, text=True, timeout=600)
+                            env=user_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     print(f"walbridge pack + unpack: {time.monotonic() - started:.1f}s")
     return where
@@ -112,7 +101,7 @@ class Cluster:
     def submit(self) -> None:
         """The README's standalone command, as written, from the run dir."""
         write_toml(self.cfg, self.run_dir / "walbridge.toml")
-        env = _user_env(SPARK_MASTER=self.spark.url, DRIVER_HOST=self.spark.netns.host_ip,
+        env = user_env(SPARK_MASTER=self.spark.url, DRIVER_HOST=self.spark.netns.host_ip,
                         SPARK_CONF_DIR=str(self.spark.conf_dir))
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(["bash", "-c", readme_commands()["standalone"]], cwd=self.run_dir, env=env,
@@ -124,12 +113,6 @@ class Cluster:
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else "(no log)"
-
-    def rest(self, path: str = ""):
-        """Spark's REST API of this application's driver."""
-        base = f"http://{self.spark.netns.host_ip}:{self.spark.driver_ui_port}/api/v1/applications"
-        app = _get_json(base)[0]["id"]
-        return _get_json(f"{base}/{app}{path}")
 
     def converged(self) -> bool:
         ok, _ = _verify_ok(self.cfg)
@@ -199,8 +182,8 @@ def test_consumer_on_a_standalone_cluster_applies_pgbench_with_tasks_on_the_work
                            timeout=60, what="an executor Python worker with walbridge loaded")
         pgbench(c.source, "-n", "-c", "2", "-T", "10")
         _wait_converged(c)
-        executors = c.rest("/allexecutors")
-        environment = c.rest("/environment")
+        executors = c.spark.app_rest("/allexecutors")
+        environment = c.spark.app_rest("/environment")
 
     # Tasks ran on the worker in the namespace, none on the driver.
     workers = [e for e in executors if e["id"] != "driver"]
@@ -246,7 +229,7 @@ def test_kill9_of_the_executor_mid_load_is_rescheduled_and_loses_nothing(cluster
         load.join(120)
         _wait_converged(c)
         assert _applied_offsets(c.target) > before
-        executors = [e for e in c.rest("/allexecutors") if e["id"] != "driver"]
+        executors = [e for e in c.spark.app_rest("/allexecutors") if e["id"] != "driver"]
     assert len(executors) >= 2, executors
     replacement = [e for e in executors if e["isActive"]]
     assert replacement and sum(e["completedTasks"] for e in replacement) > 0, executors
