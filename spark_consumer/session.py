@@ -5,9 +5,9 @@ Two ways a driver starts, told apart by ``PYSPARK_GATEWAY_PORT`` (set by
 spark-submit for the Python driver it launches):
 
 - **walbridge starts the driver JVM itself** (``walbridge consumer``, ``walbridge
-  up``, the tests): one machine, so :func:`own_driver_settings` applies —
-  loopback driver, no UI, no console progress bar, few shuffle partitions,
-  C1-only JIT, and Spark's log quiet (:data:`QUIET_LOG4J`).
+  up``, the tests): :func:`own_driver_settings` applies — no console progress
+  bar, Spark's log quiet (:data:`QUIET_LOG4J`) and, in local mode (one
+  machine), a loopback driver, no UI, few shuffle partitions and a C1-only JIT.
 - **spark-submit started it** (:mod:`walbridge.spark_submit`, on a cluster or
   not): master, driver host and bind address, UI, shuffle, memory, Python —
   everything comes from spark-submit's flags and ``spark-defaults.conf``;
@@ -60,20 +60,27 @@ def launched_by_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
-def own_driver_settings(quiet_log4j_uri: str | None) -> dict[str, str]:
-    """Settings where walbridge starts the driver JVM on this machine; with
-    ``quiet_log4j_uri``, Spark logs through that log4j2 file from its first line.
-    User ``extraJavaOptions`` come after the default ones and win."""
-    java = DRIVER_JAVA_OPTIONS + (f" -Dlog4j2.configurationFile={quiet_log4j_uri}" if quiet_log4j_uri else "")
-    return {
-        "spark.driver.host": "127.0.0.1",  # one machine: stay on loopback
-        "spark.driver.bindAddress": "127.0.0.1",
-        "spark.ui.enabled": "false",
-        "spark.ui.showConsoleProgress": "false",  # on by default for a Python-launched driver
-        "spark.sql.shuffle.partitions": "2",
-        "spark.driver.defaultJavaOptions": java,
-        **DEFAULTS,
-    }
+def own_driver_settings(master: str, quiet_log4j_uri: str | None) -> dict[str, str]:
+    """Settings where walbridge starts the driver JVM; with ``quiet_log4j_uri``,
+    Spark logs through that log4j2 file from its first line. User
+    ``extraJavaOptions`` come after the default ones and win. A master that is
+    not local gets no host, UI or shuffle setting (Spark's and
+    spark-defaults.conf's apply, as under spark-submit)."""
+    local = master.startswith("local")
+    java = [DRIVER_JAVA_OPTIONS] if local else []
+    if quiet_log4j_uri:
+        java.append(f"-Dlog4j2.configurationFile={quiet_log4j_uri}")
+    settings = {"spark.ui.showConsoleProgress": "false", **DEFAULTS}  # the bar is on for a Python-launched driver
+    if java:
+        settings["spark.driver.defaultJavaOptions"] = " ".join(java)
+    if local:
+        settings.update({
+            "spark.driver.host": "127.0.0.1",  # one machine: stay on loopback
+            "spark.driver.bindAddress": "127.0.0.1",
+            "spark.ui.enabled": "false",
+            "spark.sql.shuffle.partitions": "2",
+        })
+    return settings
 
 
 def unset_defaults(set_by_user: Collection[str]) -> dict[str, str]:
@@ -132,8 +139,9 @@ def spark_session(master: str | None = None) -> SparkSession:
             jvm.org.apache.logging.log4j.core.config.Configurator.reconfigure(jvm.java.net.URI(quiet_log4j_uri()))
     else:
         quiet = quiet_spark_logs(_verbose(), user_log4j=_conf_dir_has_log4j())
-        builder = SparkSession.builder.appName(APP_NAME).master(master or "local[*]")
-        for key, value in own_driver_settings(quiet_log4j_uri() if quiet else None).items():
+        master = master or "local[*]"
+        builder = SparkSession.builder.appName(APP_NAME).master(master)
+        for key, value in own_driver_settings(master, quiet_log4j_uri() if quiet else None).items():
             builder = builder.config(key, value)
         spark = builder.getOrCreate()
     if quiet:

@@ -21,7 +21,7 @@ CLUSTER_OWNED = ("spark.master", "spark.driver.host", "spark.driver.bindAddress"
 
 
 def test_own_driver_keeps_the_local_defaults_and_starts_quiet():
-    settings = session.own_driver_settings("file:///x/log4j2-quiet.properties")
+    settings = session.own_driver_settings("local[2]", "file:///x/log4j2-quiet.properties")
     assert settings["spark.driver.host"] == settings["spark.driver.bindAddress"] == "127.0.0.1"
     assert settings["spark.ui.enabled"] == settings["spark.ui.showConsoleProgress"] == "false"
     assert settings["spark.sql.shuffle.partitions"] == "2"
@@ -31,7 +31,14 @@ def test_own_driver_keeps_the_local_defaults_and_starts_quiet():
 
 
 def test_own_driver_without_quieting_leaves_spark_logging_alone():
-    assert "log4j" not in session.own_driver_settings(None)["spark.driver.defaultJavaOptions"]
+    assert "log4j" not in session.own_driver_settings("local[*]", None)["spark.driver.defaultJavaOptions"]
+
+
+def test_own_driver_for_a_cluster_master_sets_nothing_a_cluster_owns_but_the_progress_bar():
+    settings = session.own_driver_settings("spark://10.0.0.1:7077", "file:///x/q.properties")
+    assert settings == {"spark.ui.showConsoleProgress": "false", "spark.sql.session.timeZone": "UTC",
+                        "spark.driver.defaultJavaOptions": "-Dlog4j2.configurationFile=file:///x/q.properties"}
+    assert "spark.driver.defaultJavaOptions" not in session.own_driver_settings("yarn", None)
 
 
 def test_under_spark_submit_only_unset_defaults_are_given_and_none_a_cluster_owns():
