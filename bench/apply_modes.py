@@ -18,6 +18,13 @@ plain-loop reference measured in the same run.
 - Rows/s are measured warm from the target's progress table (committed with
   the rows): from the first commit at or past ``--warmup-batches`` batches to
   the last commit. Cold total: from start to the last commit.
+- CPU per row over the same warm window, by where it is spent: the driver side
+  (spark-submit's or walbridge's process group: driver JVM, driver Python,
+  Spark's Python planner workers; in local mode the executors too), the
+  executors (every process in the namespace: worker, executor JVM, its Python
+  workers) and PostgreSQL (the postmaster and its backends). The driver's
+  share is what no number of executors can spread: it bounds a mode's
+  throughput on a cluster with cores to spare.
 
 This machine has 2 cores: the "cluster's" worker shares them with the driver,
 the broker and PostgreSQL, so the cluster runs show where the work lands and
@@ -47,6 +54,45 @@ from schemas.config import parse_config  # noqa: E402
 from tests.cluster import NetworkNamespace, SparkStandalone, readme_commands, user_env  # noqa: E402
 from tests.helpers import write_toml  # noqa: E402
 from walbridge.embedded import PostgresCluster, TansuBroker  # noqa: E402
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def cpu_by_pid(pids) -> dict[int, float]:
+    """utime + stime of each live process, in seconds."""
+    out = {}
+    for pid in pids:
+        fields = _stat(pid)
+        if fields is not None:
+            out[pid] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return out
+
+
+def session_pids(sid: int) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and (_stat(int(p)) or [None] * 4)[3] == str(sid)]
+
+
+def postgres_pids(postmaster: int) -> list[int]:
+    return [postmaster] + [int(p) for p in os.listdir("/proc") if p.isdigit()
+                           and (_stat(int(p)) or [None, None])[1] == str(postmaster)]
+
+
+def cpu_snapshot(proc: subprocess.Popen, spark: SparkStandalone | None, pg: PostgresCluster) -> dict[str, dict]:
+    return {"driver side": cpu_by_pid(session_pids(proc.pid)),
+            "executors": cpu_by_pid(spark.netns.pids()) if spark else {},
+            "postgresql": cpu_by_pid(postgres_pids(pg.postmaster_pid()))}
+
+
+def cpu_used(start: dict[str, dict], end: dict[str, dict]) -> dict[str, float]:
+    """CPU seconds spent between two snapshots, per side (processes started in between count whole)."""
+    return {side: sum(t - start[side].get(pid, 0.0) for pid, t in end[side].items()) for side in end}
 
 
 def applied(dsn: str, group: str) -> int:
@@ -78,6 +124,8 @@ def run_once(mode: str, staged: bool, n: int, pg: PostgresCluster, bootstrap: st
         env = user_env(SPARK_MASTER=spark.url, DRIVER_HOST=spark.netns.host_ip, SPARK_CONF_DIR=str(spark.conf_dir))
     total = args.rows + PARTITIONS  # + each partition's snapshot_end
     marks: list[tuple[float, int]] = []
+    warm_from = min(max(args.warmup_batches, 1), args.rows // args.batch) * args.batch
+    cpu_start = cpu_end = None
     with open(run_dir / "consumer.log", "wb") as log:
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -91,7 +139,10 @@ def run_once(mode: str, staged: bool, n: int, pg: PostgresCluster, bootstrap: st
                 done = applied(target, group)
                 if not marks or done != marks[-1][1]:
                     marks.append((time.monotonic(), done))
+                    if cpu_start is None and done >= warm_from:
+                        cpu_start = cpu_snapshot(proc, spark if mode == "cluster" else None, pg)
                 time.sleep(0.05)
+            cpu_end = cpu_snapshot(proc, spark if mode == "cluster" else None, pg)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -99,14 +150,15 @@ def run_once(mode: str, staged: bool, n: int, pg: PostgresCluster, bootstrap: st
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    warm_from = min(max(args.warmup_batches, 1), args.rows // args.batch) * args.batch
     first = next(m for m in marks if m[1] >= warm_from)
     with psycopg.connect(target) as conn:
         assert conn.execute("SELECT count(*) FROM public.bench_rows").fetchone()[0] == args.rows
     pg.drop_database(name)
+    warm_rows = total - first[1]
     return {"mode": mode, "apply": "staged" if staged else "driver", "round": n,
-            "warm_rows_per_s": round((total - first[1]) / (marks[-1][0] - first[0])),
-            "cold_total_s": round(marks[-1][0] - t0, 1), "commits": len(marks) - 1}
+            "warm_rows_per_s": round(warm_rows / (marks[-1][0] - first[0])),
+            "cold_total_s": round(marks[-1][0] - t0, 1), "commits": len(marks) - 1,
+            "cpu_us_per_row": {side: round(s * 1e6 / warm_rows, 1) for side, s in cpu_used(cpu_start, cpu_end).items()}}
 
 
 def main() -> None:
