@@ -154,9 +154,9 @@ class ConsumerConfig(_Section):
     trigger_interval: Annotated[float, Field(ge=0)] = 1.0
     # true: executors stage their partitions' rows in the target in parallel and
     # the driver commits them in one transaction; false: the driver applies each
-    # micro-batch. Unset: by deploy mode (local: false, a cluster: true; the
-    # measurements are in bench/RESULTS.md).
-    staged_apply: bool | None = None
+    # micro-batch. false is faster in local mode and on the measured cluster
+    # (bench/RESULTS.md, "Apply paths by deploy mode").
+    staged_apply: bool = False
     # Kafka lost data (topics recreated): "follow" re-reads the new topics from
     # their start and applies by position (the producer re-snapshots); "stop"
     # stops the consumer with an error.

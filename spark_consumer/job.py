@@ -16,8 +16,9 @@ The path of one micro-batch, top to bottom:
    skips what the progress table says is applied, writes the rest with
    position guards and moves the progress. Meanwhile Spark reads the next
    batch (one batch in flight; foreachBatch waits for the previous apply).
-   With the staged apply (``[consumer] staged_apply``; by default on a
-   cluster, :func:`spark_consumer.session.staged_apply_default`) each executor
+   With the staged apply (``[consumer] staged_apply = true``; off by default
+   in every deploy mode, being slower in local mode and on the measured
+   cluster: bench/RESULTS.md, "Apply paths by deploy mode") each executor
    task stages its partitions' rows in the target instead, and the driver
    commits the staged parts and progress in one transaction
    (:mod:`spark_consumer.apply_staged`).
@@ -61,7 +62,7 @@ from spark_consumer.checkpoint import replay_unapplied
 from spark_consumer.decode import arrow_rows
 from spark_consumer.kafka_source import SourceOptions, discover_schemas, read_shape_stream
 from spark_consumer.progress import ensure_progress, read_progress
-from spark_consumer.session import spark_session, staged_apply_default
+from spark_consumer.session import spark_session
 from spark_consumer.target_layout import ensure_table
 
 log = logging.getLogger("walbridge.consumer")
@@ -111,15 +112,12 @@ class ShapeApplier:
     the next ``__call__`` or through :attr:`error` (the run loop restarts the
     query)."""
 
-    def __init__(self, config: Config, shape: ShapeConfig, target: ShapeTarget, kafka_conf: dict[str, Any],
-                 staged: bool | None = None):
+    def __init__(self, config: Config, shape: ShapeConfig, target: ShapeTarget, kafka_conf: dict[str, Any]):
 
         self.config = config
         self.shape = shape
         self.target = target
         self.kafka_conf = kafka_conf
-        # [consumer] staged_apply, else the deploy mode's default (start_query).
-        self.staged = config.consumer.staged_apply if config.consumer.staged_apply is not None else bool(staged)
         self._conn = None
         self._committer: OffsetCommitter | None = None
         self._apply_thread = ThreadPoolExecutor(1, thread_name_prefix=f"apply-{shape.shape_name}")
@@ -187,7 +185,7 @@ class ShapeApplier:
     def __call__(self, batch_df, batch_id: int) -> None:
 
         started = time.monotonic()
-        if self.staged:
+        if self.config.consumer.staged_apply:
             # Seed 004: each executor task plans and stages its partition's part
             # (in parallel, each on its own connection); the commit of all the
             # staged parts, with progress, is one decision on the driver.
@@ -311,7 +309,7 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
                          max_offsets_per_trigger=config.consumer.max_offsets_per_trigger)
     schemas = _wait_for_schemas(opts, discover_schemas)
     target = ShapeTarget.from_avro(shape.shape_name, schemas.value_schema, schemas.key_schema)
-    applier = ShapeApplier(config, shape, target, kafka_conf, staged=staged_apply_default(spark.sparkContext.master))
+    applier = ShapeApplier(config, shape, target, kafka_conf)
     df = read_shape_stream(spark, topic, config.kafka.bootstrap_servers, config.kafka.topic_prefix,
                            config.kafka.schema_registry_url, dict(config.kafka.client),
                            config.consumer.max_offsets_per_trigger, schemas=schemas,
@@ -322,7 +320,7 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
              .option("checkpointLocation", str(checkpoint))
              .trigger(processingTime=f"{config.consumer.trigger_interval} seconds").start())
     log.info("consuming %s into %s.%s (checkpoint %s, %s apply)", topic, target.schema, target.table, checkpoint,
-             "staged" if applier.staged else "driver")
+             "staged" if config.consumer.staged_apply else "driver")
     return query, applier
 
 

@@ -23,8 +23,6 @@ Invariants:
 - Executors run ``spark.pyspark.python`` when it is set (a packed environment,
   ``walbridge pack``), else the driver's own interpreter path
   (``PYSPARK_PYTHON``).
-- Which apply path a deploy mode uses by default (:func:`staged_apply_default`)
-  is decided by measurement (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -92,14 +90,6 @@ def quiet_spark_logs(verbose: bool, user_log4j: bool) -> bool:
     """Should walbridge quiet Spark's log? Not when asked for debug output, and
     never over a log4j2 configuration someone made."""
     return not verbose and not user_log4j
-
-
-def staged_apply_default(master: str) -> bool:
-    """The apply path when ``[consumer] staged_apply`` is not set, by where the
-    executors run (bench/RESULTS.md, "Apply paths by deploy mode"): in local
-    mode they share the driver's cores and the driver apply is faster; on a
-    cluster each executor writes its own partitions' rows to the target."""
-    return not master.startswith("local")
 
 
 def quiet_log4j_uri() -> str:

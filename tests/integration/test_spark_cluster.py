@@ -167,8 +167,9 @@ def _wait_converged(c: Cluster, timeout: float = 300) -> None:
 
 
 def test_consumer_on_a_standalone_cluster_applies_pgbench_with_tasks_on_the_worker(cluster):
-    """spark-submit to the master as the README says; the executors on the
-    other host read, decode and stage every shape with the packed Python."""
+    """spark-submit to the master as the README says (the default, driver
+    apply); the executors on the other host read and decode every shape with
+    the packed Python."""
     c = cluster
     _prepare_source(c.source)
     with ProducerThread(c.cfg):
@@ -209,7 +210,10 @@ def test_consumer_on_a_standalone_cluster_applies_pgbench_with_tasks_on_the_work
 
 
 def test_kill9_of_the_executor_mid_load_is_rescheduled_and_loses_nothing(cluster):
+    """With the staged apply, so the executor dies while it reads, decodes and
+    writes its partitions' rows to the target."""
     c = cluster
+    c.cfg["consumer"]["staged_apply"] = True
     _prepare_source(c.source)
     with ProducerThread(c.cfg):
         c.submit()

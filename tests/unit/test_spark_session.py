@@ -1,7 +1,7 @@
 """Whose settings the consumer's Spark session takes (spark_consumer/session.py):
 walbridge's local defaults where it starts the driver itself, spark-submit's
 and spark-defaults.conf's otherwise; Spark's log quiet unless configured or
-asked for; the apply path by deploy mode."""
+asked for."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from schemas.config import parse_config
 from spark_consumer import session
-from spark_consumer.job import ShapeApplier
 
 # What only spark-submit and spark-defaults.conf may decide on a cluster.
 CLUSTER_OWNED = ("spark.master", "spark.driver.host", "spark.driver.bindAddress", "spark.ui.enabled",
@@ -57,25 +55,3 @@ def test_the_quiet_profile_ships_with_the_package():
     path = Path(urlparse(session.quiet_log4j_uri()).path)
     text = path.read_text()
     assert "rootLogger.level = warn" in text and "SYSTEM_ERR" in text
-
-
-@pytest.mark.parametrize(("master", "staged"), [("local", False), ("local[*]", False), ("local[2]", False),
-                                                ("spark://10.0.0.1:7077", True), ("yarn", True),
-                                                ("k8s://https://api:443", True)])
-def test_staged_apply_is_the_default_on_a_cluster_only(master, staged):
-    assert session.staged_apply_default(master) is staged
-
-
-@pytest.mark.parametrize(("configured", "by_mode", "staged"),
-                         [(None, True, True), (None, False, False), (False, True, False), (True, False, True)])
-def test_the_config_decides_the_apply_path_when_set(configured, by_mode, staged):
-    data = {"source": {"dsn": "postgresql://a@127.0.0.1:1/a"}, "kafka": {"bootstrap_servers": "127.0.0.1:1"},
-            "shapes": [{"table": "public.t"}], "consumer": {"target_dsn": "postgresql://a@127.0.0.1:1/b"}}
-    if configured is not None:
-        data["consumer"]["staged_apply"] = configured
-    cfg = parse_config(data)
-    applier = ShapeApplier(cfg, cfg.shapes[0], None, {}, staged=by_mode)  # no target needed before a batch
-    try:
-        assert applier.staged is staged
-    finally:
-        applier.close()
