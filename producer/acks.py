@@ -125,7 +125,7 @@ class Acks:
                 break
             del self._commit_times[lsn]
             if lsn == newest.tx_offset:
-                metrics.PRODUCE_LATENCY.set(max(time.time() - ts_ms / 1000, 0))
+                metrics.PRODUCE_LATENCY.observe(max(time.time() - ts_ms / 1000, 0))
         now = time.monotonic()
         for writer, offset, tx_last in boundaries:
             self._on_boundary(writer, offset, tx_last, now)
@@ -148,6 +148,7 @@ class Acks:
         """Read the groups' commits, if ``[ack] interval`` has passed since the last read."""
         if self.groups and now - self._last_poll >= self._config.interval:
             self._last_poll = now
+            self._admin.poll(0)  # serves the admin client's log records (schemas.kafka)
             self._poll_group_offsets()
 
     def _poll_group_offsets(self) -> None:

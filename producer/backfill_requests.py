@@ -22,7 +22,7 @@ from confluent_kafka.admin import AdminClient
 
 from schemas import wire
 from schemas.config import Config
-from schemas.kafka import client_config, ensure_topics, read_to_end
+from schemas.kafka import client_config, ensure_topics, read_to_end, timed_out
 
 log = logging.getLogger("walbridge.backfill")
 
@@ -48,7 +48,7 @@ def request_backfill(config: Config, shape: str, scope: dict | None = None, reas
     producer = Producer(conf)
     publish_state(producer, wire.backfills_topic(config.kafka.topic_prefix), record)
     if producer.flush(DELIVERY_TIMEOUT_S):
-        raise RuntimeError(f"the backfill request could not be delivered to Kafka within {DELIVERY_TIMEOUT_S:.0f}s")
+        raise timed_out(f"the backfill request could not be delivered to Kafka within {DELIVERY_TIMEOUT_S:.0f}s")
     return request_id
 
 

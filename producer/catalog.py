@@ -3,8 +3,12 @@ and slot checks. A thin I/O shell; the decisions it makes are spelled out in
 :func:`plan_publication`.
 
 Invariants:
-- :func:`check_source` reads only; it runs before anything is created, and every
-  problem it finds names the shape, table or column concerned.
+- :func:`inspect_source` and :func:`check_source` read only; they run before
+  anything is created, and every problem they find names the shape, table or
+  column concerned and says how to fix it. ``check-config --live`` prints the
+  same findings as a checklist.
+- Their problems are permanent failures (:class:`~schemas.failures.Failure`) of the
+  source: retrying cannot fix a missing table or privilege.
 - A table without a primary key whose replica identity is DEFAULT is never added
   to a publication that publishes UPDATE/DELETE: PostgreSQL would then reject the
   application's own UPDATE and DELETE on it. Depending on
@@ -21,11 +25,25 @@ from psycopg import sql
 
 from producer.pgtypes import PgTypeInfo
 from schemas.config import Config
+from schemas.failures import SOURCE, Failure
 from schemas.shape_filter import FilterError, compile_filter
 
 
-class SourceError(RuntimeError):
-    """The source database cannot serve the configuration as it stands."""
+class SourceError(Failure):
+    """The source database cannot serve the configuration as it stands
+    (permanent: a change of the database or the config fixes it)."""
+
+    def __init__(self, problem: str, fix: str | None = None):
+        super().__init__(SOURCE, problem, fix)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One item of what the source was checked for."""
+
+    item: str  # e.g. "wal_level", "shapes[0] (public.orders).columns"
+    ok: bool
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -146,49 +164,65 @@ def plan_publication(tables: list[TableInfo], keyless_policy: str) -> Publicatio
     return PublicationPlan(tuple(sorted(set(full))), tuple(sorted(set(inserts))))
 
 
-def check_source(conn: psycopg.Connection, config: Config) -> dict[str, TableInfo]:
-    """Validate the shapes against the live catalog; returns table infos by
-    ``schema.table``. Read-only."""
-    problems: list[str] = []
+_IDENTITY = {"d": "default", "n": "nothing", "f": "full", "i": "using index"}
+
+
+def inspect_source(conn: psycopg.Connection, config: Config) -> tuple[dict[str, TableInfo], list[Finding]]:
+    """What the live catalog says of the config: table infos by
+    ``schema.table`` and one finding per thing checked. Read-only."""
+    findings: list[Finding] = []
     wal_level = conn.execute("SHOW wal_level").fetchone()[0]
-    if wal_level != "logical":
-        problems.append(f"source: wal_level is {wal_level!r}; logical replication needs wal_level = logical "
-                        "(ALTER SYSTEM SET wal_level = logical; then restart PostgreSQL)")
-    can_replicate = conn.execute(
-        "SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()[0]
-    if not can_replicate:
-        problems.append("source: the connecting role lacks the REPLICATION attribute "
-                        "(ALTER ROLE <user> WITH REPLICATION)")
+    findings.append(Finding("wal_level", wal_level == "logical", f"wal_level is {wal_level!r}" + (
+        "" if wal_level == "logical" else "; logical replication needs wal_level = logical "
+        "(ALTER SYSTEM SET wal_level = logical; then restart PostgreSQL)")))
+    user, can_replicate = conn.execute(
+        "SELECT rolname, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()
+    findings.append(Finding("REPLICATION", can_replicate, f"role {user} may replicate" if can_replicate else
+                            f"role {user} lacks the REPLICATION attribute (ALTER ROLE {user} WITH REPLICATION)"))
     tables: dict[str, TableInfo] = {}
     for i, shape in enumerate(config.shapes):
         where = f"shapes[{i}] ({shape.shape_name})"
         info = tables.get(shape.table) or table_info(conn, shape.schema_name, shape.table_name)
         if info is None:
-            problems.append(f"{where}.table: table {shape.table} does not exist")
+            findings.append(Finding(f"{where}.table", False, f"table {shape.table} does not exist "
+                                    "(create it, or correct the shape's table)"))
             continue
         tables[shape.table] = info
+        key = ", ".join(info.primary_key) or "none"
+        findings.append(Finding(f"{where}.table", True, f"{shape.table}: key ({key}), replica identity "
+                                f"{_IDENTITY.get(info.replica_identity, info.replica_identity)}, "
+                                f"{len(info.columns)} columns"))
         known = [c.name for c in info.columns]
         if shape.columns is not None:
             missing = [c for c in shape.columns if c not in known]
             if missing:
-                problems.append(f"{where}.columns: {', '.join(missing)} not in {shape.table} "
-                                f"(columns: {', '.join(known)})")
+                findings.append(Finding(f"{where}.columns", False, f"{', '.join(missing)} not in {shape.table} "
+                                        f"(columns: {', '.join(known)})"))
             lacking_key = [k for k in info.primary_key if k not in shape.columns]
             if lacking_key:
-                problems.append(f"{where}.columns: must include the primary key column(s) "
-                                f"{', '.join(lacking_key)} of {shape.table}")
+                findings.append(Finding(f"{where}.columns", False, f"must include the primary key column(s) "
+                                        f"{', '.join(lacking_key)} of {shape.table}"))
         if shape.where is not None:
             try:
                 compile_filter(shape.where, {c.name: c.type_name for c in info.columns})
             except FilterError as e:
-                problems.append(f"{where}.where: {e}")
+                findings.append(Finding(f"{where}.where", False, str(e)))
         has_select = conn.execute("SELECT has_table_privilege(%s, 'SELECT')", (info.oid,)).fetchone()[0]
         if not has_select:
-            problems.append(f"{where}.table: the connecting role cannot SELECT from {shape.table} "
-                            "(needed for the snapshot)")
+            findings.append(Finding(f"{where}.table", False, f"the connecting role cannot SELECT from "
+                                    f"{shape.table} (needed for the snapshot; GRANT SELECT ON {shape.table} "
+                                    f"TO {user})"))
+    return tables, findings
+
+
+def check_source(conn: psycopg.Connection, config: Config) -> dict[str, TableInfo]:
+    """Validate the shapes against the live catalog; returns table infos by
+    ``schema.table``. Read-only; raises :class:`SourceError` naming every problem."""
+    tables, findings = inspect_source(conn, config)
+    problems = [f for f in findings if not f.ok]
     if problems:
         raise SourceError("the source database does not match the config:\n"
-                          + "\n".join(f"  - {p}" for p in problems))
+                          + "\n".join(f"  - {p.item}: {p.detail}" for p in problems))
     plan_publication(list(tables.values()), config.source.keyless_tables)
     return tables
 

@@ -75,9 +75,11 @@ from producer.shapes import Event, RelationPlan, ShapeSpec, event_message
 from producer.snapshot import InitialSnapshot
 from producer.status import Stats, StatusPublisher
 from schemas import wire
-from schemas.config import Config, redact_dsn
+from schemas.config import Config
+from schemas.failures import SOURCE, Failure, attributed
 from schemas.kafka import Writer, client_config, ensure_topics
 from schemas.publisher import SchemaPublisher
+from schemas.retry import Outage, RetryPolicy
 from schemas.shape_filter import compile_filter
 
 log = logging.getLogger("walbridge.producer")
@@ -273,6 +275,8 @@ class Pipeline:
                 else:
                     keepalive(decode_frame(frame))
             backfill_busy = backfills.tick(idle)
+            if idle:
+                self.stats.stream_idle = True
             self.kafka.poll(0)
             if self.ledger.error is not None:
                 raise KafkaException(self.ledger.error)
@@ -441,7 +445,9 @@ class Pipeline:
         last = LogOffset(commit.commit_lsn, max(self._op - 1, 0))
         self.acks.commit(last, self._tx_writers, self._tx_done_writers, self._tx_ts_ms, time.monotonic())
         self._tx = None
-        self.stats.transactions += 1
+        stats = self.stats
+        stats.transactions += 1
+        stats.last_commit_ts_ms, stats.stream_idle = self._tx_ts_ms, False
 
     def _on_keepalive(self, ka: Keepalive) -> None:
         if self._tx is None and self.acks.idle():
@@ -487,23 +493,72 @@ class Pipeline:
         self.acks.take_boundaries()
 
 
+class _Runs:
+    """The producer's pipeline runs, each from connecting to a stop or a failure.
+
+    A run that got going (published its status: source and broker answered)
+    and then failed transiently ends the outage it belonged to; the next
+    failures start a new one, so its waits start short again."""
+
+    def __init__(self, config: Config, stop: threading.Event, on_status: Callable[[dict], None] | None,
+                 outage: Callable[[], Outage]):
+        self._config = config
+        self._stop = stop
+        self._on_status = on_status
+        self._new_outage = outage
+        self._outage: Outage | None = None
+        self.lost: Failure | None = None  # the transient failure that ended a run that had got going
+
+    def outage(self) -> Outage:
+        self._outage = self._new_outage()
+        self.lost = None
+        return self._outage
+
+    def once(self) -> None:
+        if self._stop.is_set():
+            return
+        cfg = self._config
+        running = False
+
+        def on_status(view: dict) -> None:
+            nonlocal running
+            if not running:
+                running = True
+                self._outage.over()
+            if self._on_status is not None:
+                self._on_status(view)
+
+        pipeline = None
+        try:
+            with attributed(database=(SOURCE, cfg.source.dsn), kafka=cfg.kafka.bootstrap_servers,
+                            registry=cfg.kafka.schema_registry_url):
+                pipeline = Pipeline(cfg, self._stop, on_status)
+                pipeline.run()
+        except Failure as failure:
+            if running and not failure.permanent:
+                self.lost = failure
+                return
+            raise
+        finally:
+            if pipeline is not None:
+                pipeline.close()
+
+
 def run_producer(config: Config, stop: threading.Event | None = None,
                  on_status: Callable[[dict], None] | None = None) -> None:
-    """Run until ``stop`` is set, reconnecting with exponential backoff after lost
-    connections; every restart resumes from the slot and the partition tails."""
+    """Run until ``stop`` is set. Transient failures (a lost connection, an
+    unreachable broker or registry) are waited out with jittered exponential
+    backoff (:mod:`schemas.retry`), each wait logged with the endpoint that
+    fails; every restart resumes from the slot and the partition tails. A
+    permanent failure, or an outage longer than ``[source]
+    reconnect_max_elapsed``, raises :class:`~schemas.failures.Failure`."""
     stop = stop or threading.Event()
-    backoff = 0.5
+    policy = RetryPolicy(config.source.reconnect_max_backoff, config.source.reconnect_max_elapsed)
+    runs = _Runs(config, stop, on_status, lambda: Outage(policy, stop, log))
     while not stop.is_set():
-        pipeline = Pipeline(config, stop, on_status)
-        try:
-            pipeline.run()
+        for attempt in runs.outage():
+            with attempt:
+                runs.once()
+        if runs.lost is None:
             return
-        except (psycopg.OperationalError, ReplicationError, KafkaException) as e:
-            first_line = (str(e).strip().splitlines() or [""])[0]
-            log.warning("connection lost (%s: %s); reconnecting to %s in %.1fs", type(e).__name__, first_line,
-                        redact_dsn(config.source.dsn), backoff)
-        finally:
-            pipeline.close()
-        if stop.wait(backoff):
-            return
-        backoff = min(backoff * 2, config.source.reconnect_max_backoff)
+        log.warning("connection lost (%s); reconnecting", runs.lost.headline)

@@ -22,6 +22,7 @@ import psycopg
 from psycopg import pq
 
 from producer.pgoutput import PG_EPOCH_UNIX_US, lsn_to_int, lsn_to_str, standby_status
+from schemas.failures import SOURCE, Failure, postgres_failure
 
 SESSION_OPTIONS = "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3"
 
@@ -34,8 +35,18 @@ def _now_pg_us() -> int:
     return int(time.time() * 1_000_000) - PG_EPOCH_UNIX_US
 
 
-class ReplicationError(RuntimeError):
-    pass
+class ReplicationError(Failure):
+    """The replication protocol failed; permanent or transient as its SQLSTATE
+    (or, without one, its message) says (:func:`schemas.failures.postgres_failure`)."""
+
+    def __init__(self, problem: str, sqlstate: str | None = None):
+        verdict = postgres_failure(SOURCE, problem, sqlstate)
+        super().__init__(SOURCE, problem, verdict.fix, permanent=verdict.permanent)
+
+
+def _sqlstate(res: pq.abc.PGresult | None) -> str | None:
+    code = res.error_field(pq.DiagnosticField.SQLSTATE) if res is not None else None
+    return code.decode() if code else None
 
 
 class ReplicationConnection:
@@ -63,7 +74,8 @@ class ReplicationConnection:
         res = self._pg.get_result()
         if res.status != pq.ExecStatus.COPY_BOTH:
             msg = (res.error_message or b"").decode(errors="replace").strip()
-            raise ReplicationError(f"START_REPLICATION failed: {msg or pq.ExecStatus(res.status).name}")
+            raise ReplicationError(f"START_REPLICATION failed: {msg or pq.ExecStatus(res.status).name}",
+                                   _sqlstate(res))
         self.flushed = max(self.flushed, start_lsn)
         self.written = max(self.written, start_lsn)
 
@@ -83,7 +95,8 @@ class ReplicationConnection:
         # -1: COPY ended (server closed the stream); -2: error.
         res = self._pg.get_result()
         msg = (res.error_message if res is not None else self._pg.error_message) or b""
-        raise ReplicationError(f"replication stream ended: {msg.decode(errors='replace').strip() or 'closed'}")
+        raise ReplicationError(f"replication stream ended: {msg.decode(errors='replace').strip() or 'closed'}",
+                               _sqlstate(res))
 
     def send_status(self, flush_lsn: int | None = None, write_lsn: int | None = None, reply: bool = False) -> None:
         if flush_lsn is not None and flush_lsn > self.flushed:

@@ -42,6 +42,8 @@ class Stats:
     events: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))  # (shape, op) → count
     skipped_replayed: int = 0
     transactions: int = 0
+    last_commit_ts_ms: int = 0  # source commit time of the last transaction read
+    stream_idle: bool = True  # the stream had nothing more to give since that transaction
 
 
 class StatusPublisher:
@@ -112,6 +114,8 @@ class StatusPublisher:
         metrics.TRANSACTIONS.inc(stats.transactions - self._metric_tx)
         self._metric_tx = stats.transactions
         metrics.CONFIRMED_LSN.set(acks.confirmed_lsn)
+        metrics.SOURCE_LAG.set(0.0 if stats.stream_idle or not stats.last_commit_ts_ms
+                               else max(time.time() - stats.last_commit_ts_ms / 1000, 0.0))
         metrics.STALLED_WRITERS.set(len(acks.stalled_writers))
         metrics.STALLED_GROUPS.set(len(acks.stalled_groups))
         if snapshot:

@@ -10,16 +10,25 @@ Invariants:
   publication is created.
 - Secrets never appear in messages: DSNs are shown through :func:`redact_dsn`.
 - Unknown keys are errors (a misspelt key silently ignored is a setting lost).
+- The environment enters in two ways only, before validation: ``${NAME}``
+  (``${NAME:-default}``; ``$${`` for a literal ``${``) in any string value, and
+  ``<key>_file`` in place of any string ``<key>``: the file's content, its
+  trailing newline removed (secrets mounted as files). An unset variable or an
+  unreadable file is an error naming its key, never an empty value.
+- ``[kafka.client]`` is checked by librdkafka itself (a client is built with it,
+  connecting nowhere), so an unknown or invalid property fails here.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Mapping
 
-from psycopg.conninfo import conninfo_to_dict
+from confluent_kafka import KafkaException, Producer
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas.shape_filter import FilterError, compile_filter
@@ -38,12 +47,32 @@ class ConfigError(ValueError):
         super().__init__(head + ":\n" + "\n".join(f"  - {p}" for p in problems))
 
 
+def _join_password(data: Any, dsn_key: str, password_key: str) -> Any:
+    if isinstance(data, dict) and data.get(password_key) is not None and isinstance(data.get(dsn_key), str):
+        try:
+            data = {**data, dsn_key: make_conninfo(data[dsn_key], password=str(data[password_key]))}
+        except Exception:  # noqa: BLE001 - the DSN's own validator names the problem
+            pass
+    return data
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class SourceConfig(_Section):
-    dsn: str
+class _Reconnecting(_Section):
+    # Transient failures (a lost connection, an unreachable broker) are retried
+    # with jittered exponential backoff up to reconnect_max_backoff seconds
+    # between attempts; the process gives up after reconnect_max_elapsed
+    # seconds of failing (None: never).
+    reconnect_max_backoff: Annotated[float, Field(gt=0)] = 30.0
+    reconnect_max_elapsed: Annotated[float, Field(gt=0)] | None = None
+
+
+class SourceConfig(_Reconnecting):
+    dsn: str = Field(repr=False)  # may hold a password: shown only through redact_dsn
+    # Joined into the DSN (keeps a secret out of it: password_file, ${VAR}).
+    password: str | None = Field(default=None, repr=False)
     slot: str = "walbridge"
     publication: str = "walbridge"
     snapshot_workers: Annotated[int, Field(ge=1, le=64)] = 2
@@ -51,7 +80,11 @@ class SourceConfig(_Section):
     # to a publication that publishes UPDATE/DELETE would make PostgreSQL reject the
     # application's own UPDATE/DELETE on it, so walbridge never does that silently.
     keyless_tables: Literal["refuse", "inserts_only"] = "refuse"
-    reconnect_max_backoff: Annotated[float, Field(gt=0)] = 30.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _password(cls, data: Any) -> Any:
+        return _join_password(data, "dsn", "password")
 
     @field_validator("slot", "publication")
     @classmethod
@@ -76,6 +109,13 @@ class KafkaConfig(_Section):
     schema_registry_url: str | None = None
     # Extra librdkafka settings (security.protocol, sasl.*, ...), passed through.
     client: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+    @field_validator("client")
+    @classmethod
+    def _client(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if v:
+            _check_client(v)
+        return v
 
     @field_validator("topic_prefix")
     @classmethod
@@ -146,9 +186,10 @@ class ShapeConfig(_Section):
         return self.name or f"{self.schema_name}.{self.table_name}"
 
 
-class ConsumerConfig(_Section):
+class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, registry and target
     group: str = "walbridge-spark"
-    target_dsn: str | None = None
+    target_dsn: str | None = Field(default=None, repr=False)
+    target_password: str | None = Field(default=None, repr=False)  # joined into target_dsn
     checkpoint_dir: str = ".walbridge/checkpoints"
     max_offsets_per_trigger: Annotated[int, Field(ge=1)] | None = None
     trigger_interval: Annotated[float, Field(ge=0)] = 1.0
@@ -161,6 +202,11 @@ class ConsumerConfig(_Section):
     # their start and applies by position (the producer re-snapshots); "stop"
     # stops the consumer with an error.
     on_data_loss: Literal["follow", "stop"] = "follow"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _password(cls, data: Any) -> Any:
+        return _join_password(data, "target_dsn", "target_password")
 
     @field_validator("target_dsn")
     @classmethod
@@ -237,10 +283,75 @@ def _check_dsn(dsn: str) -> None:
         raise ValueError(f"is not a valid PostgreSQL connection string ({str(e).strip()})") from None
 
 
+def _check_client(client: dict[str, Any]) -> None:
+    """librdkafka's verdict on ``[kafka.client]``: a producer built with it,
+    connecting nowhere and logging nothing."""
+    try:
+        Producer({**client, "bootstrap.servers": "", "log_level": 0})
+    except KafkaException as e:
+        raise ValueError(e.args[0].str() if e.args else str(e)) from None
+
+
 def redact_dsn(dsn: str) -> str:
     """The DSN with any password replaced by ``***`` (for logs and errors)."""
     redacted = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", dsn)
-    return re.sub(r"(password\s*=\s*)(\S+)", r"\1***", redacted, flags=re.I)
+    # key=value form (a quoted value may hold spaces) and URI query parameters
+    return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^&\s]+)", r"\1***", redacted, flags=re.I)
+
+
+_ENV_REF = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+FILE_SUFFIX = "_file"
+
+
+def _interpolate(text: str, environ: Mapping[str, str]) -> str:
+    def value(m: re.Match) -> str:
+        if m.group(0) == "$${":
+            return "${"
+        name, default = m.group(1), m.group(2)
+        found = environ.get(name)
+        if found is None or (found == "" and default is not None):
+            if default is None:
+                raise ValueError(f"environment variable {name} is not set")
+            return default
+        return found
+
+    return _ENV_REF.sub(value, text)
+
+
+def from_environment(data: Any, environ: Mapping[str, str], base_dir: Path,
+                     problems: list[str], loc: tuple = ()) -> Any:
+    """``data`` with ``${NAME}`` interpolated in every string and every
+    ``<key>_file`` replaced by ``<key>`` = the file's content (relative paths
+    from ``base_dir``); problems are appended, named by their dotted key."""
+    if isinstance(data, str):
+        try:
+            return _interpolate(data, environ)
+        except ValueError as e:
+            problems.append(f"{_loc(loc)}: {e}")
+            return data
+    if isinstance(data, list):
+        return [from_environment(v, environ, base_dir, problems, loc + (i,)) for i, v in enumerate(data)]
+    if not isinstance(data, dict):
+        return data
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        value = from_environment(value, environ, base_dir, problems, loc + (key,))
+        if not (isinstance(key, str) and key.endswith(FILE_SUFFIX) and len(key) > len(FILE_SUFFIX)):
+            out[key] = value
+            continue
+        name = key[:-len(FILE_SUFFIX)]
+        where = _loc(loc + (key,))
+        if name in data:
+            problems.append(f"{where}: {name} is set too; keep one of them")
+        elif not isinstance(value, str):
+            problems.append(f"{where}: must be a file path")
+        else:
+            path = base_dir / Path(value).expanduser()
+            try:
+                out[name] = path.read_text().removesuffix("\n").removesuffix("\r")
+            except OSError as e:
+                problems.append(f"{where}: cannot read {path}: {e.strerror}")
+    return out
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -272,7 +383,9 @@ def parse_config(data: dict[str, Any], source: str | None = None) -> Config:
         raise ConfigError(problems, source) from None
 
 
-def load_config(path: str | Path) -> Config:
+def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
+    """The config file at ``path``, with ``${NAME}`` and ``<key>_file`` resolved
+    from ``environ`` (default: this process's environment)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -282,4 +395,8 @@ def load_config(path: str | Path) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"not valid TOML: {e}"], str(path)) from None
+    problems: list[str] = []
+    data = from_environment(data, os.environ if environ is None else environ, path.parent, problems)
+    if problems:
+        raise ConfigError(problems, str(path))
     return parse_config(data, str(path))

@@ -9,14 +9,22 @@ Invariants:
   a group id of its own that nothing else uses.
 - ``ensure_topics`` only creates what is missing and returns the partition
   counts the broker actually has (an existing topic keeps its own).
+- Every client made from :func:`client_config` logs through Python logging
+  (logger ``walbridge.librdkafka``, records served by the client's ``poll``),
+  never straight to stderr, and at most one record of a kind per
+  ``LOG_WINDOW`` seconds: a broker that is down cannot flood the log or break
+  its JSON lines.
+- Waits that run out raise ``KafkaException`` (``_TIMED_OUT``), so the failure
+  policy (:mod:`schemas.failures`) sees a Kafka timeout, not a bare one.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -34,18 +42,59 @@ log = logging.getLogger("walbridge.kafka")
 Writer = tuple[str, int]
 """A topic-partition: the unit the FlushTracker calls a writer."""
 
+LOG_WINDOW = 30.0  # seconds: librdkafka records of one kind pass once per window
+METADATA_TIMEOUT = 10.0  # seconds for a broker to answer a metadata request
+
+
+class RateLimit(logging.Filter):
+    """Lets one record of a kind through per ``window`` seconds; the next one
+    that passes says how many it stood for. A kind is the level and the text
+    with numbers and client names blanked (``Connect to ipv4#127.0.0.1:1
+    failed ... (after 0ms ...)`` is one kind whatever the timing)."""
+
+    MAX_KINDS = 1000
+
+    def __init__(self, window: float = LOG_WINDOW, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self._window = window
+        self._clock = clock
+        self._kinds: dict[tuple[int, str], list] = {}  # kind -> [when it last passed, held back since]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        kind = (record.levelno, re.sub(r"rdkafka#\w+-\d+|\d+", "#", text))
+        now = self._clock()
+        seen = self._kinds.get(kind)
+        if seen is not None and now - seen[0] < self._window:
+            seen[1] += 1
+            return False
+        if len(self._kinds) >= self.MAX_KINDS:
+            self._kinds.clear()
+        self._kinds[kind] = [now, 0]
+        if seen is not None and seen[1]:
+            record.msg, record.args = f"{text} ({seen[1]} more like it in the last {now - seen[0]:.0f}s)", None
+        return True
+
+
+LIBRDKAFKA_LOG = logging.getLogger("walbridge.librdkafka")
+LIBRDKAFKA_LOG.addFilter(RateLimit())
+
 
 def client_config(bootstrap: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    conf: dict[str, Any] = {"bootstrap.servers": bootstrap}
+    conf: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": LIBRDKAFKA_LOG}
     conf.update(extra or {})
     return conf
+
+
+def timed_out(what: str) -> KafkaException:
+    return KafkaException(KafkaError(KafkaError._TIMED_OUT, what))
 
 
 def ensure_topics(admin: AdminClient, topics: Iterable[str], partitions: int, replication: int,
                   config: dict[str, str] | None = None, timeout: float = 30.0) -> dict[str, int]:
     """Create missing topics; returns each topic's actual partition count."""
     topics = list(dict.fromkeys(topics))
-    existing = admin.list_topics(timeout=timeout).topics
+    existing = admin.list_topics(timeout=min(timeout, METADATA_TIMEOUT)).topics
     missing = [t for t in topics if t not in existing]
     if missing:
         futures = admin.create_topics(
@@ -67,7 +116,7 @@ def ensure_topics(admin: AdminClient, topics: Iterable[str], partitions: int, re
         time.sleep(0.2)
     absent = [t for t in topics if t not in counts]
     if absent:
-        raise RuntimeError(f"topics not visible after creation: {', '.join(absent)}")
+        raise timed_out(f"topics not visible after creation: {', '.join(absent)}")
     return counts
 
 
@@ -92,7 +141,7 @@ def scan(consumer: Consumer, ranges: dict[Writer, tuple[int, int | None]], timeo
     try:
         while open_:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {len(open_)} partition(s) timed out, e.g. {next(iter(open_))}")
+                raise timed_out(f"reading {len(open_)} partition(s) timed out, e.g. {next(iter(open_))}")
             msg = consumer.poll(0.2)
             if msg is None:
                 continue

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import time
 
-from confluent_kafka import Producer
+from confluent_kafka import KafkaException, Producer
 from confluent_kafka.schema_registry import Schema
 
 from schemas import wire
+from schemas.kafka import timed_out
 from schemas.registry import registry_client
 
 PUBLISH_TIMEOUT_S = 30.0
@@ -53,9 +54,10 @@ class SchemaPublisher:
             deadline = time.monotonic() + PUBLISH_TIMEOUT_S
             while not outcome and time.monotonic() < deadline:
                 self._producer.poll(0.05)
-            if not outcome or outcome[0] is not None:
-                raise RuntimeError(f"could not publish schema for {subject} to {self._schemas_topic}"
-                                   + (f": {outcome[0].str()}" if outcome else ""))
+            if not outcome:
+                raise timed_out(f"could not publish schema for {subject} to {self._schemas_topic}")
+            if outcome[0] is not None:
+                raise KafkaException(outcome[0])
             prefix = wire.single_object_prefix(fp)
         self._prefixes[(subject, text)] = prefix
         return prefix

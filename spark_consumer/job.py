@@ -33,6 +33,12 @@ Invariants:
   (:mod:`spark_consumer.checkpoint`), so nothing Spark skips is missing.
 - Each query has its own checkpoint (``<checkpoint_dir>/<shape>``), target
   connection and offset committer; queries share nothing mutable.
+- An unreachable broker, registry or target (a transient
+  :class:`~schemas.failures.Failure`) never ends the job: starts and query
+  restarts wait for it with jittered exponential backoff (:mod:`schemas.retry`),
+  saying what they wait for, up to ``[consumer] reconnect_max_elapsed``
+  (default: forever). A permanent failure (a refused password, an unknown
+  database) ends it at once.
 """
 
 from __future__ import annotations
@@ -51,8 +57,10 @@ import pyarrow.compute as pc
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from pyspark.errors import StreamingQueryException
 
-from schemas.config import Config, ShapeConfig
+from schemas.config import Config, ConfigError, ShapeConfig
+from schemas.failures import TARGET, Failure, attributed, classify, classify_text
 from schemas.kafka import client_config
+from schemas.retry import Outage, RetryPolicy
 from spark_consumer import metrics
 from spark_consumer.apply_driver import apply_batch
 from spark_consumer.apply_plan import ShapeTarget
@@ -82,6 +90,7 @@ class OffsetCommitter:
         again (meanwhile the producer holds the WAL those offsets would release)."""
 
         offsets = {**self._failed, **offsets}
+        self._consumer.poll(0)  # serves the client's log records (schemas.kafka)
         if offsets:
             try:
                 self._consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
@@ -96,7 +105,19 @@ class OffsetCommitter:
         self._consumer.close()
 
 
-RECOVER_ATTEMPTS = 5  # target connection attempts at a query's start (backoff 2, 4, 8, 16 s)
+def retry_policy(config: Config) -> RetryPolicy:
+    return RetryPolicy(config.consumer.reconnect_max_backoff, config.consumer.reconnect_max_elapsed)
+
+
+def reach_target(config: Config, stop: threading.Event | None = None) -> None:
+    """Connect to the target once before Spark starts: a refused password or
+    an unknown database ends the consumer in seconds, an unreachable target
+    is waited for."""
+    if not config.consumer.target_dsn:
+        raise ConfigError(["consumer.target_dsn: is required by the consumer (the database to apply to)"])
+    for attempt in Outage(retry_policy(config), stop, log):
+        with attempt, attributed(database=(TARGET, config.consumer.target_dsn)):
+            psycopg.connect(config.consumer.target_dsn, connect_timeout=10).close()
 
 
 class ShapeApplier:
@@ -148,22 +169,17 @@ class ShapeApplier:
             self._conn.close()
             self._conn = None
 
-    def recover(self, checkpoint: Path, topic: str) -> None:
+    def recover(self, checkpoint: Path, topic: str, stop: threading.Event | None = None) -> None:
         """Before the query starts: have Spark replay its newest committed
-        batch if the target does not hold it (:mod:`spark_consumer.checkpoint`)."""
+        batch if the target does not hold it (:mod:`spark_consumer.checkpoint`).
+        An unreachable target is waited for (:mod:`schemas.retry`)."""
 
-        for attempt in range(1, RECOVER_ATTEMPTS + 1):
-            try:
+        progress = None
+        for attempt in Outage(retry_policy(self.config), stop, log):
+            with attempt, attributed(database=(TARGET, self.config.consumer.target_dsn)):
                 progress = read_progress(self._connection(), self.config.consumer.group, topic)
-                break
-            except psycopg.OperationalError as e:
-                # As a failed batch would be: retried with backoff, then fatal.
-                if attempt == RECOVER_ATTEMPTS:
-                    raise
-                delay = min(2.0 ** attempt, 30.0)
-                log.warning("shape %s: cannot read progress from the target (%s); retrying in %.0fs",
-                            self.shape.shape_name, _first_line(e), delay)
-                time.sleep(delay)
+        if progress is None:
+            raise Stopped()
         batch = replay_unapplied(checkpoint, {p: prog.next_offset for (_, p), prog in progress.items()})
         if batch is not None:
             log.warning("shape %s: Spark's checkpoint has batch %d as done but the target never committed it; "
@@ -249,7 +265,7 @@ class ShapeApplier:
         if result.total("dlq"):
             metrics.DLQ_MESSAGES.labels(name).inc(result.total("dlq"))
         if newest:
-            metrics.APPLY_LATENCY.labels(name).set(max(time.time() - newest / 1000, 0))
+            metrics.APPLY_LATENCY.labels(name).observe(max(time.time() - newest / 1000, 0))
 
 
 def _newest_ts_ms(table) -> int | None:
@@ -285,20 +301,19 @@ def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, batche
         ("rows", pa.int64()), ("newest_ts_ms", pa.int64())]))
 
 
-def start_queries(spark, config: Config) -> tuple[list, list[ShapeApplier]]:
+def start_queries(spark, config: Config, stop: threading.Event | None = None) -> tuple[list, list[ShapeApplier]]:
 
-    if not config.consumer.target_dsn:
-        raise SystemExit("walbridge consumer: consumer.target_dsn is not set in the config")
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
     queries, appliers = [], []
     for shape in config.shapes:
-        query, applier = start_query(spark, config, shape, kafka_conf)
+        query, applier = start_query(spark, config, shape, kafka_conf, stop)
         queries.append(query)
         appliers.append(applier)
     return queries, appliers
 
 
-def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str, Any]):
+def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str, Any],
+                stop: threading.Event | None = None):
     """One shape's streaming query (from its checkpoint) and its applier."""
 
     topic = config.topic(shape)
@@ -307,7 +322,7 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
                          schema_registry_url=config.kafka.schema_registry_url,
                          kafka_client=dict(config.kafka.client),
                          max_offsets_per_trigger=config.consumer.max_offsets_per_trigger)
-    schemas = _wait_for_schemas(opts, discover_schemas)
+    schemas = _wait_for_schemas(opts, discover_schemas, retry_policy(config), stop)
     target = ShapeTarget.from_avro(shape.shape_name, schemas.value_schema, schemas.key_schema)
     applier = ShapeApplier(config, shape, target, kafka_conf)
     df = read_shape_stream(spark, topic, config.kafka.bootstrap_servers, config.kafka.topic_prefix,
@@ -315,7 +330,7 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
                            config.consumer.max_offsets_per_trigger, schemas=schemas,
                            on_data_loss=config.consumer.on_data_loss)
     checkpoint = Path(config.consumer.checkpoint_dir) / shape.shape_name
-    applier.recover(checkpoint, topic)
+    applier.recover(checkpoint, topic, stop)
     query = (df.writeStream.queryName(f"walbridge:{shape.shape_name}").foreachBatch(applier)
              .option("checkpointLocation", str(checkpoint))
              .trigger(processingTime=f"{config.consumer.trigger_interval} seconds").start())
@@ -324,18 +339,36 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
     return query, applier
 
 
-def _wait_for_schemas(opts, discover, timeout: float = 600.0):
+class Stopped(Exception):
+    """``stop`` was set while a start waited."""
+
+
+def _pause(stop: threading.Event | None, seconds: float) -> bool:
+    """Sleep; True when ``stop`` was set meanwhile."""
+    if stop is None:
+        time.sleep(seconds)
+        return False
+    return stop.wait(seconds)
+
+
+def _wait_for_schemas(opts, discover, policy: RetryPolicy, stop: threading.Event | None = None,
+                      timeout: float = 600.0):
     """The producer publishes a shape's schema before its first message; a
-    consumer started first waits for it."""
+    consumer started first waits for it (up to ``timeout``), and for an
+    unreachable broker or registry as long as ``policy`` says."""
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return discover(opts)
-        except LookupError:
-            if time.monotonic() > deadline:
-                raise
-            log.info("waiting for the producer to publish the schema of %s", opts.topic)
-            time.sleep(2.0)
+    for attempt in Outage(policy, stop, log):
+        with attempt, attributed(kafka=opts.bootstrap_servers, registry=opts.schema_registry_url):
+            while True:
+                try:
+                    return discover(opts)
+                except LookupError:
+                    if time.monotonic() > deadline:
+                        raise
+                    log.info("waiting for the producer to publish the schema of %s", opts.topic)
+                    if _pause(stop, 2.0):
+                        raise Stopped() from None
+    raise Stopped()
 
 
 def _first_line(error: BaseException) -> str:
@@ -343,21 +376,41 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or ["?"])[0][:300]
 
 
-QUERY_RESTARTS = 5  # failures of one query tolerated within QUERY_FAILURE_WINDOW
+QUERY_RESTARTS = 5  # failures of one query tolerated within QUERY_FAILURE_WINDOW (transient ones aside)
 QUERY_FAILURE_WINDOW = 600.0
+
+
+def query_failure(config: Config, error: BaseException) -> Failure | None:
+    """A failed query's error as a Failure of its endpoint: raised in the
+    apply thread (an exception), or in a Spark task (recognised in its text);
+    None when it is neither (counted against ``QUERY_RESTARTS``)."""
+    failure = classify(error, database=(TARGET, config.consumer.target_dsn), kafka=config.kafka.bootstrap_servers,
+                       registry=config.kafka.schema_registry_url)
+    return failure if failure is not None else classify_text(str(error))
 
 
 def run(config: Config, master: str | None = None, stop: threading.Event | None = None,
         appliers: list | None = None) -> None:
-    """Run the queries until ``stop`` is set or one fails; ``appliers`` (if
-    given) receives each query's :class:`ShapeApplier` (for counters)."""
+    """Run the queries until ``stop`` is set or one fails for good; ``appliers``
+    (if given) receives each query's :class:`ShapeApplier` (for counters)."""
 
-    spark = spark_session(master)
-    queries, started = start_queries(spark, config)
+    reach_target(config, stop)
+    if stop is not None and stop.is_set():
+        return
+    spark = spark_session(master)  # quiets Spark's log itself (spark_consumer.session)
+    queries: list = []
+    started: list[ShapeApplier] = []
+    try:
+        queries, started = start_queries(spark, config, stop)
+    except Stopped:
+        spark.stop()
+        return
     if appliers is not None:
         appliers.extend(started)
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
+    policy = retry_policy(config)
     failures: list[list[float]] = [[] for _ in queries]
+    outages: list[list[float]] = [[] for _ in queries]  # when each transient failure in a row happened
     try:
         while not (stop and stop.is_set()):
             for i, q in enumerate(queries):
@@ -367,6 +420,8 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                     # fails and no batch follows to raise it, stop the query here.
                     failure = started[i].error
                     if failure is None:
+                        if outages[i] and q.lastProgress is not None:
+                            outages[i] = []  # batches flow again
                         continue
                     q.stop()
                 elif q.exception() is None:
@@ -374,19 +429,41 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                 failure = failure or q.exception()
                 # A failed query restarts from its checkpoint: the target's
                 # progress table makes that exactly-once (a crashed Python
-                # worker, a broker restart mid-read). Too many failures stop the job.
+                # worker, a broker restart mid-read). A transient failure (an
+                # endpoint that does not answer) is waited out with backoff; a
+                # target refusing the connection ends the job; other failures
+                # (a statement's: a restart re-reads the schemas) are restarted
+                # QUERY_RESTARTS times in QUERY_FAILURE_WINDOW, then end it.
                 now = time.monotonic()
-                failures[i] = [t for t in failures[i] if now - t < QUERY_FAILURE_WINDOW] + [now]
-                if len(failures[i]) > QUERY_RESTARTS:
-                    raise RuntimeError(f"query {q.name} failed {len(failures[i])} times in "
-                                       f"{QUERY_FAILURE_WINDOW:.0f}s; last: {failure}")
-                delay = min(2.0 ** len(failures[i]), 30.0)
-                log.error("query %s failed (%s); restarting it from its checkpoint in %.0fs", q.name,
-                          _first_line(failure), delay)
-                if stop is not None and stop.wait(delay):
+                verdict = query_failure(config, failure)
+                if verdict is not None and verdict.permanent and isinstance(failure, psycopg.OperationalError):
+                    raise verdict from failure  # the target refuses the connection: no restart helps
+                if verdict is not None and not verdict.permanent:
+                    outages[i].append(now)
+                    elapsed = now - outages[i][0]
+                    if policy.max_elapsed and elapsed > policy.max_elapsed:
+                        log.error("query %s: %s; giving up after %.0fs (reconnect_max_elapsed)", q.name,
+                                  verdict.headline, elapsed)
+                        raise verdict from failure
+                    delay = policy.delay(len(outages[i]))
+                    log.warning("query %s failed: %s; restarting it from its checkpoint in %.1fs (failing for "
+                                "%.0fs)", q.name, verdict.headline, delay, elapsed)
+                else:
+                    failures[i] = [t for t in failures[i] if now - t < QUERY_FAILURE_WINDOW] + [now]
+                    if len(failures[i]) > QUERY_RESTARTS:
+                        log.error("query %s failed %d times in %.0fs", q.name, len(failures[i]),
+                                  QUERY_FAILURE_WINDOW)
+                        if verdict is not None:
+                            raise verdict from failure
+                        raise RuntimeError(f"query {q.name} failed {len(failures[i])} times in "
+                                           f"{QUERY_FAILURE_WINDOW:.0f}s; last: {failure}")
+                    delay = min(2.0 ** len(failures[i]), 30.0)
+                    log.error("query %s failed (%s); restarting it from its checkpoint in %.0fs", q.name,
+                              _first_line(failure), delay)
+                if _pause(stop, delay):
                     return
                 started[i].close()
-                queries[i], started[i] = start_query(spark, config, config.shapes[i], kafka_conf)
+                queries[i], started[i] = start_query(spark, config, config.shapes[i], kafka_conf, stop)
                 if appliers is not None:
                     appliers.append(started[i])
             spark.streams.resetTerminated()
@@ -394,6 +471,8 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                 spark.streams.awaitAnyTermination(1.0)
             except StreamingQueryException:
                 pass  # handled above on the next round
+    except Stopped:
+        return
     finally:
         for q in queries:
             q.stop()

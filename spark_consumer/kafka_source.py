@@ -103,7 +103,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from schemas import wire
-from schemas.kafka import ensure_topics, read_to_end
+from schemas.kafka import client_config, ensure_topics, read_to_end
 from schemas.reader import SchemaResolver, read_schemas_topic
 from schemas.registry import subject_versions
 from spark_consumer.decode import (
@@ -241,7 +241,9 @@ def discover_schemas(opts: SourceOptions, timeout: float = 30.0) -> ShapeSchemas
     if not opts.topic_prefix:
         raise ValueError(f"{SOURCE_NAME}: without schema_registry_url the option topic_prefix is needed "
                          "(schemas live in <topic_prefix>._schemas)")
-    records = read_schemas_topic(opts.client_conf(), wire.schemas_topic(opts.topic_prefix), timeout)
+    # On the driver, at the query's start: librdkafka's records go through Python logging.
+    conf = client_config(opts.bootstrap_servers, opts.kafka_client)
+    records = read_schemas_topic(conf, wire.schemas_topic(opts.topic_prefix), timeout)
     values = [(fp, s) for subject, fp, s in records if subject == value_subject]
     keys = [(fp, s) for subject, fp, s in records if subject == key_subject]
     if not values:

@@ -12,6 +12,9 @@ Invariants:
 - The view is rendered from a plain snapshot dict by :func:`render_view` (pure),
   so what it shows can be tested against the real numbers.
 - Logs go to a file while the live view owns the terminal.
+- A part that fails for good (a permanent failure of the producer or the
+  consumer) stops the run; its failure is raised once everything is stopped,
+  so the command reports it and exits with its code.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from schemas.config import Config, parse_config, redact_dsn
 from schemas.kafka import client_config, group_offsets
 from walbridge.embedded import PostgresCluster, TansuBroker
 from walbridge.render import render_verify, render_view
-from walbridge.runtime import consumer_service, producer_service, spark_job
+from walbridge.runtime import as_failure, consumer_service, producer_service, spark_job
 from walbridge.verify import as_json, verify
 
 log = logging.getLogger("walbridge.up")
@@ -209,6 +212,8 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
     producer = consumer = None
     admin = None
     last: dict = {}
+    failed: list[BaseException] = []  # what ended a part for good
+    signals: list[int] = []  # what stopped the run
     try:
         if config is None:
             # A throwaway demo: each run starts from nothing (the broker keeps no
@@ -221,12 +226,14 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
         console.print(f"source {redact_dsn(config.source.dsn)} → Kafka {config.kafka.bootstrap_servers} "
                       f"(topics {config.kafka.topic_prefix}.*)")
         views: dict[str, dict] = {}
-        producer = threading.Thread(target=_guard(producer_service, config, stop, views), name="producer", daemon=True)
+        producer = threading.Thread(target=_guard(lambda: producer_service(
+            config, stop, lambda view: views.__setitem__("producer", view)), "producer", stop, failed),
+            name="producer", daemon=True)
         producer.start()
         appliers: list = []
         if with_consumer and config.consumer.target_dsn:
-            consumer = threading.Thread(target=_run_consumer, args=(config, stop, appliers), name="consumer",
-                                        daemon=True)
+            consumer = threading.Thread(target=_guard(lambda: consumer_service(config, "local[*]", stop, appliers),
+                                                      "consumer", stop, failed), name="consumer", daemon=True)
             consumer.start()
         if rate > 0:
             workload = Workload(config.source.dsn, rate)
@@ -236,6 +243,7 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
         deadline = time.monotonic() + duration if duration else None
 
         def on_signal(signum, frame):
+            signals.append(signum)
             stop.set()
 
         if threading.current_thread() is threading.main_thread():
@@ -255,7 +263,8 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
             if workload:
                 workload.stop_event.set()
                 workload.join(10)
-            _wait_caught_up(config, timeout=60 if consumer else 15)
+            if not failed:
+                _wait_caught_up(config, timeout=60 if consumer else 15)
             stop.set()
             producer.join(30)
             if consumer:
@@ -263,12 +272,16 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
             last = sampler.sample(views.get("producer"), _slot(config), _committed(admin, config),
                                   errors.count, _dlq(appliers), workload.transactions if workload else 0)
             live.update(render_view(last), refresh=True)
+        if failed:
+            raise failed[0]
         if consumer and duration:
             diffs = verify(config)
             console.print(render_verify(diffs))
             last["verify"] = as_json(diffs)
         if before_stop is not None:
             before_stop(config)
+        if signals:
+            last["signal"] = signals[0]
     finally:
         stop.set()
         if workload:
@@ -287,21 +300,23 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
     return last
 
 
-def _guard(fn, config: Config, stop: threading.Event, views: dict):
+def _guard(fn: Callable[[], None], part: str, stop: threading.Event, failed: list):
+    """``fn`` in a thread: an error that ends it is logged, kept in ``failed``
+    and stops the whole run."""
+
     def run() -> None:
         try:
-            fn(config, stop, lambda view: views.__setitem__("producer", view))
-        except Exception:
-            log.exception("producer stopped with an error")
+            fn()
+        except Exception as e:
+            failure = as_failure(e)
+            if failure is None:
+                log.exception("%s stopped with an error", part)
+            else:
+                log.error("%s stopped: %s", part, failure)
+            failed.append(e)
+            stop.set()
 
     return run
-
-
-def _run_consumer(config: Config, stop: threading.Event, appliers: list) -> None:
-    try:
-        consumer_service(config, "local[*]", stop, appliers)
-    except Exception:
-        log.exception("consumer stopped with an error")
 
 
 def _dlq(appliers: list) -> int:

@@ -16,6 +16,8 @@ Invariants:
 - Buckets are :mod:`schemas.buckets`' (``ShapeDiff.differing``), the very
   scope ``reconcile`` backfills and the consumer garbage-collects.
 - Read-only on both sides.
+- A database error names the side it came from (source or target, DSN
+  redacted), as a :class:`~schemas.failures.Failure`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from psycopg import sql
 from producer.catalog import TableInfo, table_info
 from producer.replication import connect
 from schemas import buckets, wire
-from schemas.config import Config, ShapeConfig
+from schemas.config import Config, ConfigError, ShapeConfig
+from schemas.failures import SOURCE, TARGET, attributed
 
 MAX_KEYS_SHOWN = 20
 
@@ -115,24 +118,43 @@ def verify_shape(source: psycopg.Connection, target: psycopg.Connection, shape: 
     return diff
 
 
+class _Side:
+    """A connection whose errors name their endpoint (``execute`` is all verify uses)."""
+
+    def __init__(self, endpoint: str, dsn: str):
+        self._where = (endpoint, dsn)
+        with attributed(database=self._where):
+            self.conn = connect(dsn)
+            # One snapshot per side for the whole comparison.
+            self.conn.autocommit = False
+            self.conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+
+    def execute(self, *args, **kwargs):
+        with attributed(database=self._where):
+            return self.conn.execute(*args, **kwargs)
+
+
 def verify(config: Config, shapes: list[str] | None = None) -> list[ShapeDiff]:
     if not config.consumer.target_dsn:
-        raise ValueError("consumer.target_dsn is not set: nothing to verify against")
+        raise ConfigError(["consumer.target_dsn: is required to verify (the database the consumer applies to)"])
     out = []
-    with connect(config.source.dsn) as source, connect(config.consumer.target_dsn) as target:
-        # One snapshot per side for the whole comparison.
-        for conn in (source, target):
-            conn.autocommit = False
-            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        for shape in config.shapes:
-            if shapes and shape.shape_name not in shapes:
-                continue
-            info = table_info(source, shape.schema_name, shape.table_name)
-            if info is None:
-                out.append(ShapeDiff(shape.shape_name, shape.table, "-", error=f"source table {shape.table} "
-                                     "does not exist"))
-                continue
-            out.append(verify_shape(source, target, shape, info))
+    source = _Side(SOURCE, config.source.dsn)
+    try:
+        target = _Side(TARGET, config.consumer.target_dsn)
+        try:
+            for shape in config.shapes:
+                if shapes and shape.shape_name not in shapes:
+                    continue
+                info = table_info(source, shape.schema_name, shape.table_name)
+                if info is None:
+                    out.append(ShapeDiff(shape.shape_name, shape.table, "-", error=f"source table {shape.table} "
+                                         "does not exist"))
+                    continue
+                out.append(verify_shape(source, target, shape, info))
+        finally:
+            target.conn.close()
+    finally:
+        source.conn.close()
     return out
 
 

@@ -1,21 +1,28 @@
 """A shape query's start on a real target: ``ShapeApplier.recover`` reads the
 target's progress and has Spark replay a batch its checkpoint logged as done
-but the target lacks; an unreachable target is retried with backoff, then fatal."""
+but the target lacks; an unreachable target is waited for with backoff (up to
+``[consumer] reconnect_max_elapsed``), a target that refuses the consumer ends
+it at once."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
+import time
 
 import psycopg
 import pytest
 
 from schemas.config import parse_config
-from spark_consumer import job
+from schemas.failures import TARGET, Failure
+from schemas.retry import RetryPolicy
 from spark_consumer.apply_driver import apply_batch
-from spark_consumer.job import RECOVER_ATTEMPTS, ShapeApplier
+from spark_consumer.job import ShapeApplier, Stopped, _wait_for_schemas
+from spark_consumer.kafka_source import SourceOptions, discover_schemas
 from spark_consumer.progress import ensure_progress
 from spark_consumer.target_layout import ensure_table
-from tests.helpers import make_config
+from tests.helpers import make_config, wait_for
 from tests.integration.test_target_apply import TOPIC, change, items_target, part
 from tests.unit.test_checkpoint import names, write_batches
 from walbridge.embedded import free_port
@@ -23,10 +30,10 @@ from walbridge.embedded import free_port
 GROUP = "g-start"
 
 
-def applier(target_dsn: str, tmp_path) -> ShapeApplier:
+def applier(target_dsn: str, tmp_path, **consumer) -> ShapeApplier:
     cfg = parse_config(make_config("postgresql://unused@127.0.0.1:1/x", "127.0.0.1:1", "wb", [{"table": "app.items"}],
                                    consumer={"group": GROUP, "target_dsn": target_dsn,
-                                             "checkpoint_dir": str(tmp_path / "ck")}))
+                                             "checkpoint_dir": str(tmp_path / "ck"), **consumer}))
     return ShapeApplier(cfg, cfg.shapes[0], items_target(), {"bootstrap.servers": "127.0.0.1:1"})
 
 
@@ -55,13 +62,59 @@ def test_recover_uncommits_the_batch_the_target_lacks(target_db, tmp_path, caplo
         a.close()
 
 
-def test_recover_retries_an_unreachable_target_then_fails(tmp_path, monkeypatch):
-    sleeps: list[float] = []
-    monkeypatch.setattr(job.time, "sleep", sleeps.append)
-    a = applier(f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere?connect_timeout=2", tmp_path)
+def test_recover_waits_for_an_unreachable_target_then_gives_up_after_max_elapsed(tmp_path, caplog):
+    a = applier(f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere?connect_timeout=2", tmp_path,
+                reconnect_max_backoff=0.2, reconnect_max_elapsed=1.5)
+    started = time.monotonic()
     try:
-        with pytest.raises(psycopg.OperationalError):
+        with pytest.raises(Failure) as e:
             a.recover(tmp_path / "ck" / "app.items", TOPIC)
-        assert sleeps == [2.0, 4.0, 8.0, 16.0][:RECOVER_ATTEMPTS - 1]
     finally:
         a.close()
+    assert e.value.endpoint == TARGET and not e.value.permanent and "Connection refused" in e.value.problem
+    assert 1.5 <= time.monotonic() - started < 10
+    waits = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    assert len(waits) >= 2 and all(w.startswith("target postgresql://postgres@127.0.0.1:") for w in waits)
+
+
+def test_recover_fails_at_once_on_a_target_that_refuses_the_consumer(pg_cluster, tmp_path):
+    a = applier(pg_cluster.dsn("no_such_database"), tmp_path)
+    started = time.monotonic()
+    try:
+        with pytest.raises(Failure, match='database "no_such_database" does not exist') as e:
+            a.recover(tmp_path / "ck" / "app.items", TOPIC)
+    finally:
+        a.close()
+    assert e.value.permanent and time.monotonic() - started < 5
+
+
+def test_the_start_waits_for_a_broker_that_is_down_and_goes_on_when_it_is_back(private_kafka_broker, caplog):
+    """The consumer never exits on an unreachable broker: its start waits
+    (saying for what), then goes on to wait for the producer's schema."""
+    caplog.set_level(logging.INFO, logger="walbridge.consumer")
+    private_kafka_broker.stop()
+    opts = SourceOptions(topic="wb.app.items", bootstrap_servers=private_kafka_broker.bootstrap, topic_prefix="wb")
+    stop = threading.Event()
+    outcome: list = []
+
+    def start() -> None:
+        try:
+            outcome.append(_wait_for_schemas(opts, functools.partial(discover_schemas, timeout=1.0),
+                                             RetryPolicy(max_backoff=1.0), stop))
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            outcome.append(e)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    try:
+        waiting = f"kafka {private_kafka_broker.bootstrap}: cannot reach the broker"
+        wait_for(lambda: sum(waiting in r.getMessage() for r in caplog.records) >= 2, timeout=30,
+                 what="two waits for the broker")
+        assert not outcome
+        private_kafka_broker.start()
+        wait_for(lambda: "waiting for the producer to publish the schema of wb.app.items" in caplog.text,
+                 timeout=30, what="the wait for the producer")
+    finally:
+        stop.set()
+        thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], Stopped)

@@ -40,4 +40,8 @@ def test_producer_metrics_show_events_snapshot_and_confirmed_lsn(source_db, kafk
     assert _value(text, "walbridge_confirmed_lsn") > 0
     assert _value(text, "walbridge_snapshot_rows_read") >= 50
     assert "walbridge_stalled_groups" in text
-    assert 0 < _value(text, "walbridge_produce_latency_seconds") < 30
+    count = _value(text, "walbridge_produce_latency_seconds_count")
+    assert count >= 1 and 0 < _value(text, "walbridge_produce_latency_seconds_sum") / count < 30
+    assert _value(text, "walbridge_produce_latency_seconds_bucket", 'le="+Inf"') == count
+    assert 0 <= _value(text, "walbridge_source_lag_seconds") < 30
+    assert _value(text, "walbridge_build_info") == 1.0 and 'version="' in text

@@ -94,3 +94,60 @@ def test_file_errors(tmp_path, capsys):
         load_config(bad)
     assert main(["check-config", "-c", str(bad)]) == 2
     assert "not valid TOML" in capsys.readouterr().err
+
+
+def _toml(tmp_path, text: str):
+    path = tmp_path / "wb.toml"
+    path.write_text(text)
+    return path
+
+
+BASE = ('[source]\ndsn = "{dsn}"\n{source}\n[kafka]\nbootstrap_servers = "k:9092"\n{kafka}\n'
+        '[[shapes]]\ntable = "public.orders"\n')
+
+
+def test_variables_come_from_the_environment(tmp_path):
+    path = _toml(tmp_path, BASE.format(dsn="postgresql://app:${PGPW}@${PGHOST:-db}:5432/app", source="",
+                                       kafka='topic_prefix = "${PREFIX:-wb}"\n[kafka.client]\n'
+                                             '"client.id" = "$${literal}"'))
+    cfg = load_config(path, {"PGPW": "hunter2", "PREFIX": "prod"})
+    assert cfg.source.dsn == "postgresql://app:hunter2@db:5432/app"
+    assert cfg.kafka.topic_prefix == "prod" and cfg.kafka.client["client.id"] == "${literal}"
+    with pytest.raises(ConfigError) as e:
+        load_config(path, {})
+    assert "source.dsn: environment variable PGPW is not set" in str(e.value)
+
+
+def test_secrets_come_from_files_and_never_show(tmp_path):
+    (tmp_path / "pg-password").write_text("hun ter2\n")
+    (tmp_path / "sasl").write_text("s4sl\n")
+    path = _toml(tmp_path, BASE.format(dsn="postgresql://app@db:5432/app", source='password_file = "pg-password"',
+                                       kafka='[kafka.client]\n"security.protocol" = "SASL_PLAINTEXT"\n'
+                                             '"sasl.mechanism" = "PLAIN"\n"sasl.username" = "app"\n'
+                                             '"sasl.password_file" = "${SECRETS:-.}/sasl"'))
+    cfg = load_config(path, {})
+    assert "password='hun ter2'" in cfg.source.dsn and cfg.kafka.client["sasl.password"] == "s4sl"
+    assert "hun ter2" not in redact_dsn(cfg.source.dsn) and "hun ter2" not in repr(cfg)
+    with pytest.raises(ConfigError, match=r"source.password_file: cannot read .*gone: No such file"):
+        load_config(_toml(tmp_path, BASE.format(dsn="postgresql://db/app", source='password_file = "gone"',
+                                                kafka="")), {})
+    with pytest.raises(ConfigError, match="source.password_file: password is set too; keep one of them"):
+        load_config(_toml(tmp_path, BASE.format(dsn="postgresql://db/app", kafka="",
+                                                source='password = "x"\npassword_file = "pg-password"')), {})
+
+
+def test_the_target_password_joins_the_target_dsn():
+    cfg = parse_config(with_("consumer", {"target_dsn": "postgresql://wh@w/warehouse", "target_password": "pw2"}))
+    assert "password=pw2" in cfg.consumer.target_dsn
+
+
+@pytest.mark.parametrize("client,fragment", [
+    ({"no.such.property": 1}, 'kafka.client: No such configuration property: "no.such.property"'),
+    ({"acks": "maybe"}, 'kafka.client: Invalid value for configuration property "request.required.acks"'),
+    ({"security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN"}, "sasl.username and sasl.password must be set"),
+])
+def test_librdkafka_judges_the_client_settings(client, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse_config(with_("kafka.client", client))
+    assert fragment in str(e.value)
+    assert parse_config(with_("kafka.client", {"linger.ms": 5, "enable.idempotence": True})).kafka.client

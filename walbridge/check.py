@@ -1,0 +1,219 @@
+"""``walbridge check-config --live``: connect to everything the config names
+and say, item by item, whether it will work.
+
+Invariants:
+- Read-only: nothing is created or changed (no slot, publication, topic,
+  schema or table); what is missing and would be created is a note.
+- One failing item never hides the others: each endpoint is checked as far
+  as it answers, and an endpoint that does not answer is one failing item.
+- The exit code is the first failure's endpoint's (3 source, 4 Kafka or
+  registry, 5 target), 0 when nothing failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import psycopg
+from confluent_kafka import TopicCollection
+from confluent_kafka.admin import AclOperation, AdminClient
+
+from producer import catalog
+from producer.replication import connect
+from schemas import wire
+from schemas.config import Config, redact_dsn
+from schemas.failures import KAFKA, REGISTRY, SOURCE, TARGET, Failure, attributed
+from schemas.kafka import METADATA_TIMEOUT, client_config, group_offsets
+from schemas.registry import registry_client
+from walbridge.runtime import EXIT_CODES, EXIT_OK
+
+OK, FAILED, NOTE = "ok", "failed", "note"
+_MARK = {OK: "✓", FAILED: "✗", NOTE: "·"}
+
+
+@dataclass(frozen=True)
+class Check:
+    endpoint: str
+    item: str
+    state: str  # OK, FAILED or NOTE (fine; something will be created)
+    detail: str
+
+
+class Checklist(list):
+    def add(self, endpoint: str, item: str, state: str | bool, detail: str) -> None:
+        if isinstance(state, bool):
+            state = OK if state else FAILED
+        self.append(Check(endpoint, item, state, detail))
+
+    def failed(self, endpoint: str, item: str, failure: Failure) -> None:
+        self.add(endpoint, item, FAILED, failure.problem + (f" (fix: {failure.fix})" if failure.fix else ""))
+
+    def exit_code(self) -> int:
+        return next((EXIT_CODES[c.endpoint] for c in self if c.state == FAILED), EXIT_OK)
+
+
+def live_checks(config: Config) -> Checklist:
+    checks = Checklist()
+    _source(config, checks)
+    _kafka(config, checks)
+    if config.kafka.schema_registry_url:
+        _registry(config, checks)
+    if config.consumer.target_dsn:
+        _target(config, checks)
+    return checks
+
+
+def render_checks(checks: Checklist) -> str:
+    lines, endpoint = [], None
+    for c in checks:
+        if c.endpoint != endpoint:
+            endpoint = c.endpoint
+            lines.append(f"{endpoint}:")
+        lines.append(f"  {_MARK[c.state]} {c.item}: {c.detail}")
+    failed = sum(c.state == FAILED for c in checks)
+    lines.append(f"{failed} check(s) failed" if failed else "all checks passed")
+    return "\n".join(lines)
+
+
+def _database(endpoint: str, dsn: str, checks: Checklist, inspect: Callable[[psycopg.Connection], None]) -> None:
+    """Connect to the database at ``endpoint`` and ``inspect`` it; a failure
+    is one failed check (the connection's, or what was being looked at)."""
+    try:
+        with attributed(database=(endpoint, dsn)):
+            conn = connect(dsn, connect_timeout=10)
+    except Failure as f:
+        checks.failed(endpoint, f"connect to {redact_dsn(dsn)}", f)
+        return
+    with conn:
+        try:
+            with attributed(database=(endpoint, dsn)):
+                inspect(conn)
+        except Failure as f:
+            checks.failed(endpoint, "catalog", f)
+
+
+def _source(config: Config, checks: Checklist) -> None:
+    _database(SOURCE, config.source.dsn, checks, lambda conn: _source_catalog(config, conn, checks))
+
+
+def _source_catalog(config: Config, conn, checks: Checklist) -> None:
+    user, db, server = conn.execute("SELECT current_user, current_database(), current_setting('server_version')"
+                                    ).fetchone()
+    checks.add(SOURCE, f"connect to {redact_dsn(config.source.dsn)}", True,
+               f"as {user} to {db} (PostgreSQL {server})")
+    tables, findings = catalog.inspect_source(conn, config)
+    for f in findings:
+        checks.add(SOURCE, f.item, f.ok, f.detail)
+    try:
+        plan = catalog.plan_publication(list(tables.values()), config.source.keyless_tables)
+    except catalog.SourceError as e:
+        checks.add(SOURCE, "keyless tables", False, e.problem)
+        plan = None
+    pub = config.source.publication
+    exists = conn.execute("SELECT count(*) FROM pg_publication WHERE pubname = %s", (pub,)).fetchone()[0]
+    if exists:
+        checks.add(SOURCE, f"publication {pub}", True, "exists (its tables are aligned to the shapes on start)")
+    else:
+        can_create = conn.execute("SELECT has_database_privilege(current_database(), 'CREATE')").fetchone()[0]
+        tables_n = len(plan.full_tables) if plan else len(tables)
+        checks.add(SOURCE, f"publication {pub}", NOTE if can_create else FAILED,
+                   f"will be created for {tables_n} table(s)" if can_create else
+                   f"does not exist and {user} may not create it (GRANT CREATE ON DATABASE {db} TO {user})")
+    slot = catalog.slot_state(conn, config.source.slot)
+    if slot is None:
+        used, limit = conn.execute("SELECT (SELECT count(*) FROM pg_replication_slots), "
+                                   "current_setting('max_replication_slots')::int").fetchone()
+        checks.add(SOURCE, f"slot {config.source.slot}", NOTE if used < limit else FAILED,
+                   "will be created (and the tables snapshotted)" if used < limit else
+                   f"does not exist and all {limit} replication slots are taken (raise max_replication_slots)")
+    elif slot["plugin"] != "pgoutput" or slot["slot_type"] != "logical":
+        checks.add(SOURCE, f"slot {config.source.slot}", False, f"exists but is a {slot['slot_type']} slot of "
+                   f"plugin {slot['plugin']!r}, not a logical pgoutput slot (choose another [source] slot)")
+    else:
+        active = f"in use by pid {slot['active_pid']} (a producer is running)" if slot["active"] else "not in use"
+        checks.add(SOURCE, f"slot {config.source.slot}", True,
+                   f"exists at {slot['confirmed_flush_lsn']}, {active}, retaining "
+                   f"{(slot['retained_wal_bytes'] or 0) / 2**20:.1f} MiB of WAL")
+    try:
+        with attributed(database=(SOURCE, config.source.dsn)):
+            with connect(config.source.dsn, replication="database", connect_timeout=10) as repl:
+                repl.execute("IDENTIFY_SYSTEM")
+        checks.add(SOURCE, "replication connection", True, "accepted (pg_hba.conf allows it)")
+    except Failure as f:
+        checks.failed(SOURCE, "replication connection", f)
+
+
+def _kafka(config: Config, checks: Checklist) -> None:
+    bootstrap = config.kafka.bootstrap_servers
+    admin = AdminClient(client_config(bootstrap, config.kafka.client))
+    try:
+        with attributed(kafka=bootstrap):
+            meta = admin.list_topics(timeout=METADATA_TIMEOUT)
+    except Failure as f:
+        checks.failed(KAFKA, f"broker {bootstrap}", f)
+        return
+    checks.add(KAFKA, f"broker {bootstrap}", True, f"{len(meta.brokers)} broker(s), cluster {meta.cluster_id}")
+    prefix = config.kafka.topic_prefix
+    topics = [config.topic(s) for s in config.shapes] + [wire.status_topic(prefix), wire.backfills_topic(prefix)] + (
+        [] if config.kafka.schema_registry_url else [wire.schemas_topic(prefix)])
+    existing = [t for t in topics if t in meta.topics]
+    missing = [t for t in topics if t not in meta.topics]
+    try:
+        with attributed(kafka=bootstrap):
+            for topic, future in admin.describe_topics(TopicCollection(existing)).items() if existing else ():
+                described = future.result()
+                checks.add(KAFKA, f"topic {topic}", True, f"exists, {len(described.partitions)} partition(s), "
+                           "described")
+            if missing:
+                ops = admin.describe_cluster(include_authorized_operations=True).result().authorized_operations
+                if ops is None:
+                    checks.add(KAFKA, "create topics", NOTE, f"{len(missing)} topic(s) will be created "
+                               "(the broker reports no ACLs: creation is assumed allowed)")
+                else:
+                    allowed = bool({AclOperation.CREATE, AclOperation.ALL} & set(ops))
+                    checks.add(KAFKA, "create topics", NOTE if allowed else FAILED,
+                               f"{len(missing)} topic(s) will be created" if allowed else
+                               f"{len(missing)} topic(s) are missing and this principal may not create topics "
+                               "(grant it Create on the cluster, or create them: "
+                               + ", ".join(missing) + ")")
+            groups = config.ack_groups
+            if groups and existing:
+                group_offsets(admin, groups, [(existing[0], 0)])
+                checks.add(KAFKA, "consumer groups", True, f"committed offsets of {', '.join(groups)} readable")
+    except Failure as f:
+        checks.failed(KAFKA, "topics and groups", f)
+
+
+def _registry(config: Config, checks: Checklist) -> None:
+    url = config.kafka.schema_registry_url
+    try:
+        with attributed(registry=url):
+            subjects = registry_client(url).get_subjects()
+        checks.add(REGISTRY, url, True, f"answers ({len(subjects)} subject(s))")
+    except Failure as f:
+        checks.failed(REGISTRY, url, f)
+
+
+def _target(config: Config, checks: Checklist) -> None:
+    _database(TARGET, config.consumer.target_dsn, checks, lambda conn: _target_catalog(config, conn, checks))
+
+
+def _target_catalog(config: Config, conn: psycopg.Connection, checks: Checklist) -> None:
+    user, db, read_only = conn.execute(
+        "SELECT current_user, current_database(), pg_is_in_recovery() "
+        "OR current_setting('transaction_read_only')::bool").fetchone()
+    checks.add(TARGET, f"connect to {redact_dsn(config.consumer.target_dsn)}", not read_only,
+               f"as {user} to {db}" + (" — read-only (a standby?): point [consumer] target_dsn at "
+                                       "a primary" if read_only else ""))
+    schemas = sorted({wire.target_table(s.shape_name)[0] for s in config.shapes} | {wire.META_SCHEMA})
+    for schema in schemas:
+        exists, may = conn.execute(
+            "SELECT n.oid IS NOT NULL, CASE WHEN n.oid IS NULL THEN "
+            "has_database_privilege(current_database(), 'CREATE') "
+            "ELSE has_schema_privilege(n.oid, 'CREATE') END "
+            "FROM (SELECT 1) one LEFT JOIN pg_namespace n ON n.nspname = %s", (schema,)).fetchone()
+        checks.add(TARGET, f"schema {schema}", may,
+                   ("exists, " if exists else "will be created, ")
+                   + ("writable" if may else f"but {user} may not create in it "
+                      f"(GRANT CREATE ON {'SCHEMA ' + schema if exists else 'DATABASE ' + db} TO {user})"))
