@@ -108,6 +108,13 @@ class Cluster:
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
+    def submit_and_wait_applying(self) -> None:
+        """Submit, then wait until the consumer has applied a first thousand rows."""
+        self.submit()
+        wait_for(lambda: _applied_offsets(self.target) > 1000 or not self.alive(), timeout=240, interval=1,
+                 what="the consumer applying")
+        assert self.alive(), self.tail()
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -173,10 +180,7 @@ def test_consumer_on_a_standalone_cluster_applies_pgbench_with_tasks_on_the_work
     c = cluster
     _prepare_source(c.source)
     with ProducerThread(c.cfg):
-        c.submit()
-        wait_for(lambda: _applied_offsets(c.target) > 1000 or not c.alive(), timeout=240, interval=1,
-                 what="the consumer applying")
-        assert c.alive(), c.tail()
+        c.submit_and_wait_applying()
         # While the executors work: what their Python workers have loaded.
         pythons = wait_for(lambda: {p: m for p, m in _executor_pythons(c.spark).items()
                                     if any("_fastdecode" in f for f in m)},
@@ -216,10 +220,7 @@ def test_kill9_of_the_executor_mid_load_is_rescheduled_and_loses_nothing(cluster
     c.cfg["consumer"]["staged_apply"] = True
     _prepare_source(c.source)
     with ProducerThread(c.cfg):
-        c.submit()
-        wait_for(lambda: _applied_offsets(c.target) > 1000 or not c.alive(), timeout=240, interval=1,
-                 what="the consumer applying")
-        assert c.alive(), c.tail()
+        c.submit_and_wait_applying()
         load = threading.Thread(target=pgbench, args=(c.source, "-n", "-c", "2", "-T", "20"), daemon=True)
         load.start()
         time.sleep(5)  # mid-load: batches being read, staged and committed
