@@ -132,8 +132,9 @@ class PostgresCluster:
 
     ``host`` (default ``127.0.0.1``) is where :meth:`dsn` points; the server
     listens on loopback too. Clients from ``trusted_networks`` (CIDR) are let
-    in like loopback ones (trust); the HBA file is ours (``walbridge_hba.conf``,
-    rewritten on every start, as the settings are).
+    in like loopback ones (trust): the HBA file is ``walbridge_hba.conf``,
+    rewritten on every start from ``pg_hba.conf``'s rules (initdb's, and any
+    added there) followed by those networks' trust lines.
 
     As root, ``base_dir`` is chowned to ``postgres`` and parents it cannot
     search get ``o+x``. PostgreSQL opens its files by absolute path while it
@@ -398,10 +399,12 @@ class PostgresCluster:
         )
         self.conf_file.write_text(body)
         self._chown(self.conf_file)
-        hba = ["local all all trust", "local replication all trust"]
-        for network in ("127.0.0.1/32", "::1/128", *self.trusted_networks):
+        # pg_hba.conf's rules first (initdb's trust from loopback, and whatever
+        # was added there), then trust from the trusted networks.
+        hba = [(self.data_dir / "pg_hba.conf").read_text(), "# written by walbridge.embedded on every start"]
+        for network in self.trusted_networks:
             hba += [f"host all all {network} trust", f"host replication all {network} trust"]
-        self.hba_file.write_text("# written by walbridge.embedded on every start\n" + "\n".join(hba) + "\n")
+        self.hba_file.write_text("\n".join(hba) + "\n")
         self._chown(self.hba_file)
         main = self.data_dir / "postgresql.conf"
         text = main.read_text()
