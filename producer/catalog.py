@@ -14,6 +14,13 @@ Invariants:
   application's own UPDATE and DELETE on it. Depending on
   ``[source] keyless_tables`` walbridge refuses (default) or publishes only its
   inserts through a second, insert-only publication ``<publication>_inserts``.
+- Partitioned tables: the publication publishes through the partition root
+  (``publish_via_partition_root = true``), so every change of every leaf,
+  including leaves created or attached later, arrives under the root a shape
+  names. A publication walbridge may not align that lacks the option (or a
+  table) is refused, naming it and the fix, never used as is. A shape on a
+  leaf works alone; a shape on a leaf *and* one on its root are refused, since
+  PostgreSQL then publishes the leaf's changes only under the root.
 """
 
 from __future__ import annotations
@@ -63,6 +70,11 @@ class TableInfo:
     columns: tuple[TableColumn, ...]
     primary_key: tuple[str, ...]  # or the replica-identity index columns
     replica_identity: str  # d, n, f, i
+    partitioned: bool = False  # a partitioned table (relkind p)
+    is_partition: bool = False  # a partition of one
+    # Tables it belongs to, nearest first: partition parents (pg_inherits) up
+    # to the partition root, or INHERITS parents.
+    ancestors: tuple[str, ...] = ()
 
     @property
     def qualified(self) -> str:
@@ -74,7 +86,7 @@ class TableInfo:
 
 
 _TABLE_SQL = """
-SELECT c.oid, c.relreplident::text, c.relkind::text
+SELECT c.oid, c.relreplident::text, c.relkind::text, c.relispartition
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE n.nspname = %s AND c.relname = %s
 """
@@ -101,12 +113,35 @@ def table_info(conn: psycopg.Connection, schema: str, table: str) -> TableInfo |
     row = conn.execute(_TABLE_SQL, (schema, table)).fetchone()
     if row is None:
         return None
-    oid, identity, relkind = row
+    oid, identity, relkind, is_partition = row
     if relkind not in ("r", "p"):
         raise SourceError(f"{schema}.{table} is not a table (relkind {relkind!r}); only tables can be shapes")
     cols = tuple(TableColumn(*r) for r in conn.execute(_COLUMNS_SQL, (oid,)))
     key_row = conn.execute(_KEY_SQL, (oid,)).fetchone()
-    return TableInfo(oid, schema, table, cols, tuple(key_row[0]) if key_row else (), identity)
+    ancestors = tuple(r[0] for r in conn.execute(_ANCESTORS_SQL, (oid,)))
+    return TableInfo(oid, schema, table, cols, tuple(key_row[0]) if key_row else (), identity, relkind == "p",
+                     is_partition, ancestors)
+
+
+# Partition parents and INHERITS parents alike, nearest first.
+_ANCESTORS_SQL = """
+WITH RECURSIVE up(relid, depth) AS (
+    SELECT inhparent, 1 FROM pg_inherits WHERE inhrelid = %s
+    UNION ALL
+    SELECT i.inhparent, up.depth + 1 FROM pg_inherits i JOIN up ON i.inhrelid = up.relid
+)
+SELECT n.nspname || '.' || c.relname
+FROM up JOIN pg_class c ON c.oid = up.relid JOIN pg_namespace n ON n.oid = c.relnamespace
+ORDER BY up.depth
+"""
+
+
+def routed_to(ancestors: tuple[str, ...], shape_tables) -> tuple[str, ...]:
+    """The shape tables among a relation's ``ancestors`` (nearest first): where
+    its changes belong when they arrive under its own name (a partition
+    published without ``publish_via_partition_root``, an INHERITS child),
+    since a SELECT of each of them reads its rows."""
+    return tuple(a for a in ancestors if a in shape_tables)
 
 
 _TYPE_SQL = """
@@ -140,6 +175,7 @@ def type_info(conn: psycopg.Connection, oid: int, typmod: int) -> PgTypeInfo:
 class PublicationPlan:
     full_tables: tuple[str, ...]  # INSERT/UPDATE/DELETE/TRUNCATE
     insert_only_tables: tuple[str, ...]
+    partitioned: tuple[str, ...] = ()  # of those, partitioned tables: published through their root
 
 
 def plan_publication(tables: list[TableInfo], keyless_policy: str) -> PublicationPlan:
@@ -161,7 +197,8 @@ def plan_publication(tables: list[TableInfo], keyless_policy: str) -> Publicatio
             "their UPDATE/DELETE would make PostgreSQL reject the application's own UPDATE/DELETE on them. "
             "Either run ALTER TABLE ... REPLICA IDENTITY FULL (updates and deletes then flow, keyed by the "
             "whole row), or set [source] keyless_tables = \"inserts_only\" to stream only their inserts.")
-    return PublicationPlan(tuple(sorted(set(full))), tuple(sorted(set(inserts))))
+    return PublicationPlan(tuple(sorted(set(full))), tuple(sorted(set(inserts))),
+                           tuple(sorted({t.qualified for t in tables if t.partitioned})))
 
 
 _IDENTITY = {"d": "default", "n": "nothing", "f": "full", "i": "using index"}
@@ -192,6 +229,13 @@ def inspect_source(conn: psycopg.Connection, config: Config) -> tuple[dict[str, 
         findings.append(Finding(f"{where}.table", True, f"{shape.table}: key ({key}), replica identity "
                                 f"{_IDENTITY.get(info.replica_identity, info.replica_identity)}, "
                                 f"{len(info.columns)} columns"))
+        roots = routed_to(info.ancestors, {s.table for s in config.shapes}) if info.is_partition else ()
+        if roots:
+            findings.append(Finding(f"{where}.table", False, f"{shape.table} is a partition of {roots[-1]}, which "
+                                    "a shape names too: PostgreSQL publishes a partition's changes once, under "
+                                    f"its root, so this shape would receive nothing (drop it and give the shape on "
+                                    f"{roots[-1]} a where filter, or use a second walbridge with its own "
+                                    "publication for the partition)"))
         known = [c.name for c in info.columns]
         if shape.columns is not None:
             missing = [c for c in shape.columns if c not in known]
@@ -233,30 +277,96 @@ def _table_ident(qualified: str) -> sql.Composable:
 
 
 def ensure_publications(conn: psycopg.Connection, name: str, plan: PublicationPlan) -> list[str]:
-    """Create or align the publication(s); returns the publication names to stream."""
+    """Create or align the publication(s); returns the publication names to
+    stream. Every one publishes through partition roots. One the role may not
+    alter (another role owns it) is used as it is if it serves the plan, else
+    refused with what it lacks."""
     names = []
-    for pub, tables, publish in ((name, plan.full_tables, "insert, update, delete, truncate"),
-                                 (f"{name}_inserts", plan.insert_only_tables, "insert")):
-        exists = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (pub,)).fetchone()
+    for pub, tables, publish in ((name, plan.full_tables, PUBLISH_FULL),
+                                 (f"{name}_inserts", plan.insert_only_tables, ("insert",))):
         if not tables:
             continue
+        ident = sql.Identifier(pub)
+        options = sql.SQL("publish = {}, publish_via_partition_root = true").format(sql.Literal(", ".join(publish)))
         table_list = sql.SQL(", ").join(_table_ident(t) for t in tables)
-        if exists:
-            conn.execute(sql.SQL("ALTER PUBLICATION {} SET TABLE {}").format(sql.Identifier(pub), table_list))
-            conn.execute(sql.SQL("ALTER PUBLICATION {} SET (publish = {})").format(
-                sql.Identifier(pub), sql.Literal(publish)))
+        owned = conn.execute("SELECT pg_has_role(pubowner, 'USAGE') FROM pg_publication WHERE pubname = %s",
+                             (pub,)).fetchone()
+        if owned is None:
+            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH ({})").format(ident, table_list, options))
+        elif owned[0]:
+            conn.execute(sql.SQL("ALTER PUBLICATION {} SET TABLE {}").format(ident, table_list))
+            conn.execute(sql.SQL("ALTER PUBLICATION {} SET ({})").format(ident, options))
         else:
-            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH (publish = {})").format(
-                sql.Identifier(pub), table_list, sql.Literal(publish)))
+            lacks = publication_gaps(_published(conn, pub), tables, publish, plan.partitioned)
+            if lacks:
+                raise SourceError(
+                    f"publication {pub} exists, belongs to another role (so walbridge may not align it) and "
+                    f"{'; '.join(lacks)}",
+                    f"as its owner run ALTER PUBLICATION {pub} SET TABLE {', '.join(tables)}; ALTER PUBLICATION "
+                    f"{pub} SET (publish = '{', '.join(publish)}', publish_via_partition_root = true); "
+                    "or set [source] publication to a name walbridge may create")
         names.append(pub)
     return names
 
 
+PUBLISH_FULL = ("insert", "update", "delete", "truncate")
+
+
+@dataclass(frozen=True)
+class Published:
+    """What an existing publication publishes."""
+
+    all_tables: bool
+    via_root: bool
+    actions: frozenset[str]
+    tables: frozenset[str]  # named in it (pg_publication_rel)
+
+
+def _published(conn: psycopg.Connection, pub: str) -> Published:
+    all_tables, via_root, ins, upd, dele, trunc = conn.execute(
+        "SELECT puballtables, pubviaroot, pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication "
+        "WHERE pubname = %s", (pub,)).fetchone()
+    tables = conn.execute(
+        "SELECT n.nspname || '.' || c.relname FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid "
+        "JOIN pg_class c ON c.oid = r.prrelid JOIN pg_namespace n ON n.oid = c.relnamespace WHERE p.pubname = %s",
+        (pub,)).fetchall()
+    actions = frozenset(a for a, on in zip(PUBLISH_FULL, (ins, upd, dele, trunc)) if on)
+    return Published(all_tables, via_root, actions, frozenset(t for (t,) in tables))
+
+
+def publication_gaps(published: Published, tables: tuple[str, ...], publish: tuple[str, ...],
+                     partitioned: tuple[str, ...]) -> list[str]:
+    """What an existing publication lacks to serve ``tables`` with ``publish``
+    (empty: it serves them). A partitioned table needs
+    ``publish_via_partition_root``: without it its changes arrive under each
+    leaf's name."""
+    lacks = []
+    missing = [t for t in tables if not published.all_tables and t not in published.tables]
+    if missing:
+        lacks.append(f"does not publish {', '.join(missing)}")
+    actions = [a for a in publish if a not in published.actions]
+    if actions:
+        lacks.append(f"does not publish {', '.join(actions)}")
+    roots = [t for t in tables if t in partitioned]
+    if roots and not published.via_root:
+        lacks.append(f"lacks publish_via_partition_root = true, which the partitioned table(s) {', '.join(roots)} "
+                     "need (without it their changes arrive under each partition's name)")
+    return lacks
+
+
 def row_estimate(conn: psycopg.Connection, table: TableInfo) -> int:
     """Rows to expect in ``table``: the planner's estimate, or a count for small
-    never-analysed tables (for progress and ETA only)."""
-    reltuples, size = conn.execute(
-        "SELECT reltuples::bigint, pg_relation_size(oid) FROM pg_class WHERE oid = %s", (table.oid,)).fetchone()
+    never-analysed tables (for progress and ETA only). A partitioned table
+    holds no rows itself: its leaves' estimates add up."""
+    if table.partitioned:
+        reltuples, size = conn.execute(
+            "SELECT sum(greatest(c.reltuples, 0))::bigint, coalesce(sum(pg_relation_size(c.oid)), 0) "
+            "FROM pg_partition_tree(%s) t JOIN pg_class c ON c.oid = t.relid WHERE t.isleaf",
+            (table.oid,)).fetchone()
+        reltuples = reltuples if reltuples else -1
+    else:
+        reltuples, size = conn.execute(
+            "SELECT reltuples::bigint, pg_relation_size(oid) FROM pg_class WHERE oid = %s", (table.oid,)).fetchone()
     if reltuples >= 0:
         return reltuples
     if size < 64 * 1024 * 1024:

@@ -67,6 +67,7 @@ from psycopg import sql
 from producer import catalog, pgoutput, recovery, slot_binding
 from producer.acks import Acks
 from producer.backfill import Backfills
+from producer.backfill_requests import request_backfill
 from producer.catalog import TableInfo
 from producer.checkpoint_store import CheckpointStore
 from producer.envelope import control_key
@@ -389,10 +390,16 @@ class Pipeline:
             else:
                 self._encoders.pop(msg.oid, None)
         elif isinstance(msg, Truncate):
-            for oid in msg.relation_oids:
-                plan = self.relations.get(oid)
-                for route in plan.routes if plan else ():
-                    self._produce_truncate(route)
+            plans = [p for p in map(self.relations.get, msg.relation_oids) if p is not None]
+            truncated = set()
+            for plan in plans:
+                if not plan.routed:
+                    for route in plan.routes:
+                        self._produce_truncate(route)
+                        truncated.add(route.name)
+            for plan in plans:
+                if plan.routed:
+                    self._truncated_below(plan, [r.name for r in plan.routes if r.name not in truncated])
             self._op += 1
         elif isinstance(msg, TypeMsg):
             pass  # types are read from the catalog when a Relation needs them
@@ -403,13 +410,45 @@ class Pipeline:
         key = table.primary_key if table else tuple(c.name for c in rel.columns if c.is_key)
         if table and not table.primary_key and table.replica_identity == "f":
             key = ()  # REPLICA IDENTITY FULL flags every column; that is not a key
+        specs = self.shape_specs.get(qualified, [])
+        if not specs and table is not None:
+            specs, key = self._routed_specs(table, key)
         codecs = [column_codec(self._type_info(c.type_oid, c.typmod), self.catalog_conn) for c in rel.columns]
-        plan = RelationPlan(rel, codecs, key, self.shape_specs.get(qualified, []), self.config.kafka.topic_prefix,
+        plan = RelationPlan(rel, codecs, key, specs, self.config.kafka.topic_prefix,
                             self.db_name, self.config.kafka.value_layout)
         plan.fetch_current = self._fetch_current
         for route in plan.routes:
             self._register(route.codec, route.topic)
         return plan
+
+    def _routed_specs(self, table: TableInfo, key: tuple[str, ...]) -> tuple[list[ShapeSpec], tuple[str, ...]]:
+        """The shapes of the tables above ``table`` (its partition root, its
+        INHERITS parents), for its changes arriving under its own name, and
+        the key they are sent with (theirs)."""
+        specs = []
+        for above in catalog.routed_to(table.ancestors, self.shape_specs):
+            info = self.tables[above]
+            names = tuple(c.name for c in info.columns)
+            specs += [replace(spec, columns=spec.columns or names, table=(info.schema, info.name))
+                      for spec in self.shape_specs[above]]
+            key = info.primary_key or key
+        if specs:
+            log.warning("changes of %s arrive under its own name (a partition published without "
+                        "publish_via_partition_root, or an INHERITS child): routed to the shape(s) %s of %s",
+                        table.qualified, ", ".join(s.name for s in specs),
+                        ", ".join(catalog.routed_to(table.ancestors, self.shape_specs)))
+        return specs, key
+
+    def _truncated_below(self, plan: RelationPlan, shapes: list[str]) -> None:
+        """A TRUNCATE of a partition or child alone, arriving under its own name,
+        empties part of its shapes' tables: they are re-read (a backfill drops
+        the rows it does not see), since a shape-wide truncate would drop the
+        other partitions' rows too."""
+        for shape in shapes:
+            request_id = request_backfill(self.config, shape, reason=f"truncate of {plan.relation.schema}."
+                                          f"{plan.relation.name}")
+            log.warning("TRUNCATE of %s.%s, below shape %s: backfill %s requested", plan.relation.schema,
+                        plan.relation.name, shape, request_id)
 
     def _fetch_current(self, rel: Relation, key: dict, columns: list[str]) -> dict | None:
         if not key:

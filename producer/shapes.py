@@ -16,6 +16,10 @@ Invariants:
   target does not hold is harmless): correct, at the price of extra deletes, so
   filtered shapes are best given REPLICA IDENTITY FULL. A DELETE without the old
   row is sent to every shape of the table for the same reason.
+- A change of a partition (or INHERITS child) that arrives under its own name
+  is routed to the shapes of the table above it by column name, with that
+  table's column order and name: the same writer schema and ``source.table``
+  as a change published through the root.
 - Column-limited shapes only see their columns; an UPDATE that changed none of a
   shape's columns is still sent (pgoutput does not say which columns changed).
 - A key-changing UPDATE's two events name each other (``Event.peer``), for
@@ -48,6 +52,10 @@ class ShapeSpec:
     topic: str
     columns: tuple[str, ...] | None  # None: all columns
     row_filter: RowFilter | None
+    # The shape's table, where changes of another relation are routed to it (a
+    # partition or INHERITS child arriving under its own name): its name goes
+    # in ``source``, and ``columns`` then lists that table's, in its order.
+    table: tuple[str, str] | None = None
 
 
 @dataclass
@@ -92,9 +100,12 @@ class RelationPlan:
             idx = [self.names.index(c) for c in wanted]
             columns = [ShapeColumn(relation.columns[i].name, codecs[i], relation.columns[i].name in keys)
                        for i in idx]
-            codec = ShapeCodec(spec.name, topic_prefix, db, relation.schema, relation.name, columns, idx, layout)
+            schema, table = spec.table or (relation.schema, relation.name)
+            codec = ShapeCodec(spec.name, topic_prefix, db, schema, table, columns, idx, layout)
             self.routes.append(ShapeRoute(spec.name, spec.topic, codec, spec.row_filter))
         self.filtered = any(r.row_filter is not None for r in self.routes)
+        # Its shapes are those of a table above it (see ``ShapeSpec.table``).
+        self.routed = any(spec.table is not None for spec in specs)
         self.keyless = not keys
         self._key_idx = [i for i, n in enumerate(self.names) if n in keys]
         self._filter_columns = frozenset(c for r in self.routes if r.row_filter for c in r.row_filter.columns)
