@@ -110,3 +110,21 @@ def test_delete_with_full_old_row_is_filtered():
     p = plan(ALL, EU)
     ev = list(p.events(Delete(1, (b"1", b"us", b"1.00", b"x"), False), 0))
     assert ops(ev) == [("public.orders", "d", 0)]
+
+
+def test_a_partition_arriving_under_its_own_name_is_routed_in_its_roots_order():
+    # An ATTACHed table may order its columns differently from the root; the
+    # routed shape keeps the root's column order, key, writer schema and name.
+    leaf = Relation(2, "public", "orders_2024", "d", (
+        Column("note", 25, -1, False), Column("total", 1700, -1, False), Column("id", 23, -1, True),
+        Column("region", 25, -1, False)))
+    routed = ShapeSpec(ALL.name, ALL.topic, tuple(c.name for c in REL.columns), None, ("public", "orders"))
+    leaf_plan = RelationPlan(leaf, [column_codec(t) for t in (TEXT, NUM, INT4, TEXT)], ("id",), [routed], "wb", "app")
+    root_plan = plan(ALL)
+    assert leaf_plan.routed and not root_plan.routed
+    leaf_codec, root_codec = leaf_plan.routes[0].codec, root_plan.routes[0].codec
+    assert leaf_codec.value_schema == root_codec.value_schema and leaf_codec.key_schema == root_codec.key_schema
+    assert (leaf_codec.schema, leaf_codec.table) == ("public", "orders")
+    (event,) = leaf_plan.events(Insert(2, (b"x", b"10.00", b"5", b"eu")), 0)
+    assert leaf_codec.row(event.after) == root_codec.row((5, "eu", Decimal("10.00"), "x"))
+    assert leaf_codec.encode_key(b"", event.key_values) == root_codec.encode_key(b"", (5, "eu", None, None))
