@@ -74,6 +74,7 @@ from producer.envelope import control_key
 from producer.fastcodec import CHANGE_KINDS, relation_encoder
 from producer.flush_tracker import LogOffset
 from producer.kafka_io import Tail, producer_config, read_partitions
+from producer.partitions import PartitionWatch
 from producer.pgoutput import Begin, Commit, Delete, Insert, Keepalive, Relation, Truncate, TypeMsg, Update
 from producer.pgtypes import column_codec
 from producer.reads import Reads
@@ -136,6 +137,7 @@ class Pipeline:
         self.snapshot: InitialSnapshot | None = None
         self.backfills: Backfills | None = None
         self.status: StatusPublisher | None = None
+        self.partition_watch: PartitionWatch | None = None
         # Current transaction.
         self._tx: Begin | None = None
         self._tx_ts_ms = 0
@@ -191,6 +193,10 @@ class Pipeline:
                                    self._plan_table, reads, self.ledger)
         self.status = StatusPublisher(cfg, self.kafka, self.catalog_conn, self.stats, self.acks, self.snapshot,
                                       self.backfills, self._on_status)
+        shapes = defaultdict(list)
+        for shape in cfg.shapes:
+            shapes[shape.table].append(shape.shape_name)
+        self.partition_watch = PartitionWatch(self.catalog_conn, self.tables, shapes, self._request_backfill)
 
     def writers(self) -> list[Writer]:
         return [(t, p) for t, n in self.partitions.items() for p in range(n)]
@@ -331,6 +337,7 @@ class Pipeline:
                 self._send_status()
                 status.publish()
                 backfills.poll()
+                self.partition_watch.poll()
                 self.checkpoints.watch_consumed(now)
             elif idle and acks.confirmed_lsn > repl.flushed and now - self._last_status >= CONFIRM_INTERVAL:
                 # Caught up: release the WAL now rather than at the next periodic update.
@@ -445,10 +452,12 @@ class Pipeline:
         the rows it does not see), since a shape-wide truncate would drop the
         other partitions' rows too."""
         for shape in shapes:
-            request_id = request_backfill(self.config, shape, reason=f"truncate of {plan.relation.schema}."
-                                          f"{plan.relation.name}")
-            log.warning("TRUNCATE of %s.%s, below shape %s: backfill %s requested", plan.relation.schema,
-                        plan.relation.name, shape, request_id)
+            self._request_backfill(shape, f"truncate of {plan.relation.schema}.{plan.relation.name}")
+
+    def _request_backfill(self, shape: str, reason: str) -> None:
+        """A backfill of ``shape`` for what the WAL did not carry."""
+        request_id = request_backfill(self.config, shape, reason=reason)
+        log.warning("%s: backfill %s of shape %s requested", reason, request_id, shape)
 
     def _fetch_current(self, rel: Relation, key: dict, columns: list[str]) -> dict | None:
         if not key:

@@ -1,8 +1,8 @@
 """Partitioned tables end to end on real parts (PostgreSQL → producer → Tansu →
 Spark consumer → target PostgreSQL): a shape on a RANGE-partitioned root
 follows every leaf — changes in the leaves, a row moving between partitions,
-a partition created and one attached while streaming — and a shape on a single
-leaf works alongside. A detached partition's rows stay in the target until a
+a partition created and one attached while streaming, rows a table held before
+it was attached — and a shape on a single leaf works alongside. A detached partition's rows stay in the target until a
 backfill is asked for, as the README says."""
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ WHILE_STREAMING = [
     "INSERT INTO readings SELECT i, date '2027-01-01' + (i % 300), 'y27', i FROM generate_series(3001, 3040) i",
     "UPDATE readings SET at = date '2027-12-31' WHERE id = 2001",  # from the created into the attached one
     "DELETE FROM readings_2027 WHERE id = 3002",
+    # A table that already holds rows, attached: they are no change in the WAL (a backfill brings them).
+    "CREATE TABLE readings_2028 (LIKE readings)",
+    "INSERT INTO readings_2028 SELECT i, date '2028-01-01' + (i % 300), 'held', i FROM generate_series(4001, 4030) i",
+    "ALTER TABLE readings ATTACH PARTITION readings_2028 FOR VALUES FROM ('2028-01-01') TO ('2029-01-01')",
+    "UPDATE readings SET value = 0 WHERE id = 4001",
     # The single-leaf shape, and its sibling that no shape names.
     "INSERT INTO logs SELECT i, 'a', 'late' FROM generate_series(101, 120) i",
     "UPDATE logs SET msg = 'edited' WHERE id % 4 = 0",
@@ -95,7 +100,8 @@ def test_partitioned_root_follows_every_leaf_created_attached_and_moved(source_d
         _wait_equal(source_db, target_db, consumer, "every leaf change applied")
         wait_for(lambda: _caught_up(cfg), timeout=60, what="the slot confirmed past the last change")
         with psycopg.connect(target_db) as conn:
-            in_new = conn.execute("SELECT count(*) FROM public.readings WHERE at >= '2026-01-01'").fetchone()[0]
+            in_new = conn.execute("SELECT count(*) FROM public.readings WHERE at >= '2026-01-01' "
+                                  "AND at < '2028-01-01'").fetchone()[0]
         assert in_new == 50 + 40 - 1  # created partition's and attached partition's rows, less one delete
 
         # DETACH: the partition's rows leave the root without a change; the
@@ -118,4 +124,5 @@ def test_partitioned_root_follows_every_leaf_created_attached_and_moved(source_d
         wait_for(lambda: _caught_up(cfg), timeout=60, what="the slot confirmed past the last change")
     assert not consumer.errors
     with psycopg.connect(target_db) as conn:
-        assert [b["shape"] for b in read_backfills(conn, group) if b["completed_at"]] == ["public.readings"]
+        # One for the table attached with rows (asked for by the producer), one for the detach.
+        assert [b["shape"] for b in read_backfills(conn, group) if b["completed_at"]] == ["public.readings"] * 2

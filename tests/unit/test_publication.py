@@ -1,7 +1,9 @@
 """What walbridge asks of a publication it may not align (another role owns it),
-and where changes arriving under a partition's own name belong."""
+where changes arriving under a partition's own name belong, and which leaves
+came and went."""
 
 from producer.catalog import PUBLISH_FULL, Published, publication_gaps, routed_to
+from producer.partitions import leaf_changes
 
 TABLES = ("public.events", "public.orders")
 
@@ -32,3 +34,11 @@ def test_changes_under_a_leafs_name_belong_to_every_shape_table_above_it():
     assert routed_to(ancestors, {"public.events": []}) == ("public.events",)
     assert routed_to(ancestors, {"public.orders": []}) == ()
     assert routed_to((), {"public.events": []}) == ()
+
+
+def test_leaves_added_and_gone_between_two_looks():
+    known = {"public.ev_1": 11, "public.ev_2": 12}
+    assert leaf_changes(known, known) == ([], [])
+    assert leaf_changes(known, {"public.ev_1": 11, "public.ev_3": 13}) == (["public.ev_3"], ["public.ev_2"])
+    # Dropped and re-created under the same name: a new leaf, and the old one gone.
+    assert leaf_changes(known, {"public.ev_1": 11, "public.ev_2": 99}) == (["public.ev_2"], ["public.ev_2"])
