@@ -60,9 +60,12 @@ WHILE_STREAMING = [
 ]
 
 
-def _rows(dsn: str, table: str, columns: str, key: str) -> list[tuple]:
+def _rows(dsn: str, table: str, columns: str, key: str) -> list[tuple] | None:
     with psycopg.connect(dsn) as conn:
-        return conn.execute(f"SELECT {columns} FROM {table} ORDER BY {key}").fetchall()
+        try:
+            return conn.execute(f"SELECT {columns} FROM {table} ORDER BY {key}").fetchall()
+        except psycopg.errors.UndefinedTable:
+            return None  # the consumer has not created it yet
 
 
 def _equal(source_db, target_db) -> bool:
