@@ -24,7 +24,8 @@ The path of one change, top to bottom:
 Between bursts of frames (every 256 frames, or when the stream idles) the loop
 serves the rest: a step of the running backfill (``backfill.py``), delivery
 reports and group commits (``acks.py``), standby status, the producer's status
-and metrics (``status.py``) and new backfill requests.
+and metrics (``status.py``), new backfill requests and the partitioned shape
+tables' leaves (``partitions.py``: a table attached with rows is backfilled).
 
 Invariants:
 - The LSN confirmed to PostgreSQL never passes a change that some configured
