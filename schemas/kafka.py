@@ -203,6 +203,8 @@ def topic_id(admin: AdminClient, topic: str, timeout: float = 30.0) -> str | Non
         if e.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
             raise LookupError(f"topic {topic} does not exist") from None
         raise
+    except TimeoutError:  # the future's own wait (a broker that accepts and never answers)
+        raise timed_out(f"describing topic {topic}: no answer within {timeout:.0f}s") from None
     tid = str(desc.topic_id) if desc.topic_id is not None else ""
     return tid if tid.strip("A=") else None  # all-zero id: the broker keeps none
 

@@ -31,6 +31,12 @@ Invariants:
 - Spark may log a batch as done before its apply commits; at every query start
   :meth:`ShapeApplier.recover` has Spark replay such a batch
   (:mod:`spark_consumer.checkpoint`), so nothing Spark skips is missing.
+- A query is stopped only while its foreachBatch is outside Spark
+  (:meth:`ShapeApplier.quiesce`): an interrupt inside a Spark call returns as
+  a Py4J error carrying Java's stack, whose text Spark's interruption check
+  scans with a regex that overflows the stream thread's stack
+  (``StackOverflowError``). A failed apply found while a batch is being read
+  ends the query through that batch instead.
 - Each query has its own checkpoint (``<checkpoint_dir>/<shape>``), target
   connection and offset committer; queries share nothing mutable.
 - An unreachable broker, registry or target (a transient
@@ -143,6 +149,13 @@ class ShapeApplier:
         self._committer: OffsetCommitter | None = None
         self._apply_thread = ThreadPoolExecutor(1, thread_name_prefix=f"apply-{shape.shape_name}")
         self._pending = None  # the Future of the batch being applied
+        # A query must not be stopped while its foreachBatch is inside a Spark
+        # call: the interrupt comes back as a Py4J error carrying Java's stack,
+        # and Spark's check of that text for an interruption overflows the
+        # stream thread's stack (StackOverflowError). See :meth:`quiesce`.
+        self._calls = threading.Lock()
+        self._in_call = False
+        self._quiesced = False
         self.batches = 0
         self.rows = 0
         self.dlq = 0
@@ -152,6 +165,21 @@ class ShapeApplier:
         """The error of a finished, failed apply not yet raised to Spark."""
         pending = self._pending
         return pending.exception() if pending is not None and pending.done() else None
+
+    def quiesce(self) -> bool:
+        """After a failed apply: refuse every further batch. True when no
+        batch is being read now, so the query can be stopped; False when one
+        is: that call raises the apply's error itself (ending the query)."""
+        with self._calls:
+            self._quiesced = True
+            return not self._in_call
+
+    def settle(self, timeout: float) -> None:
+        """Quiesce, then wait up to ``timeout`` seconds for the batch being
+        read to be handed over (before the query is stopped for good)."""
+        deadline = time.monotonic() + timeout
+        while not self.quiesce() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def close(self) -> None:
         """Finish the batch being applied, then release the Kafka client and
@@ -199,6 +227,18 @@ class ShapeApplier:
         return self._conn
 
     def __call__(self, batch_df, batch_id: int) -> None:
+
+        with self._calls:
+            if self._quiesced:
+                raise self.error or RuntimeError(f"shape {self.shape.shape_name}: the query is being restarted")
+            self._in_call = True
+        try:
+            self._call(batch_df, batch_id)
+        finally:
+            with self._calls:
+                self._in_call = False
+
+    def _call(self, batch_df, batch_id: int) -> None:
 
         started = time.monotonic()
         if self.config.consumer.staged_apply:
@@ -427,6 +467,8 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                         if outages[i] and q.lastProgress is not None:
                             outages[i] = []  # batches flow again
                         continue
+                    if not started[i].quiesce():
+                        continue  # the batch being read raises the error and ends the query
                     q.stop()
                 elif q.exception() is None:
                     return  # stopped from outside
@@ -478,7 +520,8 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
     except Stopped:
         return
     finally:
-        for q in queries:
+        for q, applier in zip(queries, started):
+            applier.settle(10.0)
             q.stop()
         for applier in started:
             applier.close()

@@ -152,6 +152,23 @@ class ProducerProcess:
         self.stop()
 
 
+class ConsumerProcess(ProducerProcess):
+    """``walbridge consumer`` as a real process (Spark local mode), in a
+    session of its own: ``kill9`` ends the driver and its JVM at once."""
+
+    def start(self) -> ConsumerProcess:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "walbridge.cli", "consumer", "-c", str(self.config_path),
+                                      "--master", "local[2]"], stdout=log, stderr=subprocess.STDOUT,
+                                     cwd=Path(__file__).parent.parent, start_new_session=True)
+        return self
+
+    def kill9(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
 @dataclass
 class Record:
     topic: str

@@ -12,8 +12,8 @@ import pytest
 from producer.pgoutput import lsn_to_int
 from schemas.config import parse_config
 from tests.helpers import (
+    ConsumerProcess,
     ConsumerThread,
-    ProducerProcess,
     ProducerThread,
     data_records,
     make_config,
@@ -118,28 +118,6 @@ def test_failed_apply_after_spark_logged_the_batch_is_replayed(source_db, target
     assert len(calls) > 3
     messages = [r.getMessage() for r in caplog.records]
     assert any("never committed it; it is read and applied again" in m for m in messages), messages[-20:]
-
-
-class ConsumerProcess(ProducerProcess):
-    """``walbridge consumer`` as a real process (Spark local mode)."""
-
-    def start(self):
-        import sys
-        from pathlib import Path
-
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "walbridge.cli", "consumer", "-c", str(self.config_path),
-                                      "--master", "local[2]"], stdout=log, stderr=subprocess.STDOUT,
-                                     cwd=Path(__file__).parent.parent.parent, start_new_session=True)
-        return self
-
-    def kill9(self) -> None:
-        import os
-        import signal
-
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the driver and its JVM, at once
-            self.proc.wait(10)
 
 
 def _applied_batches(target_db) -> int:

@@ -3,6 +3,7 @@ the operator reads about each (endpoint, redacted address, problem, fix)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import pickle
 
 import httpx2
@@ -14,6 +15,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 from producer.catalog import SourceError
 from producer.replication import ReplicationError
 from schemas.failures import KAFKA, REGISTRY, SOURCE, TARGET, Failure, attributed, classify, classify_text
+from schemas.kafka import topic_id
 
 DSN = "postgresql://app:s3cr3t@db:5432/app"
 REFUSED = ('connection failed: connection to server at "127.0.0.1", port 1 failed: Connection refused\n'
@@ -79,6 +81,20 @@ def test_kafka_errors_are_judged_by_code(code, text, permanent, problem):
     failure = classify(KafkaException(KafkaError(code, text)), kafka="broker-1:9092")
     assert failure.endpoint == KAFKA and failure.permanent is permanent
     assert problem in failure.problem and failure.address == "broker-1:9092"
+
+
+class _SilentAdmin:
+    """An admin client of a broker that accepts and never answers (SIGSTOP)."""
+
+    def describe_topics(self, topics):
+        return {name: concurrent.futures.Future() for name in topics.topic_names}
+
+
+def test_a_topic_description_that_never_comes_is_a_transient_kafka_failure():
+    with pytest.raises(KafkaException) as e:
+        topic_id(_SilentAdmin(), "wb.app.items", timeout=0.01)
+    failure = classify(e.value, kafka="broker-1:9092")
+    assert failure.endpoint == KAFKA and not failure.permanent and "describing topic wb.app.items" in failure.problem
 
 
 def test_registry_errors_by_status_and_transport():

@@ -37,6 +37,7 @@ from pyspark.sql.types import (
 from producer.envelope import ShapeCodec, ShapeColumn
 from producer.pgtypes import PgTypeInfo, column_codec
 from schemas import wire
+from schemas.kafka import timed_out
 from spark_consumer import fastdecode
 from spark_consumer.decode import (
     BEFORE_COLUMNS,
@@ -760,6 +761,8 @@ class FakeEnds:
     def topic_id(self):
         if self.id == "missing":
             raise LookupError("topic does not exist")
+        if self.id == "silent":  # a broker that accepts and never answers
+            raise timed_out("describing topic: no answer")
         return self.id
 
     def forget(self):
@@ -858,6 +861,9 @@ def test_reader_follows_a_recreated_topic_from_offset_zero(monkeypatch):
     assert r.latestOffset({"0": 1000, "1": 50}, ReadAllAvailable()) == {"0": 900, "1": 50}
     # A topic being recreated: no new data meanwhile.
     r._ends.id = "missing"
+    assert r.latestOffset(start, ReadAllAvailable()) == start
+    # A broker that does not answer: no new data this time, the query goes on.
+    r._ends.id = "silent"
     assert r.latestOffset(start, ReadAllAvailable()) == start
 
 
