@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """Compiled hot path of the producer: one pgoutput change message (the bytes of
-its XLogData frame) → the Kafka messages of every shape of its relation, Avro
+its XLogData frame), or a chunk of ``COPY ... TO STDOUT`` text rows (snapshot
+and backfill reads), → the Kafka messages of every shape of its relation, Avro
 encoded straight from PostgreSQL's text values.
 
 Invariants:
@@ -17,6 +18,17 @@ Invariants:
   not match the relation, a NULL or unchanged key column, binary values): the
   caller then takes the reference path for the whole change, so correctness
   never depends on this module recognising a case.
+- COPY text rows are the same text forms pgoutput sends (both come from the
+  types' output functions under the same session settings) behind COPY's
+  escaping: ``\\N`` alone is NULL, backslash sequences are undone (``\\b \\f
+  \\n \\r \\t \\v``, octal ``\\ddd``, hex ``\\xhh``, any other character
+  stands for itself), as PostgreSQL's COPY FROM reads them.
+  ``RelationEncoder.encode_reads`` returns None for a chunk with a row it does
+  not take whole (a NULL key column), and raises ValueError for a row that is
+  not COPY text of the relation's width; the caller then decides with the
+  reference path, so nothing is skipped silently.
+- A shape's row filter (reads only) is the reference's own ``matches`` over the
+  filter's columns loaded by the reference loaders.
 - Special values (the column's Python encoder returns their text, a str,
   in the plain layout) make their field null and are collected per change;
   a record with a side field gets it from ``envelope.special_field`` (the
@@ -28,7 +40,7 @@ Invariants:
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc, strtod
-from libc.string cimport memcpy
+from libc.string cimport memchr, memcpy
 
 # Column kinds (``ColumnCodec.wire``).
 cdef enum:
@@ -379,13 +391,15 @@ cdef class Route:
     cdef tuple row_side  # plain layout: (relation column index, column name) of the row's special columns
     cdef tuple key_side  # ... of the key's; None: the record has no side field
     cdef object special_field  # [(name, text)] -> the side field's bytes
+    cdef object row_filter  # reads: {column: loaded value} -> bool, or None (no filter)
 
     def __cinit__(self):
         self.cols = NULL
         self.keys = NULL
 
     def __init__(self, cols, keys, bytes value_prefix, key_prefix, bytes source_head, bytes source_mid,
-                 list writers, dict stats, list toast_names, bint tombstones, row_side, key_side, special_field):
+                 list writers, dict stats, list toast_names, bint tombstones, row_side, key_side, special_field,
+                 row_filter=None):
         cdef int i
         self.ncols = len(cols)
         self.nkeys = len(keys)
@@ -409,6 +423,7 @@ cdef class Route:
         self.row_side = tuple(row_side) if row_side is not None else None
         self.key_side = tuple(key_side) if key_side is not None else None
         self.special_field = special_field
+        self.row_filter = row_filter
 
     def __dealloc__(self):
         free(self.cols)
@@ -430,24 +445,27 @@ cdef class RelationEncoder:
     cdef list special  # per column: the change's special value (text), or None
     cdef int n_special  # how many are set
     cdef list routes
+    cdef tuple filter_columns  # reads: (relation column index, name, loader) of the columns row filters read
     # Scratch, reused between calls.
     cdef uint8_t* state
     cdef Py_ssize_t* start
     cdef Py_ssize_t* size
     cdef Buf out
     cdef Buf key
+    cdef Buf line  # a COPY row's fields, unescaped
 
     def __cinit__(self):
         self.wire = self.key_branch = self.typed_branch = self.precision = self.scale = NULL
         self.state = NULL
         self.start = self.size = NULL
-        self.out.data = self.key.data = NULL
-        self.out.len = self.out.cap = self.key.len = self.key.cap = 0
+        self.out.data = self.key.data = self.line.data = NULL
+        self.out.len = self.out.cap = self.key.len = self.key.cap = self.line.len = self.line.cap = 0
 
-    def __init__(self, unsigned int oid, list columns, list routes):
+    def __init__(self, unsigned int oid, list columns, list routes, filter_columns=()):
         """``columns``: per relation column ``(wire kind, typed branch in the row
         field, in the key field (-1: none), precision, scale, value fallback,
-        key fallback)``."""
+        key fallback)``; ``filter_columns``: (index, name, loader) of the
+        columns the routes' row filters read."""
         cdef int i, n = len(columns)
         self.oid = oid
         self.ncols = n
@@ -474,6 +492,7 @@ cdef class RelationEncoder:
             self.value_fallback.append(value_fb)
             self.key_fallback.append(key_fb)
         self.routes = list(routes)
+        self.filter_columns = tuple(filter_columns)
         self.special = [None] * n
         self.n_special = 0
 
@@ -488,6 +507,7 @@ cdef class RelationEncoder:
         free(self.size)
         free(self.out.data)
         free(self.key.data)
+        free(self.line.data)
 
     cdef bint _tuple(self, const char* p, Py_ssize_t n, Py_ssize_t pos):
         """Index a pgoutput TupleData at ``pos``; False if it is not text-only or
@@ -632,6 +652,21 @@ cdef class RelationEncoder:
             self._side(b, route.row_side, route.special_field)
         return 0
 
+    cdef bint _key(self, const char* base, Route route) except -1:
+        """``route``'s key (prefix and record) into ``self.key``; False if a key
+        column has no value."""
+        cdef int j, i
+        self.key.len = 0
+        _bytes_obj(&self.key, route.key_prefix)
+        for j in range(route.nkeys):
+            i = route.keys[j]
+            if self.state[i] != S_TEXT:
+                return 0
+            self._value(&self.key, base, i, 1)
+        if route.key_side is not None:
+            self._side(&self.key, route.key_side, route.special_field)
+        return 1
+
     def encode(self, bytes frame, Py_ssize_t at, int64_t op_index, int64_t lsn, int64_t xid, int64_t ts_ms,
                int64_t seen_ms):
         """The messages of the change whose pgoutput message starts at byte ``at``
@@ -679,15 +714,8 @@ cdef class RelationEncoder:
         for route in self.routes:
             # The key, prefix and body: what the partition is chosen by.
             if route.nkeys:
-                self.key.len = 0
-                _bytes_obj(&self.key, route.key_prefix)
-                for j in range(route.nkeys):
-                    i = route.keys[j]
-                    if self.state[i] != S_TEXT:
-                        return None  # a key column without a value: the reference path decides
-                    self._value(&self.key, base, i, 1)
-                if route.key_side is not None:
-                    self._side(&self.key, route.key_side, route.special_field)
+                if not self._key(base, route):
+                    return None  # a key column without a value: the reference path decides
                 partition = (_murmur2(<const uint8_t*>self.key.data, self.key.len) & 0x7FFFFFFF) \
                     % <uint32_t>route.partitions
                 key = PyBytes_FromStringAndSize(self.key.data, self.key.len)
@@ -739,3 +767,139 @@ cdef class RelationEncoder:
             if kind == 0x44 and key is not None and route.tombstones:
                 out.append((route.writers[partition], key, None, None))
         return out
+
+    cdef bint _copy_line(self, const char* p, Py_ssize_t k, Py_ssize_t end) except -1:
+        """Index the COPY text row ``p[k:end]`` (without its newline): each
+        field unescaped into ``self.line``, NULLs marked. False if it has not
+        exactly this relation's number of fields or ends in a lone backslash."""
+        cdef int i = 0, digits, v, h
+        cdef char c
+        cdef Buf* line = &self.line
+        line.len = 0
+        _reserve(line, end - k)  # unescaping never lengthens
+        while True:
+            if i >= self.ncols:
+                return 0
+            if p[k] == 92 and k + 1 < end and p[k + 1] == 78 and (k + 2 == end or p[k + 2] == 9):  # \N
+                self.state[i] = S_NULL
+                k += 2
+            else:
+                self.state[i] = S_TEXT
+                self.start[i] = line.len
+                while k < end and p[k] != 9:
+                    c = p[k]
+                    k += 1
+                    if c == 92:  # backslash
+                        if k == end:
+                            return 0
+                        c = p[k]
+                        k += 1
+                        if c == 98:
+                            c = 8
+                        elif c == 102:
+                            c = 12
+                        elif c == 110:
+                            c = 10
+                        elif c == 114:
+                            c = 13
+                        elif c == 116:
+                            c = 9
+                        elif c == 118:
+                            c = 11
+                        elif 48 <= c <= 55:  # octal, up to 3 digits
+                            v = c - 48
+                            digits = 1
+                            while digits < 3 and k < end and 48 <= p[k] <= 55:
+                                v = v * 8 + (p[k] - 48)
+                                k += 1
+                                digits += 1
+                            c = <char>(v & 0xFF)
+                        elif c == 120 and k < end and _hexval(p[k]) >= 0:  # hex, up to 2 digits
+                            v = _hexval(p[k])
+                            k += 1
+                            if k < end and _hexval(p[k]) >= 0:
+                                v = v * 16 + _hexval(p[k])
+                                k += 1
+                            c = <char>v
+                    line.data[line.len] = c
+                    line.len += 1
+                self.size[i] = line.len - self.start[i]
+            i += 1
+            if k >= end:
+                return i == self.ncols
+            k += 1  # the tab
+
+    def encode_reads(self, bytes data, list suffixes, int64_t sent):
+        """The messages of a chunk of ``COPY ... TO STDOUT`` text rows (whole
+        lines, in relation column order), each an ``op = r`` read: ``suffixes``
+        holds per route the envelope's bytes after ``after`` (the read's
+        ``source``, op, ts_ms, unchanged_toast), or None for a route not read.
+        A read passes its route's row filter; keyless reads are spread by the
+        running count ``sent`` of reads sent. Returns ``([(writer, key, value,
+        stats key)], sent)``, or None if a row must take the reference path."""
+        cdef const char* base = PyBytes_AS_STRING(data)
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
+        cdef Py_ssize_t pos = 0, end
+        cdef const char* eol
+        cdef const char* p
+        cdef int j, r, nroutes = len(self.routes)
+        cdef uint32_t partition
+        cdef Route route
+        cdef Buf* b = &self.out
+        cdef bint filtered = 0
+        if len(suffixes) != nroutes:
+            raise ValueError(f"{len(suffixes)} suffixes for {nroutes} routes")
+        for r in range(nroutes):
+            if suffixes[r] is not None and (<Route>self.routes[r]).row_filter is not None:
+                filtered = 1
+        out = []
+        while pos < n:
+            eol = <const char*>memchr(base + pos, 10, n - pos)
+            if eol == NULL:
+                raise ValueError("COPY data ends inside a row (no newline)")
+            end = eol - base
+            if not self._copy_line(base, pos, end):
+                raise ValueError(f"a COPY row does not hold the relation's {self.ncols} columns: "
+                                 f"{PyBytes_FromStringAndSize(base + pos, min(end - pos, 200))!r}")
+            p = self.line.data
+            if self.n_special:
+                for j in range(self.ncols):
+                    self.special[j] = None
+                self.n_special = 0
+            row = self._filter_row(p) if filtered else None
+            for r in range(nroutes):
+                suffix = suffixes[r]
+                if suffix is None:
+                    continue
+                route = <Route>self.routes[r]
+                if route.row_filter is not None and not route.row_filter(row):
+                    continue
+                if route.nkeys:
+                    if not self._key(p, route):
+                        return None
+                    partition = (_murmur2(<const uint8_t*>self.key.data, self.key.len) & 0x7FFFFFFF) \
+                        % <uint32_t>route.partitions
+                    key = PyBytes_FromStringAndSize(self.key.data, self.key.len)
+                else:
+                    partition = <uint32_t>(sent % route.partitions)
+                    key = None
+                b.len = 0
+                _bytes_obj(b, route.value_prefix)
+                _byte(b, 0)  # before: null
+                _byte(b, 2)
+                self._row(b, p, route)
+                _bytes_obj(b, <bytes>suffix)
+                out.append((route.writers[partition], key, PyBytes_FromStringAndSize(b.data, b.len),
+                            route.stats["r"]))
+                sent += 1
+            pos = end + 1
+        return out, sent
+
+    cdef dict _filter_row(self, const char* p):
+        """The row filters' columns of the current COPY row, loaded as the
+        reference loads them."""
+        row = {}
+        for i, name, load in self.filter_columns:
+            row[name] = load(PyBytes_FromStringAndSize(p + self.start[i], self.size[i])) \
+                if self.state[i] == S_TEXT else None
+        return row

@@ -126,8 +126,9 @@ class SnapshotReader:
         finally:
             self._put(_DONE)
 
-    def take(self) -> list | None:
-        """The next chunk, or None if none is ready; sets ``finished`` at the end."""
+    def take(self) -> tuple[bytes, int] | None:
+        """The next chunk (COPY text lines, row count), or None if none is
+        ready; sets ``finished`` at the end."""
         if self.error is not None:
             raise self.error
         try:
@@ -174,6 +175,7 @@ class Backfill:
     finished: float | None = None
     source: Any = None  # envelope source block, once the snapshot's LSN is known
     headers: list = field(default_factory=list)
+    encoder: Any = None  # the compiled read encoder of ``plan`` (None: the reference path)
 
     @property
     def shape(self) -> str:
@@ -289,7 +291,7 @@ class Backfills:
         estimate = row_estimate(self._conn, table)
         if scope:
             estimate = estimate * len(scope["buckets"]) // max(int(scope["bucket_count"]), 1)
-        self.running = Backfill(request, table, route, plan, reader, estimate)
+        self.running = Backfill(request, table, route, plan, reader, estimate, encoder=self._reads.encoder(plan))
         reader.start()
         self._set_state(request, "running", started_at=time.time())
         log.info("backfill of shape %s started (%s, %s)", shape.shape_name, request["request_id"],
@@ -334,10 +336,11 @@ class Backfills:
         bf.last_chunk = now
         if chunk is not None:
             route = bf.route
-            bf.sent = self._reads.send_rows(bf.plan, [route], chunk, {route.name: bf.source}, bf.headers,
+            data, rows = chunk
+            bf.sent = self._reads.send_copy(bf.plan, bf.encoder, [route], data, {route.name: bf.source}, bf.headers,
                                             int(time.time() * 1000), bf.sent)
-            bf.rows += len(chunk)
-            metrics.SNAPSHOT_ROWS.inc(len(chunk))
+            bf.rows += rows
+            metrics.SNAPSHOT_ROWS.inc(rows)
             return True
         # Every read is produced: end the backfill on every partition, after its reads.
         topic = bf.route.topic

@@ -1,17 +1,21 @@
-"""The compiled fast path for streamed changes, and when it applies.
+"""The compiled fast path for streamed changes and for rows read with COPY
+(snapshot, backfills), and when it applies.
 
 ``producer._fastcodec`` (Cython, built by ``pip install``) turns a pgoutput
-INSERT, DELETE or UPDATE message straight into the Kafka messages of its
-relation's shapes: key and value bytes, partition, without building Python
-values. This module builds its per-relation encoders from a ``RelationPlan``.
+INSERT, DELETE or UPDATE message, or a chunk of COPY text rows, straight into
+the Kafka messages of its relation's shapes: key and value bytes, partition,
+without building Python values. This module builds its per-relation encoders
+from a ``RelationPlan``.
 
 Invariants:
 - The reference is the pure-Python path (``RelationPlan.events`` → psycopg
   loaders → ``ShapeCodec``/fastavro); the compiled output is byte-identical to
   it (``tests/unit/test_fastcodec.py``), and it is what runs whenever the
   extension is missing or declines a change.
-- An encoder exists only for relations none of whose shapes has a row filter
-  (filters need Python values and decide move-in/move-out); per change it
+- A stream encoder exists only for relations none of whose shapes has a row
+  filter (filters decide move-in/move-out from Python values); a read encoder
+  evaluates each shape's filter with the reference's own ``matches`` over the
+  filter's columns loaded by the reference loaders. Per change the stream one
   declines UPDATEs that carry an old tuple (key change, REPLICA IDENTITY FULL)
   and anything unusual, and per value it hands forms it does not parse to the
   column's Python field encoder.
@@ -20,7 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
-from producer.envelope import ShapeColumn, avro_string, field_encoder, special_field
+from producer.envelope import ShapeColumn, SourceBytes, avro_long, avro_string, field_encoder, special_field
 from producer.shapes import RelationPlan
 from schemas import compiled_extension
 from schemas.kafka import Writer
@@ -56,7 +60,28 @@ def relation_encoder(plan: RelationPlan, partitions: dict[str, int], tombstones:
     path must take every change (no extension, a filtered shape, no shape).
     ``tombstones``: a delete is followed by its key's tombstone. Call after the
     shapes' writer schemas are registered (it copies the prefixes)."""
-    if _fastcodec is None or plan.filtered or not plan.routes:
+    if plan.filtered:
+        return None
+    return _encoder(plan, partitions, tombstones, filters=False)
+
+
+def read_encoder(plan: RelationPlan, partitions: dict[str, int]):
+    """The compiled encoder of rows read from ``plan``'s relation with ``COPY``
+    (``encode_reads``), filtered shapes included; None without the extension
+    or a shape. Call after the shapes' writer schemas are registered."""
+    return _encoder(plan, partitions, False, filters=True)
+
+
+def read_suffix(source: SourceBytes, ts_ms: int) -> bytes:
+    """The bytes of a read's envelope after ``after`` (``encode_reads``):
+    its ``source`` at ``(source.lsn, 0)``, ``op = r``, ``ts_ms`` and no
+    unchanged TOAST, as ``ShapeCodec.encode_change`` writes them."""
+    return (source.head + b"\x02" + avro_long(source.lsn) + avro_long(0) + source.tail + avro_string("r")
+            + b"\x02" + avro_long(ts_ms) + b"\x00")
+
+
+def _encoder(plan: RelationPlan, partitions: dict[str, int], tombstones: bool, filters: bool):
+    if _fastcodec is None or not plan.routes:
         return None
     relation = plan.relation
     layout = plan.routes[0].codec.layout
@@ -70,7 +95,11 @@ def relation_encoder(plan: RelationPlan, partitions: dict[str, int], tombstones:
         toast_names = [codec.toast_field_name(i) for i in range(len(relation.columns))]
         routes.append(_fastcodec.Route(
             list(codec.indexes), keys, codec.value_prefix, codec.key_prefix, head, mid, writers,
-            {op: (route.name, op) for op in "cud"},
+            {op: (route.name, op) for op in "cudr"},
             [avro_string(n) if n is not None else None for n in toast_names], tombstones,
-            _side_columns(codec, False), _side_columns(codec, True), special_field))
-    return _fastcodec.RelationEncoder(relation.oid, columns, routes)
+            _side_columns(codec, False), _side_columns(codec, True), special_field,
+            route.row_filter.matches if filters and route.row_filter is not None else None))
+    read = {c for r in plan.routes if filters and r.row_filter is not None for c in r.row_filter.columns}
+    filter_columns = [(i, name, codec.load) for i, (name, codec) in enumerate(zip(plan.names, plan.codecs))
+                      if name in read]
+    return _fastcodec.RelationEncoder(relation.oid, columns, routes, filter_columns)

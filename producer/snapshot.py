@@ -7,8 +7,9 @@ Invariants:
   all COPYs see the database exactly at the slot's consistent point: the rows they
   read plus the changes streamed after that point are the table, once each.
 - Large tables are split into ctid page ranges so several workers share them.
-- Workers only read; rows reach the caller's ``emit`` from the calling thread, in
-  chunks, so loading, filtering and encoding stay single-threaded.
+- Workers only read: COPY text lines, unparsed, reach the caller's ``emit``
+  from the calling thread in chunks, so parsing, filtering and encoding (the
+  compiled read encoder, :mod:`producer.reads`) stay single-threaded.
 - The exporting replication connection stays idle until the snapshot is done.
 - Every read carries the position ``(consistent point, 0)`` and the snapshot's id
   ``<slot>@<LSN>`` (``wb.snapshot``). The ``snapshot_end`` control events go out
@@ -77,18 +78,21 @@ def plan_pieces(tables: list[tuple[TableInfo, tuple[str, ...], int]], workers: i
     return pieces
 
 
-def copy_chunks(conn, copy_sql: sql.Composable, chunk_rows: int) -> Iterator[list[tuple[bytes | None, ...]]]:
-    """The rows of a ``COPY ... TO STDOUT`` as lists of at most ``chunk_rows``
-    raw rows (text bytes or None per column), the form the loaders take."""
+def copy_chunks(conn, copy_sql: sql.Composable, chunk_rows: int) -> Iterator[tuple[bytes, int]]:
+    """The rows of a ``COPY ... TO STDOUT`` as chunks of at most ``chunk_rows``
+    whole lines of COPY text, with their row counts: the form the read encoder
+    takes, parsed by nothing on the reading thread."""
     with conn.cursor().copy(copy_sql) as copy:
-        chunk = []
-        for row in copy.rows():
-            chunk.append(tuple(None if v is None else v.encode() for v in row))
-            if len(chunk) >= chunk_rows:
-                yield chunk
-                chunk = []
-        if chunk:
-            yield chunk
+        blocks = []
+        for block in copy:  # one CopyData message: one row
+            blocks.append(block)
+            if len(blocks) >= chunk_rows:
+                data = b"".join(blocks)
+                yield data, data.count(b"\n")
+                blocks = []
+        if blocks:
+            data = b"".join(blocks)
+            yield data, data.count(b"\n")
 
 
 def relpages(conn, table: TableInfo) -> int:
@@ -101,9 +105,9 @@ _DONE = object()
 
 
 def run_snapshot(dsn: str, snapshot_name: str, pieces: list[Piece], workers: int,
-                 emit: Callable[[TableInfo, list[tuple[bytes | None, ...]]], None]) -> int:
-    """COPY every piece inside the exported snapshot; calls ``emit(table, rows)``
-    with chunks of raw rows (text bytes or None per column). Returns rows read."""
+                 emit: Callable[[TableInfo, bytes, int], None]) -> int:
+    """COPY every piece inside the exported snapshot; calls ``emit(table, data,
+    rows)`` with chunks of COPY text lines (:func:`copy_chunks`). Returns rows read."""
     work: queue.Queue = queue.Queue()
     for p in pieces:
         work.put(p)
@@ -122,8 +126,8 @@ def run_snapshot(dsn: str, snapshot_name: str, pieces: list[Piece], workers: int
                         piece = work.get_nowait()
                     except queue.Empty:
                         break
-                    for chunk in copy_chunks(conn, piece.query(), CHUNK_ROWS):
-                        out.put((piece.table, chunk))
+                    for data, n in copy_chunks(conn, piece.query(), CHUNK_ROWS):
+                        out.put((piece.table, data, n))
                 conn.rollback()
         except BaseException as e:  # reported to the caller
             errors.append(e)
@@ -141,9 +145,9 @@ def run_snapshot(dsn: str, snapshot_name: str, pieces: list[Piece], workers: int
             if item is _DONE:
                 finished += 1
                 continue
-            table, chunk = item
-            rows += len(chunk)
-            emit(table, chunk)
+            table, data, n = item
+            rows += n
+            emit(table, data, n)
     finally:
         if finished < n_workers:
             errors.append(RuntimeError("snapshot aborted"))
@@ -184,9 +188,11 @@ class InitialSnapshot:
         this_id = snapshot_id(source.slot, lsn)
         now_ms = int(time.time() * 1000)
         plans: dict[str, RelationPlan] = {}
+        encoders = {}
         work = []
         for qualified, table in self._tables.items():
             plans[qualified] = plan = self._plan_table(table)
+            encoders[qualified] = self._reads.encoder(plan)
             work.append((table, tuple(plan.names), relpages(self._conn, table)))
         total = sum(row_estimate(self._conn, t) for t in self._tables.values())
         self.progress = {"id": this_id, "rows": 0, "total_estimate": total, "started": time.time(),
@@ -197,12 +203,13 @@ class InitialSnapshot:
         started = time.monotonic()
         sent = 0
 
-        def emit(table: TableInfo, rows: list) -> None:
+        def emit(table: TableInfo, data: bytes, rows: int) -> None:
             nonlocal sent
             plan = plans[table.qualified]
-            sent = self._reads.send_rows(plan, plan.routes, rows, sources, headers, now_ms, sent)
-            self.progress["rows"] += len(rows)
-            metrics.SNAPSHOT_ROWS.inc(len(rows))
+            sent = self._reads.send_copy(plan, encoders[table.qualified], plan.routes, data, sources, headers,
+                                         now_ms, sent)
+            self.progress["rows"] += rows
+            metrics.SNAPSHOT_ROWS.inc(rows)
             between_chunks()
 
         pieces = plan_pieces(work, source.snapshot_workers)

@@ -2,9 +2,11 @@
 
 Every supported type, its edge values (NULL, unchanged TOAST, negative and huge
 numerics, infinities, NaN, BC and 5-digit years, 24:00, time zones, escape
-bytea, arrays), as key and as row field, through INSERT, UPDATE and DELETE, on
-a full shape, a column-limited one and a keyless relation. The reference is
-``RelationPlan.events`` → ``event_message`` (psycopg loaders + fastavro).
+bytea, arrays, text that COPY escapes), as key and as row field, through
+INSERT, UPDATE and DELETE, on a full shape, a column-limited one and a keyless
+relation; and the same rows read with COPY (snapshot, backfill), filtered
+shapes included. The references are ``RelationPlan.events`` → ``event_message``
+and ``Reads.send_rows`` (psycopg loaders + fastavro).
 """
 
 import itertools
@@ -13,10 +15,12 @@ import struct
 import pytest
 
 from producer import fastcodec
-from producer.envelope import avro_string
+from producer.envelope import avro_long, avro_string
 from producer.pgoutput import UNCHANGED_TOAST, Column, Delete, Insert, Relation, Update
 from producer.pgtypes import PgTypeInfo, column_codec
+from producer.reads import Reads, copy_rows
 from producer.shapes import RelationPlan, ShapeSpec, event_message
+from schemas.shape_filter import compile_filter
 
 pytestmark = pytest.mark.skipif(not fastcodec.AVAILABLE, reason="producer._fastcodec is not built")
 
@@ -44,7 +48,8 @@ COLUMNS = [
                                "1.1754944e-38"]),
     ("f8", base(701, "double precision"), ["0.1", "1e+308", "5e-324", "-1.2345678901234567", "NaN", "Infinity",
                                            "-Infinity", "-0", "2.2250738585072014e-308"]),
-    ("t", base(25, "text"), ["", "héllo ✓", "with\nnewline and \\ backslash", "x" * 300]),
+    ("t", base(25, "text"), ["", "héllo ✓", "with\nnewline and \\ backslash", "x" * 300,
+                             "tab\there\r\b\f\v\x01", "\\N", "N", "\\", "\\x41\\101"]),
     ("vc", base(1043, "character varying(20)", 24), ["abc", "ü"]),
     ("bp", base(1042, "character(5)", 9), ["ab   ", "abcde"]),
     ("nm", base(19, "name"), ["pg_catalog"]),
@@ -103,7 +108,7 @@ def build(oid: int, keys, specs, tombstones: bool = True, layout: str = "plain")
         route.codec.value_prefix = b"\xc3\x01" + bytes([i]) * 8
         route.codec.key_prefix = b"\x00\x00\x00\x00" + bytes([i + 1]) if route.codec.key_schema else None
     encoder = fastcodec.relation_encoder(plan, {r.topic: PARTITIONS for r in plan.routes}, tombstones)
-    assert encoder is not None
+    assert (encoder is None) == plan.filtered  # filtered: the stream takes the reference path
     return plan, encoder
 
 
@@ -200,8 +205,6 @@ def test_declines_what_it_does_not_handle():
 
 
 def test_filtered_relations_take_the_reference_path():
-    from schemas.shape_filter import compile_filter
-
     spec = ShapeSpec("f", "wb.f", None, compile_filter("i4 > 0", {"i4": "integer"}))
     plan = RelationPlan(relation(9, KEY_COLUMNS), CODECS, tuple(KEY_COLUMNS), [spec], "wb", "app")
     assert fastcodec.relation_encoder(plan, {"wb.f": 1}) is None
@@ -211,9 +214,95 @@ def test_stream_source_parts_match_the_source_block():
     plan, _ = build(11, KEY_COLUMNS, SHAPES[:1])
     codec = plan.routes[0].codec
     head, mid = codec.stream_source_parts()
-    from producer.envelope import avro_long
-
     src = codec.source_bytes(LSN, XID, TS_MS)
     assert src.head == head + avro_long(TS_MS) + mid + b"\x02" + avro_long(XID) + b"\x02" + avro_long(LSN)
     assert src.tail == b"\x00" and src.lsn == LSN
     assert avro_string("x") == b"\x02x"
+
+
+# ------------------------------------------------------------ COPY reads
+_COPY_ESCAPES = {ord("\\"): "\\\\", ord("\b"): "\\b", ord("\f"): "\\f", ord("\n"): "\\n",
+                 ord("\r"): "\\r", ord("\t"): "\\t", ord("\v"): "\\v"}
+
+
+def copy_text(rows) -> bytes:
+    """Rows as ``COPY ... TO STDOUT`` writes them (PostgreSQL's CopyAttributeOutText)."""
+    return b"".join(b"\t".join(b"\\N" if v is None else v.decode().translate(_COPY_ESCAPES).encode() for v in row)
+                    + b"\n" for row in rows)
+
+
+def read_reference(plan: RelationPlan, routes, rows, sources, sent: int = 0) -> tuple[list, int]:
+    """What the reference read path (``Reads.send_rows``) sends."""
+    out = []
+    events = __import__("collections").Counter()
+    reads = Reads(lambda w, k, v, h: out.append((w, k, v, None)), {r.topic: PARTITIONS for r in plan.routes},
+                  events, None)
+    sent = reads.send_rows(plan, routes, rows, sources, [], SEEN_MS, sent)
+    return [m[:3] for m in out], sent
+
+
+def read_sources(plan: RelationPlan) -> dict:
+    return {r.name: r.codec.source_bytes(LSN, None, TS_MS, True, "wb_slot@1/23456789") for r in plan.routes}
+
+
+FILTERED = [ShapeSpec("public.all_types", "wb.public.all_types", None, None),
+            ShapeSpec("positive", "wb.positive", None, compile_filter("i4 > 0 AND t <> ''", {"i4": "integer",
+                                                                                            "t": "text"})),
+            ShapeSpec("narrow_eu", "wb.narrow_eu", ("i4", "t", "d", "tz", "n12", "u", "f8"),
+                      compile_filter("f8 IS NOT NULL OR b", {"f8": "double precision", "b": "boolean"}))]
+
+
+@pytest.mark.parametrize("layout", ["plain", "union"])
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "keyless"])
+@pytest.mark.parametrize("specs", [SHAPES, FILTERED], ids=["shapes", "filtered"])
+def test_copy_reads_byte_identical_to_reference(keyed, layout, specs):
+    keys = KEY_COLUMNS if keyed else ()
+    plan, _ = build(4243, keys, specs, True, layout)
+    encoder = fastcodec.read_encoder(plan, {r.topic: PARTITIONS for r in plan.routes})
+    sources = read_sources(plan)
+    raw = list(rows(keyed)) * 3
+    data = copy_text(raw)
+    assert copy_rows(data) == raw  # the reference parser undoes COPY's escaping
+    for wanted in (plan.routes, plan.routes[-1:]):  # the snapshot: every shape; a backfill: one
+        suffixes = [fastcodec.read_suffix(sources[r.name], SEEN_MS) if r in wanted else None for r in plan.routes]
+        got, sent = encoder.encode_reads(data, suffixes, 3)
+        want, want_sent = read_reference(plan, wanted, raw, sources, 3)
+        assert sent == want_sent
+        assert len(got) == len(want) > 0
+        for g, w in zip(got, want):
+            assert g[:3] == w
+        assert {g[3] for g in got} <= {(r.name, "r") for r in wanted}
+        for route in wanted:  # each filter lets some rows through, not all
+            if route.row_filter is not None:
+                assert 0 < sum(g[0][0] == route.topic for g in got) < len(raw)
+
+
+def test_copy_escapes_read_as_postgresql_reads_them():
+    """Octal, hex and other backslash sequences (never written by COPY TO, read
+    by COPY FROM) and ``\\N`` only as a whole field."""
+    line = b"7\t\\101\\x41\\x4\\xg\\q\\Nz\\0\\\\N\t\\N\n"
+    assert copy_rows(line) == [(b"7", b"AA\x04xgqNz\x00\\N", None)]
+    names = [("i4", base(23, "integer")), ("t", base(25, "text")), ("d", base(1082, "date"))]
+    rel = Relation(12, "public", "small", "d", tuple(Column(n, t.oid, -1, n == "i4") for n, t in names))
+    plan = RelationPlan(rel, [column_codec(t) for _, t in names], ("i4",),
+                        [ShapeSpec("small", "wb.small", None, None)], "wb", "app")
+    plan.routes[0].codec.value_prefix, plan.routes[0].codec.key_prefix = b"V", b"K"
+    encoder = fastcodec.read_encoder(plan, {"wb.small": PARTITIONS})
+    sources = read_sources(plan)
+    got, _ = encoder.encode_reads(line, [fastcodec.read_suffix(sources["small"], SEEN_MS)], 0)
+    assert [g[:3] for g in got] == read_reference(plan, plan.routes, copy_rows(line), sources)[0]
+
+
+@pytest.mark.parametrize("data", [b"1\t2\n", b"1\tx\t\\N\t4\n", b"1\tab\\\n", b"1\tx\t\\N"])
+def test_copy_rows_of_another_width_are_an_error(data):
+    plan, _ = build(4244, KEY_COLUMNS, SHAPES)
+    encoder = fastcodec.read_encoder(plan, {r.topic: PARTITIONS for r in plan.routes})
+    with pytest.raises(ValueError, match="COPY"):
+        encoder.encode_reads(data, [b"" for _ in plan.routes], 0)
+
+
+def test_copy_reads_with_a_null_key_take_the_reference_path():
+    plan, _ = build(4245, KEY_COLUMNS, SHAPES)
+    encoder = fastcodec.read_encoder(plan, {r.topic: PARTITIONS for r in plan.routes})
+    row = tuple(None if n == "i4" else v for n, v in zip(NAMES, next(rows(True))))
+    assert encoder.encode_reads(copy_text([row]), [b"" for _ in plan.routes], 0) is None
