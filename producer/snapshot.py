@@ -219,4 +219,4 @@ class InitialSnapshot:
                              {"snapshot_id": this_id, "lsn": lsn, "rows": rows})
         flush()
         self.progress.update(rows=rows, done=True, finished=time.time())
-        log.info("snapshot %s done: %d rows in %.1fs", this_id, rows, time.monotonic() - started)
+        log.info("snapshot %s done: %d rows in %.2fs", this_id, rows, time.monotonic() - started)
