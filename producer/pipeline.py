@@ -188,7 +188,7 @@ class Pipeline:
     def _assemble(self) -> None:
         """The parts around the stream, on the prepared source and topics."""
         cfg = self.config
-        reads = Reads(self._send, self.partitions, self.stats.events, self._control_key)
+        reads = Reads(self._send, self.partitions, self.stats.events, self._control_key, self._send_all)
         self.snapshot = InitialSnapshot(cfg, self.catalog_conn, self.tables, self._plan_table, reads)
         self.backfills = Backfills(cfg, self.kafka, self._kafka_conf, self.catalog_conn, self.tables,
                                    self._plan_table, reads, self.ledger)
@@ -552,6 +552,19 @@ class Pipeline:
                 self.kafka.poll(0.05)
                 self._keep_stream_alive()
         self.ledger.count_produce(writer)
+
+    def _send_all(self, messages: list, headers: list) -> None:
+        """``_send`` of the compiled read encoder's ``(writer, key, value, stats
+        key)`` messages, unrolled (it runs once per snapshot or backfill row)."""
+        produce, on_delivery, produced, events = self.kafka.produce, self.ledger.on_delivery, self.ledger.produced, \
+            self.stats.events
+        for writer, key, value, stat in messages:
+            try:
+                produce(writer[0], value, key, partition=writer[1], headers=headers, on_delivery=on_delivery)
+                produced[writer] = produced.get(writer, 0) + 1
+            except BufferError:
+                self._send(writer, key, value, headers)
+            events[stat] += 1
 
     def _commit(self, commit: Commit) -> None:
         last = LogOffset(commit.commit_lsn, max(self._op - 1, 0))

@@ -36,6 +36,8 @@ from schemas import wire
 from schemas.kafka import Writer
 
 Send = Callable[[Writer, bytes | None, bytes | None, list], None]
+# ``Send`` of many (writer, key, value, stats key) messages, each counted as an event of its stats key.
+SendAll = Callable[[list, list], None]
 # (topic, event, id) → the ControlKey of a control event on that topic, as written.
 ControlKey = Callable[[str, str, str], bytes]
 
@@ -79,8 +81,9 @@ class Reads:
     """Sends rows read from the source, and the control event after them."""
 
     def __init__(self, send: Send, partitions: dict[str, int], events: dict[tuple[str, str], int],
-                 control_key: ControlKey):
+                 control_key: ControlKey, send_all: SendAll | None = None):
         self._send = send
+        self._send_all = send_all or self._send_each
         self.partitions = partitions  # topic → partition count
         self._events = events  # (shape, op) → count, the stream's own
         self._control_key = control_key
@@ -100,10 +103,7 @@ class Reads:
             encoded = encoder.encode_reads(data, suffixes, sent)
             if encoded is not None:
                 messages, sent = encoded
-                send, events = self._send, self._events
-                for writer, key, value, stat in messages:
-                    send(writer, key, value, headers)
-                    events[stat] += 1
+                self._send_all(messages, headers)
                 return sent
         rows = copy_rows(data)
         width = len(plan.names)
@@ -112,6 +112,12 @@ class Reads:
                 raise ValueError(f"a COPY row of {plan.relation.schema}.{plan.relation.name} holds {len(raw)} "
                                  f"values, the table {width} columns: {raw!r:.200}")
         return self.send_rows(plan, routes, rows, sources, headers, now_ms, sent)
+
+    def _send_each(self, messages: list, headers: list) -> None:
+        send, events = self._send, self._events
+        for writer, key, value, stat in messages:
+            send(writer, key, value, headers)
+            events[stat] += 1
 
     def send_rows(self, plan: RelationPlan, routes: list[ShapeRoute], rows: list, sources: dict[str, bytes],
                   headers: list, now_ms: int, sent: int) -> int:
