@@ -14,23 +14,25 @@ Invariants:
   column's Python encoder, which is the reference path for one field. A value
   this module accepts is one whose Python form it reproduces exactly.
 - ``RelationEncoder.encode`` returns None whenever the change is not one it
-  handles as a whole (an UPDATE carrying an old tuple, a column count that does
+  handles as a whole (a key-changing UPDATE, an old tuple with unchanged
+  TOAST, a filter needing an unchanged TOAST value, a column count that does
   not match the relation, a NULL or unchanged key column, binary values): the
   caller then takes the reference path for the whole change, so correctness
-  never depends on this module recognising a case.
+  never depends on this module recognising a case. What it takes it routes as
+  ``RelationPlan.events`` does: row filters (the reference's own functions,
+  over the filter's columns loaded by the reference loaders), move-in/move-out
+  with a full old row (REPLICA IDENTITY FULL, whose unchanged TOAST values the
+  old row holds), upsert-or-delete without one.
 - COPY text rows are the same text forms pgoutput sends (both come from the
   types' output functions under the same session settings) behind COPY's
   escaping: ``\\N`` alone is NULL, backslash sequences are undone (``\\b \\f
   \\n \\r \\t \\v``, octal ``\\ddd``, hex ``\\xhh``, any other character
   stands for itself), as PostgreSQL's COPY FROM reads them.
   ``RelationEncoder.encode_reads`` returns None for a chunk with a row it does
-  not take whole (a NULL key column), and raises ValueError for a row that is
-  not COPY text of the relation's width; the caller then decides with the
-  reference path, so nothing is skipped silently.
-- A shape's row filter (reads only) is the reference's own ``matches`` over the
-  filter's columns loaded by the reference loaders.
+  not take whole (a NULL key column: the reference path decides), and raises
+  ValueError naming a row that is not COPY text of the relation's width.
 - Special values (the column's Python encoder returns their text, a str,
-  in the plain layout) make their field null and are collected per change;
+  in the plain layout) make their field null and are collected per record;
   a record with a side field gets it from ``envelope.special_field`` (the
   reference's own function) over its columns' collected values.
 - Pure: no I/O. Buffers are reused between calls; an encoder is used by one
@@ -40,7 +42,7 @@ Invariants:
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc, strtod
-from libc.string cimport memchr, memcpy
+from libc.string cimport memchr, memcmp, memcpy
 
 # Column kinds (``ColumnCodec.wire``).
 cdef enum:
@@ -450,14 +452,21 @@ cdef class RelationEncoder:
     cdef uint8_t* state
     cdef Py_ssize_t* start
     cdef Py_ssize_t* size
+    cdef uint8_t* old_state  # an UPDATE's old tuple
+    cdef Py_ssize_t* old_start
+    cdef Py_ssize_t* old_size
+    cdef int nkeys
+    cdef int* keys  # the relation's key columns
+    cdef readonly int span  # positions the last encoded change takes (2: an UPDATE with an old tuple, keyed)
     cdef Buf out
     cdef Buf key
     cdef Buf line  # a COPY row's fields, unescaped
 
     def __cinit__(self):
         self.wire = self.key_branch = self.typed_branch = self.precision = self.scale = NULL
-        self.state = NULL
-        self.start = self.size = NULL
+        self.state = self.old_state = NULL
+        self.start = self.size = self.old_start = self.old_size = NULL
+        self.keys = NULL
         self.out.data = self.key.data = self.line.data = NULL
         self.out.len = self.out.cap = self.key.len = self.key.cap = self.line.len = self.line.cap = 0
 
@@ -478,9 +487,19 @@ cdef class RelationEncoder:
         self.state = <uint8_t*>malloc(m)
         self.start = <Py_ssize_t*>malloc(m * sizeof(Py_ssize_t))
         self.size = <Py_ssize_t*>malloc(m * sizeof(Py_ssize_t))
+        self.old_state = <uint8_t*>malloc(m)
+        self.old_start = <Py_ssize_t*>malloc(m * sizeof(Py_ssize_t))
+        self.old_size = <Py_ssize_t*>malloc(m * sizeof(Py_ssize_t))
+        keys = sorted({(<Route>r).keys[j] for r in routes for j in range((<Route>r).nkeys)})
+        self.nkeys = len(keys)
+        self.keys = <int*>malloc(max(self.nkeys, 1) * sizeof(int))
         if (self.wire == NULL or self.key_branch == NULL or self.typed_branch == NULL or self.precision == NULL
-                or self.scale == NULL or self.state == NULL or self.start == NULL or self.size == NULL):
+                or self.scale == NULL or self.state == NULL or self.start == NULL or self.size == NULL
+                or self.old_state == NULL or self.old_start == NULL or self.old_size == NULL or self.keys == NULL):
             raise MemoryError()
+        for i in range(self.nkeys):
+            self.keys[i] = keys[i]
+        self.span = 1
         self.value_fallback = []
         self.key_fallback = []
         for i, (kind, branch, key_branch, precision, scale, value_fb, key_fb) in enumerate(columns):
@@ -505,42 +524,64 @@ cdef class RelationEncoder:
         free(self.state)
         free(self.start)
         free(self.size)
+        free(self.old_state)
+        free(self.old_start)
+        free(self.old_size)
+        free(self.keys)
         free(self.out.data)
         free(self.key.data)
         free(self.line.data)
 
-    cdef bint _tuple(self, const char* p, Py_ssize_t n, Py_ssize_t pos):
-        """Index a pgoutput TupleData at ``pos``; False if it is not text-only or
-        not of this relation's width."""
+    cdef Py_ssize_t _tuple(self, const char* p, Py_ssize_t n, Py_ssize_t pos, uint8_t* state, Py_ssize_t* start,
+                           Py_ssize_t* size):
+        """Index a pgoutput TupleData at ``pos`` into ``state``/``start``/``size``;
+        returns the position after it, or -1 if it is not text-only or not of
+        this relation's width."""
         cdef int i, ncols
         cdef uint8_t kind
-        cdef uint32_t size
+        cdef uint32_t length
         if pos + 2 > n:
-            return 0
+            return -1
         ncols = ((<uint8_t>p[pos]) << 8) | <uint8_t>p[pos + 1]
         if ncols != self.ncols:
-            return 0
+            return -1
         pos += 2
         for i in range(ncols):
             if pos >= n:
-                return 0
+                return -1
             kind = <uint8_t>p[pos]
             pos += 1
-            self.state[i] = kind
+            state[i] = kind
             if kind == S_TEXT:
                 if pos + 4 > n:
-                    return 0
-                size = ((<uint32_t>(<uint8_t>p[pos]) << 24) | (<uint32_t>(<uint8_t>p[pos + 1]) << 16)
-                        | (<uint32_t>(<uint8_t>p[pos + 2]) << 8) | <uint32_t>(<uint8_t>p[pos + 3]))
+                    return -1
+                length = ((<uint32_t>(<uint8_t>p[pos]) << 24) | (<uint32_t>(<uint8_t>p[pos + 1]) << 16)
+                          | (<uint32_t>(<uint8_t>p[pos + 2]) << 8) | <uint32_t>(<uint8_t>p[pos + 3]))
                 pos += 4
-                if size > <uint32_t>(n - pos):
-                    return 0
-                self.start[i] = pos
-                self.size[i] = size
-                pos += size
+                if length > <uint32_t>(n - pos):
+                    return -1
+                start[i] = pos
+                size[i] = length
+                pos += length
             elif kind != S_NULL and kind != S_TOAST:
-                return 0  # binary values (never asked for) or unknown
-        return 1
+                return -1  # binary values (never asked for) or unknown
+        return pos
+
+    cdef void _swap_old(self):
+        """Makes the old tuple the current one (and back): records are encoded
+        from ``state``/``start``/``size``."""
+        cdef uint8_t* st = self.state
+        cdef Py_ssize_t* sa = self.start
+        cdef Py_ssize_t* sz = self.size
+        self.state, self.start, self.size = self.old_state, self.old_start, self.old_size
+        self.old_state, self.old_start, self.old_size = st, sa, sz
+
+    cdef void _clear_special(self):
+        cdef int j
+        if self.n_special:
+            for j in range(self.ncols):
+                self.special[j] = None
+            self.n_special = 0
 
     cdef int _value(self, Buf* b, const char* base, int i, bint as_key) except -1:
         """Column ``i``'s value (state 't') as the nullable row field, or as the
@@ -642,6 +683,7 @@ cdef class RelationEncoder:
 
     cdef int _row(self, Buf* b, const char* base, Route route) except -1:
         cdef int j, i
+        self._clear_special()  # a record's side field holds its own special values
         for j in range(route.ncols):
             i = route.cols[j]
             if self.state[i] == S_TEXT:
@@ -656,6 +698,7 @@ cdef class RelationEncoder:
         """``route``'s key (prefix and record) into ``self.key``; False if a key
         column has no value."""
         cdef int j, i
+        self._clear_special()
         self.key.len = 0
         _bytes_obj(&self.key, route.key_prefix)
         for j in range(route.nkeys):
@@ -667,24 +710,40 @@ cdef class RelationEncoder:
             self._side(&self.key, route.key_side, route.special_field)
         return 1
 
+    cdef int _before(self, Buf* b, const char* base, Route route, bint old) except -1:
+        """``before`` from the old tuple (``old``) or the current one."""
+        if not old:
+            return self._row(b, base, route)
+        self._swap_old()
+        try:
+            return self._row(b, base, route)
+        finally:
+            self._swap_old()
+
+    cdef object _match(self, Route route, row):
+        return route.row_filter is None or route.row_filter(row)
+
     def encode(self, bytes frame, Py_ssize_t at, int64_t op_index, int64_t lsn, int64_t xid, int64_t ts_ms,
                int64_t seen_ms):
         """The messages of the change whose pgoutput message starts at byte ``at``
         of ``frame``, an XLogData frame (the change's own LSN at ``at - 24``),
         in the transaction committed at ``lsn``: a list of ``(writer, key,
-        value, stats key)``, one per shape in shape order, a keyed delete
-        followed by its tombstone ``(writer, key, None, None)`` where the route
-        wants them; None if this change must take the reference path."""
+        value, stats key)``, at most one per shape in shape order, each passing
+        its shape's row filter as ``RelationPlan.events`` decides, a keyed
+        delete followed by its tombstone ``(writer, key, None, None)`` where
+        the route wants them; None if this change must take the reference
+        path (a key change among them). ``span``: the positions it took."""
         cdef const char* base = PyBytes_AS_STRING(frame)
         cdef Py_ssize_t n = PyBytes_GET_SIZE(frame)
+        cdef Py_ssize_t pos
         cdef const char* p
-        cdef uint8_t kind
+        cdef uint8_t kind, old_kind = 0
         cdef unsigned int oid
-        cdef int j, i, unchanged
+        cdef int j, i, unchanged, r, nroutes = len(self.routes)
         cdef uint32_t partition
         cdef Route route
         cdef Buf* b
-        cdef bint before, after
+        cdef bint before, after, before_old, filtered = 0, was_in, now_in
         cdef int64_t change_lsn
         if at < 24 or at + 6 > n:
             return None
@@ -696,22 +755,76 @@ cdef class RelationEncoder:
                | (<unsigned int>(<uint8_t>p[3]) << 8) | <unsigned int>(<uint8_t>p[4]))
         if oid != self.oid:
             return None
-        if kind == 0x49 and p[5] == 0x4E:  # Insert 'N'
-            before, after, op = 0, 1, "c"
-        elif kind == 0x55 and p[5] == 0x4E:  # Update without an old tuple
-            before, after, op = 0, 1, "u"
-        elif kind == 0x44 and (p[5] == 0x4B or p[5] == 0x4F):  # Delete 'K' / 'O'
-            before, after, op = 1, 0, "d"
-        else:
+        pos = at + 6
+        if kind == 0x55 and (p[5] == 0x4B or p[5] == 0x4F):  # Update with an old tuple: key 'K' or full 'O'
+            old_kind = <uint8_t>p[5]
+            pos = self._tuple(base, n, pos, self.old_state, self.old_start, self.old_size)
+            if pos < 0 or pos + 1 > n or base[pos] != 0x4E:
+                return None
+            pos += 1
+        elif not ((kind == 0x49 or kind == 0x55) and p[5] == 0x4E) and not (
+                kind == 0x44 and (p[5] == 0x4B or p[5] == 0x4F)):  # Insert / Update 'N', Delete 'K' / 'O'
             return None
-        if not self._tuple(base, n, at + 6):
+        if self._tuple(base, n, pos, self.state, self.start, self.size) < 0:
             return None
-        if self.n_special:
-            for j in range(self.ncols):
-                self.special[j] = None
-            self.n_special = 0
+        for r in range(nroutes):
+            if (<Route>self.routes[r]).row_filter is not None:
+                filtered = 1
+        self.span = 1
+        if old_kind:
+            for j in range(self.nkeys):
+                i = self.keys[j]
+                if (self.old_state[i] != S_TEXT or self.state[i] != S_TEXT or self.old_size[i] != self.size[i]
+                        or memcmp(base + self.old_start[i], base + self.start[i], self.size[i]) != 0):
+                    return None  # a key change: two events, each naming the other
+            if old_kind == 0x4F:
+                for j in range(self.ncols):
+                    if self.old_state[j] == S_TOAST:
+                        return None
+                    if self.state[j] == S_TOAST:  # FULL logs the old row detoasted: the value is known
+                        self.state[j] = self.old_state[j]
+                        self.start[j] = self.old_start[j]
+                        self.size[j] = self.old_size[j]
+            if self.nkeys:
+                self.span = 2
+        new_row = old_row = None
+        if filtered:
+            if kind == 0x44:
+                if p[5] == 0x4F:
+                    old_row = self._filter_row(base, self.state, self.start, self.size)
+            else:
+                for i, name, load in self.filter_columns:
+                    if self.state[i] == S_TOAST:
+                        return None  # the filter needs a value pgoutput did not send: read from the source
+                new_row = self._filter_row(base, self.state, self.start, self.size)
+                if old_kind == 0x4F:
+                    old_row = self._filter_row(base, self.old_state, self.old_start, self.old_size)
         out = []
         for route in self.routes:
+            before_old = 0
+            if kind == 0x49:
+                if not self._match(route, new_row):
+                    continue
+                before, after, op = 0, 1, "c"
+            elif kind == 0x44:
+                if old_row is not None and not self._match(route, old_row):
+                    continue
+                before, after, op = 1, 0, "d"
+            elif old_kind == 0x4F:  # the old row is known: move in, move out, stay
+                was_in = self._match(route, old_row)
+                now_in = self._match(route, new_row)
+                if was_in and now_in:
+                    before, after, before_old, op = 1, 1, 1, "u"
+                elif now_in:
+                    before, after, op = 0, 1, "c"
+                elif was_in:
+                    before, after, before_old, op = 1, 0, 1, "d"
+                else:
+                    continue
+            elif self._match(route, new_row):  # old row unknown: an upsert, or a delete of what it may hold
+                before, after, op = 0, 1, "u"
+            else:
+                before, after, op = 0, 0, "d"
             # The key, prefix and body: what the partition is chosen by.
             if route.nkeys:
                 if not self._key(base, route):
@@ -727,7 +840,7 @@ cdef class RelationEncoder:
             _bytes_obj(b, route.value_prefix)
             if before:
                 _byte(b, 2)
-                self._row(b, base, route)
+                self._before(b, base, route, before_old)
             else:
                 _byte(b, 0)
             if after:
@@ -752,7 +865,7 @@ cdef class RelationEncoder:
             _long(b, seen_ms)
             # unchanged_toast: names of this shape's columns an UPDATE left in TOAST.
             unchanged = 0
-            if kind == 0x55:
+            if kind == 0x55 and after:
                 for j in range(self.ncols):
                     if self.state[j] == S_TOAST and route.toast_names[j] is not None:
                         unchanged += 1
@@ -764,7 +877,7 @@ cdef class RelationEncoder:
             _byte(b, 0)
             value = PyBytes_FromStringAndSize(b.data, b.len)
             out.append((route.writers[partition], key, value, route.stats[op]))
-            if kind == 0x44 and key is not None and route.tombstones:
+            if op == "d" and key is not None and route.tombstones:
                 out.append((route.writers[partition], key, None, None))
         return out
 
@@ -866,7 +979,7 @@ cdef class RelationEncoder:
                 for j in range(self.ncols):
                     self.special[j] = None
                 self.n_special = 0
-            row = self._filter_row(p) if filtered else None
+            row = self._filter_row(p, self.state, self.start, self.size) if filtered else None
             for r in range(nroutes):
                 suffix = suffixes[r]
                 if suffix is None:
@@ -895,11 +1008,9 @@ cdef class RelationEncoder:
             pos = end + 1
         return out, sent
 
-    cdef dict _filter_row(self, const char* p):
-        """The row filters' columns of the current COPY row, loaded as the
-        reference loads them."""
+    cdef dict _filter_row(self, const char* p, uint8_t* state, Py_ssize_t* start, Py_ssize_t* size):
+        """The row filters' columns of a row, loaded as the reference loads them."""
         row = {}
         for i, name, load in self.filter_columns:
-            row[name] = load(PyBytes_FromStringAndSize(p + self.start[i], self.size[i])) \
-                if self.state[i] == S_TEXT else None
+            row[name] = load(PyBytes_FromStringAndSize(p + start[i], size[i])) if state[i] == S_TEXT else None
         return row

@@ -12,22 +12,27 @@ Invariants:
   loaders → ``ShapeCodec``/fastavro); the compiled output is byte-identical to
   it (``tests/unit/test_fastcodec.py``), and it is what runs whenever the
   extension is missing or declines a change.
-- A stream encoder exists only for relations none of whose shapes has a row
-  filter (filters decide move-in/move-out from Python values); a read encoder
-  evaluates each shape's filter with the reference's own ``matches`` over the
-  filter's columns loaded by the reference loaders. Per change the stream one
-  declines UPDATEs that carry an old tuple (key change, REPLICA IDENTITY FULL)
-  and anything unusual, and per value it hands forms it does not parse to the
-  column's Python field encoder.
+- Row filters are evaluated by the reference's own functions (streamed
+  changes: ``shapes._safe_match``, reads: ``RowFilter.matches``) over the
+  filter's columns loaded by the reference loaders; the encoder decides
+  insert/update/delete, move-in and move-out as ``RelationPlan.events`` does,
+  REPLICA IDENTITY FULL updates included. Per change it declines key changes
+  (two events naming each other), a filter that needs an unchanged TOAST value
+  (read back from the source) and anything unusual; per value it hands forms
+  it does not parse to the column's Python field encoder.
 - Set ``WALBRIDGE_PURE_PYTHON=1`` to run without the extension.
 """
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 from producer.envelope import ShapeColumn, SourceBytes, avro_long, avro_string, field_encoder, special_field
-from producer.shapes import RelationPlan
+from producer.shapes import RelationPlan, _safe_match
 from schemas import compiled_extension
 from schemas.kafka import Writer
+from schemas.shape_filter import RowFilter
 
 _fastcodec = compiled_extension("producer._fastcodec")
 
@@ -57,19 +62,17 @@ def _side_columns(codec, keys_only: bool) -> list | None:
 
 def relation_encoder(plan: RelationPlan, partitions: dict[str, int], tombstones: bool = True):
     """The compiled encoder of ``plan``'s relation, or None where the reference
-    path must take every change (no extension, a filtered shape, no shape).
+    path must take every change (no extension, no shape).
     ``tombstones``: a delete is followed by its key's tombstone. Call after the
     shapes' writer schemas are registered (it copies the prefixes)."""
-    if plan.filtered:
-        return None
-    return _encoder(plan, partitions, tombstones, filters=False)
+    return _encoder(plan, partitions, tombstones, lambda f: partial(_safe_match, f))
 
 
 def read_encoder(plan: RelationPlan, partitions: dict[str, int]):
     """The compiled encoder of rows read from ``plan``'s relation with ``COPY``
     (``encode_reads``), filtered shapes included; None without the extension
     or a shape. Call after the shapes' writer schemas are registered."""
-    return _encoder(plan, partitions, False, filters=True)
+    return _encoder(plan, partitions, False, lambda f: f.matches)
 
 
 def read_suffix(source: SourceBytes, ts_ms: int) -> bytes:
@@ -80,7 +83,8 @@ def read_suffix(source: SourceBytes, ts_ms: int) -> bytes:
             + b"\x02" + avro_long(ts_ms) + b"\x00")
 
 
-def _encoder(plan: RelationPlan, partitions: dict[str, int], tombstones: bool, filters: bool):
+def _encoder(plan: RelationPlan, partitions: dict[str, int], tombstones: bool,
+             matcher: Callable[[RowFilter], Callable[[dict], bool]]):
     if _fastcodec is None or not plan.routes:
         return None
     relation = plan.relation
@@ -98,8 +102,8 @@ def _encoder(plan: RelationPlan, partitions: dict[str, int], tombstones: bool, f
             {op: (route.name, op) for op in "cudr"},
             [avro_string(n) if n is not None else None for n in toast_names], tombstones,
             _side_columns(codec, False), _side_columns(codec, True), special_field,
-            route.row_filter.matches if filters and route.row_filter is not None else None))
-    read = {c for r in plan.routes if filters and r.row_filter is not None for c in r.row_filter.columns}
+            matcher(route.row_filter) if route.row_filter is not None else None))
+    read = {c for r in plan.routes if r.row_filter is not None for c in r.row_filter.columns}
     filter_columns = [(i, name, codec.load) for i, (name, codec) in enumerate(zip(plan.names, plan.codecs))
                       if name in read]
     return _fastcodec.RelationEncoder(relation.oid, columns, routes, filter_columns)

@@ -13,8 +13,9 @@ The path of one change, top to bottom:
 4. ``_produce`` encodes each event (``envelope.py``) and hands it to the
    idempotent Kafka producer on the key's partition, unless that partition already
    holds it (its tail position is at or past the event's: a replay after a crash).
-   Steps 1, 3 and 4 are one compiled call (``fastcodec.py``) for relations
-   without filtered shapes; the path above is its reference and fallback.
+   Steps 1, 3 and 4 are one compiled call (``fastcodec.py``) for every change
+   but key changes and a few rarer cases; the path above is its reference and
+   fallback.
 5. At ``Commit`` the transaction goes to the ack state (``acks.py``) with the
    partitions (writers) it touched.
 6. There, group commits (or, with ``[ack] consumer_groups = []``, delivery
@@ -355,7 +356,7 @@ class Pipeline:
         messages = encoder.encode(frame, 25, op, lsn, tx.xid, self._tx_ts_ms, self._tx_seen_ms)
         if messages is None:
             return False
-        self._op = op + 1
+        self._op = op + encoder.span
         headers = [(wire.POSITION_HEADER, wire.position_header(lsn, op))]
         replay = self._replay_until is not None and (lsn, op) <= self._replay_until
         events, tx_writers = self.stats.events, self._tx_writers
