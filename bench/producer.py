@@ -3,6 +3,7 @@ reading the same WAL in the same run, plus the producer's memory while one huge
 transaction streams through.
 
     .venv/bin/python bench/producer.py [--rows 1000000] [--pgbench-seconds 30] [--big-rows 10000000]
+                                       [--full-rows 1000000]
 
 Method (every number is a ratio against a reference measured in this run):
 - One embedded PostgreSQL and one Tansu broker. A table is published; the
@@ -10,7 +11,9 @@ Method (every number is a ratio against a reference measured in this run):
   reference slot for ``pg_recvlogical`` start at the same LSN.
 - A workload is written while neither reader runs, so both later decode exactly
   the same WAL: (a) a bulk INSERT of N rows then a bulk UPDATE of the N rows,
-  (b) a pgbench tpcb run.
+  (b) a pgbench tpcb run, (c) as (a) on a REPLICA IDENTITY FULL table whose
+  one shape has a row filter (every row passes it: each UPDATE carries the old
+  row, both are filtered, and the change is sent with its ``before``).
 - Each reader then catches up alone (the machine has 2 cores): pg_recvlogical
   with ``--endpos`` writing to /dev/null; the walbridge producer until the slot's
   confirmed_flush_lsn reaches the same end (``[ack] consumer_groups = []``: the
@@ -41,6 +44,14 @@ sys.path.insert(0, str(ROOT))
 from producer.pgoutput import lsn_to_int  # noqa: E402
 from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
 
+# Workload (c): every row passes the filter, so each change is filtered (old and new row) and sent.
+FILTERED_SHAPE = """
+[[shapes]]
+table = "public.bench_full"
+name = "bench_full_filtered"
+where = "a > 0 AND b IS NOT NULL"
+"""
+
 
 def lsn(conn) -> int:
     return lsn_to_int(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
@@ -52,8 +63,8 @@ def confirmed(conn, slot: str) -> int:
     return lsn_to_int(row[0]) if row and row[0] else 0
 
 
-def write_config(path: Path, dsn: str, bootstrap: str, tables: list[str]) -> Path:
-    shapes = "\n".join(f'[[shapes]]\ntable = "{t}"\n' for t in tables)
+def write_config(path: Path, dsn: str, bootstrap: str, tables: list[str], extra_shapes: str = "") -> Path:
+    shapes = "\n".join(f'[[shapes]]\ntable = "{t}"\n' for t in tables) + extra_shapes
     path.write_text(f"""
 [source]
 dsn = "{dsn}"
@@ -140,6 +151,7 @@ def main() -> None:
     ap.add_argument("--pgbench-seconds", type=int, default=30)
     ap.add_argument("--pgbench-scale", type=int, default=10)
     ap.add_argument("--big-rows", type=int, default=10_000_000)
+    ap.add_argument("--full-rows", type=int, default=1_000_000, help="rows of workload (c); 0 skips it")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "producer.json")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="wb-bench-"))
@@ -149,12 +161,16 @@ def main() -> None:
         dsn = pg.dsn("postgres")
         config = write_config(base / "wb.toml", dsn, broker.bootstrap,
                               ["public.bench_rows", "public.pgbench_accounts", "public.pgbench_branches",
-                               "public.pgbench_tellers", "public.pgbench_history", "public.big"])
+                               "public.pgbench_tellers", "public.pgbench_history", "public.big"],
+                              FILTERED_SHAPE)
         log = base / "producer.log"
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE bench_rows (id int PRIMARY KEY, a int, b text, c numeric(12,2),"
                          " d timestamptz)")
             conn.execute("CREATE TABLE big (id int PRIMARY KEY, v int)")
+            conn.execute("CREATE TABLE bench_full (id int PRIMARY KEY, a int, b text, c numeric(12,2),"
+                         " d timestamptz)")
+            conn.execute("ALTER TABLE bench_full REPLICA IDENTITY FULL")
             subprocess.run([str(pg_bin / "pgbench"), "-i", "-q", "-s", str(args.pgbench_scale), dsn], check=True,
                            capture_output=True)
             conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
@@ -179,6 +195,22 @@ def main() -> None:
                                "ratio": round(t_ref / t_wb, 3),
                                "ratio_excluding_startup": round(t_ref / max(t_wb - startup, 1e-9), 3)}
             print(json.dumps(results["bulk"]), flush=True)
+
+            # (c) a filtered shape on a REPLICA IDENTITY FULL table: bulk INSERT + UPDATE of N rows.
+            if args.full_rows:
+                conn.execute(f"INSERT INTO bench_full SELECT g, g, md5(g::text), g / 7.0, now()"
+                             f" FROM generate_series(1, {args.full_rows}) g")
+                conn.execute("UPDATE bench_full SET a = a + 1")
+                end = lsn(conn)
+                t_ref = catch_up_recvlogical(pg_bin, dsn, end)
+                t_wb, startup, _ = catch_up_walbridge(conn, config, log, end)
+                n = 2 * args.full_rows
+                results["filtered_full"] = {
+                    "changes": n, "pg_recvlogical_s": round(t_ref, 2), "walbridge_s": round(t_wb, 2),
+                    "walbridge_startup_s": round(startup, 2), "pg_recvlogical_rows_per_s": round(n / t_ref),
+                    "walbridge_rows_per_s": round(n / t_wb), "ratio": round(t_ref / t_wb, 3),
+                    "ratio_excluding_startup": round(t_ref / max(t_wb - startup, 1e-9), 3)}
+                print(json.dumps(results["filtered_full"]), flush=True)
 
             # (b) pgbench tpcb.
             start_counts = conn.execute("SELECT count(*) FROM pgbench_history").fetchone()[0]
