@@ -41,7 +41,7 @@ from confluent_kafka import OFFSET_END, Consumer, TopicPartition
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.producer import ProducerProc, write_config  # noqa: E402
+from bench.producer import ProducerProc, pgbench_init, write_config  # noqa: E402
 from producer.backfill_requests import read_states, request_backfill  # noqa: E402
 from schemas import wire  # noqa: E402
 from schemas.config import load_config  # noqa: E402
@@ -101,8 +101,7 @@ def main() -> None:
     results: dict = {"args": vars(args) | {"out": str(args.out)}}
     with PostgresCluster(base / "pg") as pg, TansuBroker(base / "kafka") as broker:
         dsn = pg.dsn("postgres")
-        subprocess.run([str(pg_bin / "pgbench"), "-i", "-q", "-s", str(args.scale), dsn], check=True,
-                       capture_output=True)
+        pgbench_init(pg_bin, dsn, args.scale)
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
         config_path = write_config(base / "wb.toml", dsn, broker.bootstrap, tables)

@@ -145,6 +145,23 @@ def catch_up_recvlogical(pg_bin: Path, dsn: str, end: int) -> float:
     return time.monotonic() - t0
 
 
+def catch_up_both(conn, pg_bin: Path, dsn: str, config: Path, log: Path, changes: int, **facts) -> dict:
+    """Each reader catches up alone on the WAL written so far; their rates and ratio."""
+    end = lsn(conn)
+    t_ref = catch_up_recvlogical(pg_bin, dsn, end)
+    t_wb, startup, _ = catch_up_walbridge(conn, config, log, end)
+    result = {**facts, "changes": changes, "pg_recvlogical_s": round(t_ref, 2), "walbridge_s": round(t_wb, 2),
+              "walbridge_startup_s": round(startup, 2), "pg_recvlogical_rows_per_s": round(changes / t_ref),
+              "walbridge_rows_per_s": round(changes / t_wb), "ratio": round(t_ref / t_wb, 3),
+              "ratio_excluding_startup": round(t_ref / max(t_wb - startup, 1e-9), 3)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def pgbench_init(pg_bin: Path, dsn: str, scale: int) -> None:
+    subprocess.run([str(pg_bin / "pgbench"), "-i", "-q", "-s", str(scale), dsn], check=True, capture_output=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1_000_000)
@@ -171,8 +188,7 @@ def main() -> None:
             conn.execute("CREATE TABLE bench_full (id int PRIMARY KEY, a int, b text, c numeric(12,2),"
                          " d timestamptz)")
             conn.execute("ALTER TABLE bench_full REPLICA IDENTITY FULL")
-            subprocess.run([str(pg_bin / "pgbench"), "-i", "-q", "-s", str(args.pgbench_scale), dsn], check=True,
-                           capture_output=True)
+            pgbench_init(pg_bin, dsn, args.pgbench_scale)
             conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
             # Let the producer create its slot, snapshot pgbench's initial tables, then stop.
             end = lsn(conn)
@@ -184,49 +200,22 @@ def main() -> None:
             conn.execute(f"INSERT INTO bench_rows SELECT g, g, md5(g::text), g / 7.0, now()"
                          f" FROM generate_series(1, {args.rows}) g")
             conn.execute("UPDATE bench_rows SET a = a + 1")
-            end = lsn(conn)
-            t_ref = catch_up_recvlogical(pg_bin, dsn, end)
-            t_wb, startup, _ = catch_up_walbridge(conn, config, log, end)
-            n = 2 * args.rows
-            results["bulk"] = {"changes": n, "pg_recvlogical_s": round(t_ref, 2), "walbridge_s": round(t_wb, 2),
-                               "walbridge_startup_s": round(startup, 2),
-                               "pg_recvlogical_rows_per_s": round(n / t_ref),
-                               "walbridge_rows_per_s": round(n / t_wb),
-                               "ratio": round(t_ref / t_wb, 3),
-                               "ratio_excluding_startup": round(t_ref / max(t_wb - startup, 1e-9), 3)}
-            print(json.dumps(results["bulk"]), flush=True)
+            results["bulk"] = catch_up_both(conn, pg_bin, dsn, config, log, 2 * args.rows)
 
             # (c) a filtered shape on a REPLICA IDENTITY FULL table: bulk INSERT + UPDATE of N rows.
             if args.full_rows:
                 conn.execute(f"INSERT INTO bench_full SELECT g, g, md5(g::text), g / 7.0, now()"
                              f" FROM generate_series(1, {args.full_rows}) g")
                 conn.execute("UPDATE bench_full SET a = a + 1")
-                end = lsn(conn)
-                t_ref = catch_up_recvlogical(pg_bin, dsn, end)
-                t_wb, startup, _ = catch_up_walbridge(conn, config, log, end)
-                n = 2 * args.full_rows
-                results["filtered_full"] = {
-                    "changes": n, "pg_recvlogical_s": round(t_ref, 2), "walbridge_s": round(t_wb, 2),
-                    "walbridge_startup_s": round(startup, 2), "pg_recvlogical_rows_per_s": round(n / t_ref),
-                    "walbridge_rows_per_s": round(n / t_wb), "ratio": round(t_ref / t_wb, 3),
-                    "ratio_excluding_startup": round(t_ref / max(t_wb - startup, 1e-9), 3)}
-                print(json.dumps(results["filtered_full"]), flush=True)
+                results["filtered_full"] = catch_up_both(conn, pg_bin, dsn, config, log, 2 * args.full_rows)
 
             # (b) pgbench tpcb.
             start_counts = conn.execute("SELECT count(*) FROM pgbench_history").fetchone()[0]
             subprocess.run([str(pg_bin / "pgbench"), "-n", "-c", "4", "-j", "2", "-T", str(args.pgbench_seconds),
                             dsn], check=True, capture_output=True)
             txs = conn.execute("SELECT count(*) FROM pgbench_history").fetchone()[0] - start_counts
-            end = lsn(conn)
-            t_ref = catch_up_recvlogical(pg_bin, dsn, end)
-            t_wb, startup, _ = catch_up_walbridge(conn, config, log, end)
-            n = txs * 4  # tpcb: 3 UPDATEs + 1 INSERT per transaction
-            results["pgbench"] = {"transactions": txs, "changes": n, "pg_recvlogical_s": round(t_ref, 2),
-                                  "walbridge_s": round(t_wb, 2), "walbridge_startup_s": round(startup, 2),
-                                  "pg_recvlogical_rows_per_s": round(n / t_ref),
-                                  "walbridge_rows_per_s": round(n / t_wb), "ratio": round(t_ref / t_wb, 3),
-                                  "ratio_excluding_startup": round(t_ref / max(t_wb - startup, 1e-9), 3)}
-            print(json.dumps(results["pgbench"]), flush=True)
+            # tpcb: 3 UPDATEs + 1 INSERT per transaction
+            results["pgbench"] = catch_up_both(conn, pg_bin, dsn, config, log, txs * 4, transactions=txs)
             conn.execute("SELECT pg_drop_replication_slot('ref')")
 
             # (c) memory while one huge transaction streams through.

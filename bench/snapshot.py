@@ -29,7 +29,6 @@ import argparse
 import json
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,7 +42,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.producer import ProducerProc  # noqa: E402
+from bench.producer import ProducerProc, pgbench_init  # noqa: E402
 from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
 
 PARTITIONS = 4
@@ -189,8 +188,7 @@ def main() -> None:
     results: dict = {"args": vars(args) | {"out": str(args.out)}, "runs": []}
     with PostgresCluster(base / "pg") as pg, TansuBroker(base / "kafka") as broker:
         dsn = pg.dsn("postgres")
-        subprocess.run([str(pg_bin / "pgbench"), "-i", "-q", "-s", str(args.scale), dsn], check=True,
-                       capture_output=True)
+        pgbench_init(pg_bin, dsn, args.scale)
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE pgbench_accounts")
         admin = AdminClient({"bootstrap.servers": broker.bootstrap})

@@ -75,6 +75,10 @@ cdef enum:
 
 cdef int64_t US_PER_DAY = 86400000000LL
 
+# COPY text's one-letter escapes (\\b \\f \\n \\r \\t \\v) and the bytes they stand for.
+cdef const char* _ESCAPE_LETTERS = b"bfnrtv"
+cdef const char* _ESCAPED_BYTES = b"\x08\x0c\x0a\x0d\x09\x0b"
+
 
 # ------------------------------------------------------------ murmur2 (Java's)
 # Partitions are chosen by Kafka's Java murmur2 of the whole key (partitioner.py).
@@ -887,6 +891,7 @@ cdef class RelationEncoder:
         exactly this relation's number of fields or ends in a lone backslash."""
         cdef int i = 0, digits, v, h
         cdef char c
+        cdef const char* hit
         cdef Buf* line = &self.line
         line.len = 0
         _reserve(line, end - k)  # unescaping never lengthens
@@ -907,18 +912,9 @@ cdef class RelationEncoder:
                             return 0
                         c = p[k]
                         k += 1
-                        if c == 98:
-                            c = 8
-                        elif c == 102:
-                            c = 12
-                        elif c == 110:
-                            c = 10
-                        elif c == 114:
-                            c = 13
-                        elif c == 116:
-                            c = 9
-                        elif c == 118:
-                            c = 11
+                        hit = <const char*>memchr(_ESCAPE_LETTERS, c, 6)
+                        if hit != NULL:
+                            c = _ESCAPED_BYTES[hit - _ESCAPE_LETTERS]
                         elif 48 <= c <= 55:  # octal, up to 3 digits
                             v = c - 48
                             digits = 1
