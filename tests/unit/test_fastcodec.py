@@ -333,3 +333,20 @@ def test_copy_reads_with_a_null_key_take_the_reference_path():
     encoder = fastcodec.read_encoder(plan, {r.topic: PARTITIONS for r in plan.routes})
     row = tuple(None if n == "i4" else v for n, v in zip(NAMES, next(rows(True))))
     assert encoder.encode_reads(copy_text([row]), [b"" for _ in plan.routes], 0) is None
+
+
+def test_send_copy_gives_the_same_messages_with_and_without_the_extension():
+    plan, _ = build(4246, KEY_COLUMNS, FILTERED)
+    sources = read_sources(plan)
+    data = copy_text(list(rows(True)))
+    sent = {}
+    for mode, encoder in (("compiled", fastcodec.read_encoder(plan, {r.topic: PARTITIONS for r in plan.routes})),
+                          ("reference", None)):
+        out, events = [], __import__("collections").Counter()
+        reads = Reads(lambda w, k, v, h: out.append((w, k, v, h)), {r.topic: PARTITIONS for r in plan.routes},
+                      events, None)
+        n = reads.send_copy(plan, encoder, plan.routes, data, sources, [("h", b"1")], SEEN_MS, 0)
+        sent[mode] = (out, dict(events), n)
+        with pytest.raises(ValueError, match="COPY row"):
+            reads.send_copy(plan, encoder, plan.routes, b"1\t2\n", sources, [], SEEN_MS, 0)
+    assert sent["compiled"] == sent["reference"] and sent["compiled"][2] > len(list(rows(True)))
