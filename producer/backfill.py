@@ -357,7 +357,7 @@ class Backfills:
         done = {**bf.progress(), "state": "done", "finished": bf.finished}
         self.done = (self.done + [done])[-10:]
         self._set_state(bf.request, "done", backfill_id=bf.backfill_id, lsn=bf.reader.lsn, rows=bf.sent,
-                        read=bf.rows, finished_at=bf.finished)
+                        read=bf.rows, started_at=bf.started, finished_at=bf.finished)
         log.info("backfill %s of shape %s done: %d rows read, %d produced in %.1fs", bf.backfill_id, bf.shape,
                  bf.rows, bf.sent, bf.finished - bf.started)
         self.running = None
