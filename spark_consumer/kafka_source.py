@@ -108,6 +108,7 @@ from pyspark.sql.types import StructType
 
 from schemas import wire
 from schemas.config import redact_dsn
+from schemas.failures import READ_GAP
 from schemas.kafka import client_config, ensure_topics, read_to_end
 from schemas.kafka import topic_id as describe_topic_id
 from schemas.reader import SchemaResolver, read_schemas_topic
@@ -818,7 +819,7 @@ def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRa
                 if _incarnation_gone(opts, task):
                     break  # what was read belongs to the old incarnation and stands
                 raise TimeoutError(
-                    f"{topic}[{partition}]: no message at offset {next_offset} for {opts.read_idle_timeout_s}s "
+                    f"{topic}[{partition}]: {READ_GAP} {next_offset} for {opts.read_idle_timeout_s}s "
                     f"(batch range ends at {end}; broker end of partition {eof_at}): the broker lost data?")
             for msg in msgs:
                 err = msg.error()
