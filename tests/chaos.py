@@ -50,22 +50,15 @@ import psycopg
 from producer.pgoutput import lsn_to_int
 from schemas.config import parse_config
 from tests.helpers import ConsumerProcess, ProducerProcess, make_config, wait_for, write_toml
+from tests.integration.test_e2e import SHAPES
 from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin
 from walbridge.verify import ShapeDiff, verify
 
 FAULTS = ("producer_kill", "consumer_kill", "worker_kill", "source_restart", "target_restart", "broker_restart",
           "broker_freeze")
 
-# The 5-shape pgbench set (as tests/integration/test_e2e.py): a filtered,
-# column-limited shape and the keyless REPLICA IDENTITY FULL pgbench_history.
-SHAPES = [
-    {"table": "public.pgbench_accounts"},
-    {"table": "public.pgbench_branches"},
-    {"table": "public.pgbench_tellers"},
-    {"table": "public.pgbench_history"},
-    {"table": "public.pgbench_accounts", "name": "accounts_b1_positive", "where": "bid = 1 AND abalance > 0",
-     "columns": ["aid", "bid", "abalance"]},
-]
+# SHAPES: the 5-shape pgbench set, a filtered, column-limited shape and the
+# keyless REPLICA IDENTITY FULL pgbench_history among them.
 PREFIX = "chaos"
 GROUP = "chaos-spark"
 
