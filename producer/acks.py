@@ -50,7 +50,7 @@ from producer import metrics
 from producer.flush_tracker import FlushTracker, LogOffset, WriterAlignment
 from producer.kafka_io import DeliveryLedger, read_positions
 from schemas.config import Config
-from schemas.kafka import Writer, group_offsets
+from schemas.kafka import GroupOffsets, Writer
 
 log = logging.getLogger("walbridge.producer")
 
@@ -66,6 +66,7 @@ class Acks:
         self._admin = admin
         self._kafka_conf = kafka_conf
         self.groups = list(config.ack_groups)  # "drop" on stall removes from it
+        self.offsets = GroupOffsets(kafka_conf)
         self.ledger = DeliveryLedger()
         self.tracker = FlushTracker(self.confirm)
         self.alignments: dict[Writer, WriterAlignment] = defaultdict(WriterAlignment)
@@ -137,7 +138,10 @@ class Acks:
             self.alignments[writer].record(offset, tx_last)
 
     def group_offsets(self, writers: list[Writer]) -> dict[str, dict[Writer, int]]:
-        return group_offsets(self._admin, self.groups, writers)
+        return self.offsets.read(self.groups, writers)
+
+    def close(self) -> None:
+        self.offsets.close()
 
     def committed_offsets(self, writers: list[Writer]) -> dict[Writer, int]:
         """Minimum over the ack groups of each writer's committed offset."""

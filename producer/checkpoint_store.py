@@ -19,11 +19,10 @@ from dataclasses import replace
 from typing import Any
 
 from confluent_kafka import KafkaException, Producer
-from confluent_kafka.admin import AdminClient
 
 from producer.recovery import Checkpoint
 from schemas import wire
-from schemas.kafka import Writer, group_offsets, produce_acknowledged, read_to_end
+from schemas.kafka import GroupOffsets, Writer, produce_acknowledged, read_to_end
 
 log = logging.getLogger("walbridge.producer")
 
@@ -33,11 +32,11 @@ DELIVERY_TIMEOUT_S = 30.0
 
 
 class CheckpointStore:
-    def __init__(self, kafka_conf: dict[str, Any], producer: Producer, admin: AdminClient, topic_prefix: str,
+    def __init__(self, kafka_conf: dict[str, Any], producer: Producer, offsets: GroupOffsets, topic_prefix: str,
                  groups: list[str]):
         self._conf = kafka_conf
         self._producer = producer
-        self._admin = admin
+        self._offsets = offsets
         self.topic = wire.checkpoint_topic(topic_prefix)
         self._groups = groups
         self.current: Checkpoint | None = None
@@ -85,5 +84,5 @@ class CheckpointStore:
         writers = [(t, p) for t, ends in cp.ends.items() for p in range(len(ends))]
         if not writers or not self._groups:
             return {}
-        per_group = group_offsets(self._admin, self._groups, writers)
+        per_group = self._offsets.read(self._groups, writers)
         return {w: min(offsets.get(w, 0) for offsets in per_group.values()) for w in writers}

@@ -118,7 +118,7 @@ class Pipeline:
                                        else None, config.kafka.subject_name_strategy)
         self.acks = Acks(config, self.admin, kafka_conf)
         self.ledger = self.acks.ledger  # the stream's own reference: it counts every message
-        self.checkpoints = CheckpointStore(kafka_conf, self.kafka, self.admin, config.kafka.topic_prefix,
+        self.checkpoints = CheckpointStore(kafka_conf, self.kafka, self.acks.offsets, config.kafka.topic_prefix,
                                            list(config.ack_groups))
         self._slot: dict | None = None  # the slot's state at start (None: none yet)
         self._cluster_id: str | None = None
@@ -297,6 +297,7 @@ class Pipeline:
         except Exception:
             pass
         # Release the librdkafka handles now rather than at garbage collection.
+        self.acks.close()
         self.kafka = self.admin = self.schemas = None
         if self.repl is not None:
             self.repl.close()

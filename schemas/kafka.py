@@ -6,7 +6,9 @@ Invariants:
   never at the broker's ListOffsets answer (Tansu reports the last batch's base
   offset + 1 there), so a scan sees every message that was there when it ended.
 - Scanning consumers never join or commit to a group of the user's: each gets
-  a group id of its own that nothing else uses.
+  a group id of its own that nothing else uses. Committed offsets are read
+  with the user's group id by a consumer that never subscribes (never joins,
+  never commits), not through the admin client (see :class:`GroupOffsets`).
 - ``ensure_topics`` only creates what is missing and returns the partition
   counts the broker actually has (an existing topic keeps its own).
 - Every client made from :func:`client_config` logs through Python logging
@@ -29,7 +31,6 @@ from typing import Any, Callable, Iterable, Iterator
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
-    ConsumerGroupTopicPartitions,
     KafkaError,
     KafkaException,
     Message,
@@ -209,13 +210,49 @@ def topic_id(admin: AdminClient, topic: str, timeout: float = 30.0) -> str | Non
     return tid if tid.strip("A=") else None  # all-zero id: the broker keeps none
 
 
-def group_offsets(admin: AdminClient, groups: Iterable[str], writers: list[Writer],
+class GroupOffsets:
+    """Reads consumer groups' committed offsets with one ``Consumer`` per group
+    that never subscribes (so it never joins the group, and never commits):
+    ``committed()`` asks the group's coordinator for the offsets (OffsetFetch).
+
+    Not ``AdminClient.list_consumer_group_offsets``: in librdkafka 2.16 an admin
+    request to a group coordinator that times out (a broker frozen for longer
+    than the request timeout) can abort the whole process on the assertion
+    ``rd_kafka_enq_once_del_source_return: eonce->refcnt > 0`` once the broker
+    answers again (librdkafka issue #4605, open)."""
+
+    def __init__(self, conf: dict[str, Any]):
+        self._conf = conf
+        self._consumers: dict[str, Consumer] = {}
+
+    def read(self, groups: Iterable[str], writers: list[Writer],
+             timeout: float = 10.0) -> dict[str, dict[Writer, int]]:
+        """Each group's committed offset (the next offset it will read) per
+        writer; 0 where the group has committed nothing. Raises
+        KafkaException (``_TIMED_OUT``) when the coordinator does not answer
+        within ``timeout`` seconds."""
+        result: dict[str, dict[Writer, int]] = {}
+        for group in groups:
+            consumer = self._consumers.get(group)
+            if consumer is None:
+                consumer = self._consumers[group] = Consumer(
+                    {**self._conf, "group.id": group, "enable.auto.commit": False})
+            consumer.poll(0)  # serves the client's log records
+            tps = consumer.committed([TopicPartition(t, p) for t, p in writers], timeout=timeout)
+            result[group] = {(tp.topic, tp.partition): max(tp.offset, 0) for tp in tps}
+        return result
+
+    def close(self) -> None:
+        consumers, self._consumers = list(self._consumers.values()), {}
+        for consumer in consumers:
+            consumer.close()
+
+
+def group_offsets(conf: dict[str, Any], groups: Iterable[str], writers: list[Writer],
                   timeout: float = 10.0) -> dict[str, dict[Writer, int]]:
-    """Each group's committed offset (the next offset it will read) per
-    writer; 0 where the group has committed nothing."""
-    result: dict[str, dict[Writer, int]] = {}
-    for group in groups:
-        req = [ConsumerGroupTopicPartitions(group, [TopicPartition(t, p) for t, p in writers])]
-        res = admin.list_consumer_group_offsets(req, request_timeout=timeout)[group].result()
-        result[group] = {(tp.topic, tp.partition): max(tp.offset, 0) for tp in res.topic_partitions}
-    return result
+    """:meth:`GroupOffsets.read` once, with clients of its own."""
+    reader = GroupOffsets(conf)
+    try:
+        return reader.read(groups, writers, timeout)
+    finally:
+        reader.close()

@@ -55,7 +55,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psycopg
 import pyarrow as pa
@@ -520,9 +520,23 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
     except Stopped:
         return
     finally:
-        for q, applier in zip(queries, started):
-            applier.settle(10.0)
-            q.stop()
+        stop_queries(queries, started, SETTLE_S)
         for applier in started:
             applier.close()
         spark.stop()
+
+
+SETTLE_S = 10.0  # at shutdown: how long the queries' batches in hand may take, all together
+
+
+def stop_queries(queries: list, appliers: list[ShapeApplier], timeout: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+    """Stop every query, each once its applier holds no batch being read
+    (:meth:`ShapeApplier.settle`), within one shared ``timeout``: all refuse
+    new batches at once, so N busy queries wait ``timeout``, not N times it."""
+    deadline = clock() + timeout
+    for applier in appliers:
+        applier.quiesce()
+    for q, applier in zip(queries, appliers):
+        applier.settle(max(0.0, deadline - clock()))
+        q.stop()

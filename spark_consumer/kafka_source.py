@@ -61,7 +61,10 @@ Invariants:
   query stops with an error; with ``follow`` the next batch reads the new
   incarnation from offset 0 (a changed id, or an end below the start, marks the
   reset), for an apply that writes by position (walbridge's does). A topic that
-  is briefly missing yields no new data with ``follow``. Without topic ids, a
+  is briefly missing yields no new data with ``follow``. A read task hands
+  its rows over only after checking that the topic id it was planned with
+  still stands (a consumer would read on into a new incarnation by offset).
+  Without topic ids, a
   new incarnation that outgrew the read offsets before the first look cannot
   be told from the old one: ``walbridge reconcile`` finds what that skipped.
 - Read limits: ``ReadMaxRows`` (``max_offsets_per_trigger``) is shared across
@@ -108,6 +111,7 @@ from pyspark.sql.types import StructType
 
 from schemas import wire
 from schemas.config import redact_dsn
+from schemas.failures import READ_GAP
 from schemas.kafka import client_config, ensure_topics, read_to_end
 from schemas.kafka import topic_id as describe_topic_id
 from schemas.reader import SchemaResolver, read_schemas_topic
@@ -564,7 +568,7 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             max_rows = limit.max_rows
         elif isinstance(limit, ReadMinRows):
             if sum(max(0, available[p] - s) for p, s in begin.items()) < limit.min_rows:
-                return offsets_to_json(begin)
+                return offsets_to_json(begin, topic_id)  # with the id: the next look must still tell incarnations
         end = plan_end_offsets(begin, available, max_rows)
         for p, e in ends.items():
             if p in begin and e < begin[p]:  # lost and recreated (on_data_loss=follow): [0, e) next
@@ -816,9 +820,9 @@ def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRa
             msgs = consumer.consume(num_messages=min(CONSUME_BATCH, end - next_offset), timeout=RANGE_CONSUME_WAIT_S)
             if not msgs and time.monotonic() - idle_since > opts.read_idle_timeout_s:
                 if _incarnation_gone(opts, task):
-                    break  # what was read belongs to the old incarnation and stands
+                    break
                 raise TimeoutError(
-                    f"{topic}[{partition}]: no message at offset {next_offset} for {opts.read_idle_timeout_s}s "
+                    f"{topic}[{partition}]: {READ_GAP} {next_offset} for {opts.read_idle_timeout_s}s "
                     f"(batch range ends at {end}; broker end of partition {eof_at}): the broker lost data?")
             for msg in msgs:
                 err = msg.error()
@@ -833,7 +837,7 @@ def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRa
                         log.warning("%s[%d]: %s (retrying)", topic, partition, err.str())
                         continue
                     if _incarnation_gone(opts, task):
-                        next_offset = end  # lost mid-read: what was read stands
+                        next_offset = end  # lost mid-read
                         break
                     raise KafkaException(err)
                 offset = msg.offset()
@@ -850,8 +854,17 @@ def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRa
                 next_offset = offset + 1
             idle_since = time.monotonic() if msgs else idle_since
             if builder.count >= ARROW_BATCH_ROWS:
+                if _incarnation_gone(opts, task):
+                    return  # see below
                 yield builder.to_record_batch()
-        if builder.count:
+        # A consumer fetches by topic name and offset: a topic recreated while
+        # it read hands it the new incarnation's messages from the next offset
+        # on. Applied as this range's, they would lift the partition's applied
+        # position above the new incarnation's first messages, later skipped
+        # as replays. So rows are handed over only while the incarnation
+        # stands; those read since the last look are dropped (the driver plans
+        # the new incarnation from offset 0).
+        if builder.count and not _incarnation_gone(opts, task):
             yield builder.to_record_batch()
         dead_letters.flush()
     except SchemaChangedError:

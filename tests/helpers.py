@@ -48,7 +48,11 @@ def write_toml(data: dict, path: Path) -> Path:
         if section == "shapes":
             continue
         lines.append(f"[{section}]")
-        lines += [f"{k} = {value(v)}" for k, v in body.items()]
+        lines += [f"{k} = {value(v)}" for k, v in body.items() if not isinstance(v, dict)]
+        for name, table in body.items():  # e.g. [kafka.client]
+            if isinstance(table, dict):
+                lines.append(f"[{section}.{name}]")
+                lines += [f'"{k}" = {value(v)}' for k, v in table.items()]
     for shape in data.get("shapes", []):
         lines.append("[[shapes]]")
         lines += [f"{k} = {value(v)}" for k, v in shape.items()]

@@ -146,7 +146,8 @@ def _source_catalog(config: Config, conn, checks: Checklist) -> None:
 
 def _kafka(config: Config, checks: Checklist) -> None:
     bootstrap = config.kafka.bootstrap_servers
-    admin = AdminClient(client_config(bootstrap, config.kafka.client))
+    conf = client_config(bootstrap, config.kafka.client)
+    admin = AdminClient(conf)
     try:
         with attributed(kafka=bootstrap):
             meta = admin.list_topics(timeout=METADATA_TIMEOUT)
@@ -179,7 +180,7 @@ def _kafka(config: Config, checks: Checklist) -> None:
                                + ", ".join(missing) + ")")
             groups = config.ack_groups
             if groups and existing:
-                group_offsets(admin, groups, [(existing[0], 0)])
+                group_offsets(conf, groups, [(existing[0], 0)])
                 checks.add(KAFKA, "consumer groups", True, f"committed offsets of {', '.join(groups)} readable")
     except Failure as f:
         checks.failed(KAFKA, "topics and groups", f)

@@ -68,7 +68,7 @@ def collect_status(config: Config) -> dict:
     writers = [(config.topic(s), p) for s in config.shapes if config.topic(s) in meta
                for p in sorted(meta[config.topic(s)].partitions)]
     tails = read_tails(conf, writers, timeout=15) if writers else {}
-    committed = group_offsets(admin, config.ack_groups, writers) if writers else {}
+    committed = group_offsets(conf, config.ack_groups, writers) if writers else {}
     producer_view = _last_record(conf, wire.status_topic(config.kafka.topic_prefix))
     if producer_view:
         producer_view["age_s"] = round(time.time() - producer_view.get("ts", 0), 1)

@@ -38,7 +38,7 @@ from rich.live import Live
 from producer import catalog
 from producer.pgoutput import lsn_to_int
 from schemas.config import Config, parse_config, redact_dsn
-from schemas.kafka import client_config, group_offsets
+from schemas.kafka import GroupOffsets, client_config
 from walbridge.embedded import PostgresCluster, TansuBroker
 from walbridge.render import render_verify, render_view
 from walbridge.runtime import as_failure, consumer_service, producer_service, spark_job
@@ -210,7 +210,7 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
     stop = threading.Event()
     workload = None
     producer = consumer = None
-    admin = None
+    admin = offsets = None
     last: dict = {}
     failed: list[BaseException] = []  # what ended a part for good
     signals: list[int] = []  # what stopped the run
@@ -239,7 +239,8 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
             workload = Workload(config.source.dsn, rate)
             workload.start()
         sampler = Sampler(config)
-        admin = AdminClient(client_config(config.kafka.bootstrap_servers, config.kafka.client))
+        kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
+        admin, offsets = AdminClient(kafka_conf), GroupOffsets(kafka_conf)
         deadline = time.monotonic() + duration if duration else None
 
         def on_signal(signum, frame):
@@ -251,7 +252,7 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
             signal.signal(signal.SIGTERM, on_signal)
         with Live(console=console, refresh_per_second=2, transient=False, auto_refresh=False) as live:
             while not stop.is_set():
-                last = sampler.sample(views.get("producer"), _slot(config), _committed(admin, config),
+                last = sampler.sample(views.get("producer"), _slot(config), _committed(admin, offsets, config),
                                       errors.count, _dlq(appliers), workload.transactions if workload else 0)
                 if not headless:
                     live.update(render_view(last), refresh=True)
@@ -269,7 +270,7 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
             producer.join(30)
             if consumer:
                 consumer.join(60)
-            last = sampler.sample(views.get("producer"), _slot(config), _committed(admin, config),
+            last = sampler.sample(views.get("producer"), _slot(config), _committed(admin, offsets, config),
                                   errors.count, _dlq(appliers), workload.transactions if workload else 0)
             live.update(render_view(last), refresh=True)
         if failed:
@@ -291,7 +292,9 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
             producer.join(30)
         if consumer is not None:
             consumer.join(60)
-        admin = None  # noqa: F841  (drops the client before its broker goes)
+        if offsets is not None:
+            offsets.close()
+        admin = offsets = None  # noqa: F841  (drops the clients before their broker goes)
         for s in stoppables:
             s.stop()
         root.handlers[:] = saved_handlers
@@ -350,7 +353,7 @@ def _slot(config: Config) -> dict | None:
             "confirmed_int": lsn_to_int(state["confirmed_flush_lsn"]) if state["confirmed_flush_lsn"] else 0}
 
 
-def _committed(admin: AdminClient, config: Config) -> dict[str, int]:
+def _committed(admin: AdminClient, reader: GroupOffsets, config: Config) -> dict[str, int]:
     """Lowest committed offset over the ack groups, per ``topic[partition]``."""
     if not config.ack_groups:
         return {}
@@ -358,7 +361,7 @@ def _committed(admin: AdminClient, config: Config) -> dict[str, int]:
         meta = admin.list_topics(timeout=5).topics
         writers = [(config.topic(s), p) for s in config.shapes if config.topic(s) in meta
                    for p in meta[config.topic(s)].partitions]
-        per_group = group_offsets(admin, config.ack_groups, writers, timeout=5)
+        per_group = reader.read(config.ack_groups, writers, timeout=5)
     except Exception:  # the view shows "-" until the broker answers
         return {}
     return {f"{t}[{p}]": min(offsets.get((t, p), 0) for offsets in per_group.values()) for t, p in writers}

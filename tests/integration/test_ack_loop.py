@@ -9,7 +9,6 @@ import time
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
-from confluent_kafka.admin import AdminClient
 
 from producer.pgoutput import lsn_to_int
 from schemas import wire
@@ -194,7 +193,6 @@ def test_spark_consumer_and_a_plain_group_release_wal_only_once_both_committed(s
     slot = cfg["source"]["slot"]
     topic = f"{topic_prefix}.public.watched"
     plain = GroupStandIn(kafka_broker.bootstrap, plain_group, topic)
-    admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
     writers = [(topic, p) for p in range(3)]
 
     def applied(v: int) -> bool:
@@ -214,7 +212,7 @@ def test_spark_consumer_and_a_plain_group_release_wal_only_once_both_committed(s
         plain.drain()
         change = min(pos[0] for ps in plain.positions.values() for _, pos in ps if pos[0] > before_change)
         # The Spark group has committed everything there is; the plain group nothing.
-        wait_for(lambda: group_offsets(admin, [spark_group], writers)[spark_group] == {
+        wait_for(lambda: group_offsets({"bootstrap.servers": kafka_broker.bootstrap}, [spark_group], writers)[spark_group] == {
             (topic, p): n for p, n in plain.next.items()} | {w: 0 for w in writers if w[1] not in plain.next},
             timeout=60, what="the Spark group's offsets at the topic's end")
         for _ in range(10):  # ten ack intervals

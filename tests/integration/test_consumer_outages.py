@@ -71,10 +71,6 @@ def test_a_consumer_started_while_the_broker_is_frozen_waits_then_applies(source
     broker = private_kafka_broker
     _items_source(source_db)
     cfg = _config(source_db, str(target_db), broker.bootstrap, topic_prefix, tmp_path)
-    # The producer confirms on the broker's ack: it reads no group offsets
-    # (its admin client aborted the process once on a broker resumed from
-    # SIGSTOP; the producer's outages are another slice of issue 16).
-    cfg["ack"] = {"consumer_groups": []}
     path = write_toml(cfg, tmp_path / "wb.toml")
     log = tmp_path / "consumer.log"
     consumer = ConsumerProcess(path, log)

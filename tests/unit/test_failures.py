@@ -126,6 +126,15 @@ def test_failures_from_spark_tasks_are_recognised_in_their_text():
     assert classify_text("ZeroDivisionError: division by zero") is None
 
 
+def test_a_partition_read_that_waited_in_vain_is_a_transient_kafka_failure():
+    """Not counted against the query's restart budget: an outage cannot end the consumer through it."""
+    text = ("pyspark.errors.exceptions.captured.StreamingQueryException: ... File \"kafka_source.py\", line 820\n"
+            "TimeoutError: t.public.items[2]: no message at offset 41 for 60.0s (batch range ends at 57; broker "
+            "end of partition None): the broker lost data?")
+    failure = classify_text(text)
+    assert failure.endpoint == KAFKA and not failure.permanent
+
+
 def test_a_failure_survives_pickling_whatever_its_class():
     for failure in (Failure(KAFKA, "down", "start it", address="k:1", permanent=False),
                     SourceError("table public.x does not exist"),

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from schemas.config import parse_config
-from spark_consumer.job import ShapeApplier
+from spark_consumer.job import ShapeApplier, stop_queries
 from tests.helpers import make_config
 from tests.integration.test_target_apply import items_target
 
@@ -63,3 +63,38 @@ def test_a_batch_being_read_holds_the_stop_back_until_it_is_handed_over():
         batch.release.set()
         call.join(10)
         applier.close()
+
+
+class BusyApplier:
+    """An applier whose batch in hand is never handed over: each settle waits
+    its whole timeout (on a fake clock)."""
+
+    def __init__(self, clock: list[float], events: list) -> None:
+        self.clock, self.events = clock, events
+
+    def quiesce(self) -> bool:
+        self.events.append(("quiesce", self))
+        return False
+
+    def settle(self, timeout: float) -> None:
+        self.events.append(("settle", timeout))
+        self.clock[0] += timeout
+
+
+class Query:
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def stop(self) -> None:
+        self.events.append(("stop", self))
+
+
+def test_shutdown_waits_for_all_busy_queries_within_one_deadline():
+    clock, events = [100.0], []
+    appliers = [BusyApplier(clock, events) for _ in range(3)]
+    queries = [Query(events) for _ in range(3)]
+    stop_queries(queries, appliers, 10.0, clock=lambda: clock[0])
+    assert [e[0] for e in events[:3]] == ["quiesce"] * 3  # all refuse new batches first
+    assert [t for kind, t in events if kind == "settle"] == [10.0, 0.0, 0.0]
+    assert [q for kind, q in events if kind == "stop"] == queries
+    assert clock[0] == 110.0

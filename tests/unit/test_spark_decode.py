@@ -859,6 +859,10 @@ def test_reader_follows_a_recreated_topic_from_offset_zero(monkeypatch):
     # Without ids: an end below the start is the sign; read from 0 up to it.
     r._ends.id = None
     assert r.latestOffset({"0": 1000, "1": 50}, ReadAllAvailable()) == {"0": 900, "1": 50}
+    # Too little for a ReadMinRows limit: no batch yet, and the offsets keep
+    # the incarnation (without it the next look could not tell them apart).
+    r._ends.id = "old-id"
+    assert r.latestOffset(start, ReadMinRows(10_000)) == start
     # A topic being recreated: no new data meanwhile.
     r._ends.id = "missing"
     assert r.latestOffset(start, ReadAllAvailable()) == start

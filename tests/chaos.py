@@ -1,0 +1,369 @@
+"""A chaos run: the whole pipeline under pgbench while a seeded random
+schedule injects faults, many times each, then proves nothing was lost.
+
+Used by ``tests/integration/test_chaos.py`` (short, in CI) and
+``bench/chaos.py`` (long). Everything runs on servers of its own, under one
+base dir: a source and a target PostgreSQL cluster and a Tansu broker (memory
+storage: a restart loses every topic, record and committed offset). The
+producer and the consumer run as real ``walbridge`` processes; the harness
+restarts the ones it killed, as a supervisor would.
+
+Faults (:data:`FAULTS`): ``kill -9`` of the producer, of the consumer (driver
+and JVM), of one Spark Python worker (a Python process under the driver's
+JVM); ``pg_ctl stop -m immediate`` + start of the source, of the target; a
+broker restart; the broker frozen (SIGSTOP) for longer than the producer's
+``message.timeout.ms``, then resumed. One fault at a time, each kind at least
+``rounds`` times, in an order and with gaps drawn from the seed.
+
+Invariants the run checks (:attr:`ChaosResult.problems` lists what failed):
+- every shape's target equals its source (``walbridge verify``), with no
+  manual command: lost rows = missing or differing rows, duplicate rows =
+  extra rows (for the keyless ``pgbench_history``: a streamed insert applied
+  twice);
+- the slot confirmed the source's final LSN;
+- no walbridge process exited other than the ones killed.
+
+Recovery time of a fault: from the end of the fault (the process restarted,
+the server started, the broker resumed) to the target holding a marker
+written to the source right after it (``pgbench_tellers.filler`` of teller
+1, a column pgbench never writes). Faults come faster than some recoveries:
+a marker seen covers every earlier one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psycopg
+
+from producer.pgoutput import lsn_to_int
+from schemas.config import parse_config
+from tests.helpers import ConsumerProcess, ProducerProcess, make_config, wait_for, write_toml
+from tests.integration.test_e2e import SHAPES
+from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin
+from walbridge.verify import ShapeDiff, verify
+
+FAULTS = ("producer_kill", "consumer_kill", "worker_kill", "source_restart", "target_restart", "broker_restart",
+          "broker_freeze")
+
+# SHAPES: the 5-shape pgbench set, a filtered, column-limited shape and the
+# keyless REPLICA IDENTITY FULL pgbench_history among them.
+PREFIX = "chaos"
+GROUP = "chaos-spark"
+
+
+@dataclass
+class Injection:
+    kind: str
+    started: float
+    ended: float = 0.0
+    recovered: float | None = None
+
+    @property
+    def recovery_s(self) -> float | None:
+        return None if self.recovered is None else max(self.recovered - self.ended, 0.0)
+
+
+@dataclass
+class ChaosResult:
+    seed: int
+    injections: list[Injection] = field(default_factory=list)
+    lost_rows: int = 0
+    duplicate_rows: int = 0
+    problems: list[str] = field(default_factory=list)
+    diffs: list[ShapeDiff] = field(default_factory=list)
+
+    def table(self) -> str:
+        """fault → times injected → recovery p50/max → lost rows → duplicate rows."""
+        lines = [f"chaos run, seed {self.seed}",
+                 f"{'fault':<16} {'injected':>8} {'recovery p50':>13} {'recovery max':>13} {'lost rows':>10} "
+                 f"{'dup rows':>9}"]
+        for kind in FAULTS:
+            done = [i for i in self.injections if i.kind == kind]
+            times = [i.recovery_s for i in done if i.recovery_s is not None]
+            p50 = f"{statistics.median(times):.1f}s" if times else "-"
+            worst = f"{max(times):.1f}s" if times else "-"
+            unrecovered = sum(i.recovery_s is None for i in done)
+            if unrecovered:
+                worst += f" ({unrecovered}?)"
+            lines.append(f"{kind:<16} {len(done):>8} {p50:>13} {worst:>13} {self.lost_rows:>10} "
+                         f"{self.duplicate_rows:>9}")
+        lines.append("lost/duplicate rows: counted over the whole run (faults overlap), every shape")
+        return "\n".join(lines)
+
+
+def schedule(seed: int, rounds: int, gap: tuple[float, float]) -> list[tuple[float, str]]:
+    """``rounds`` of each fault in a seeded random order, each after a seeded
+    random pause in ``gap`` seconds: [(pause, kind)]."""
+    rng = random.Random(seed)
+    kinds = [k for k in FAULTS for _ in range(rounds)]
+    rng.shuffle(kinds)
+    return [(rng.uniform(*gap), k) for k in kinds]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            out.append(int(entry))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def python_workers(driver_pid: int) -> list[int]:
+    """Spark's Python processes: the Python descendants of the driver's JVM
+    (itself a child of the driver, perhaps through a launcher script)."""
+    found, todo = [], [(driver_pid, False)]
+    while todo:
+        pid, under_jvm = todo.pop()
+        for child in _children(pid):
+            cmd = _cmdline(child)
+            if under_jvm and "python" in cmd:
+                found.append(child)
+            todo.append((child, under_jvm or "java" in cmd.split(" ", 1)[0]))
+    return found
+
+
+class Chaos:
+    """One chaos run under ``base`` (see the module docstring)."""
+
+    def __init__(self, base: Path, seed: int, rounds: int = 3, gap: tuple[float, float] = (3.0, 7.0),
+                 rate: int = 20, message_timeout_s: float = 10.0, settle_timeout: float = 240.0,
+                 say: Callable[[str], None] = print):
+        self.base = base
+        self.seed = seed
+        self.plan = schedule(seed, rounds, gap)
+        self.rate = rate
+        self.message_timeout_s = message_timeout_s
+        self.settle_timeout = settle_timeout
+        self.say = say
+        self.result = ChaosResult(seed)
+        self._lock = threading.Lock()  # a kill and its restart vs. the supervisor's look
+        self._stop = threading.Event()
+        self._markers: list[tuple[int, Injection]] = []
+
+    # -- set-up
+    def _start_servers(self) -> None:
+        self.source = PostgresCluster(self.base / "source").start()
+        self.target = PostgresCluster(self.base / "target").start()
+        self.broker = TansuBroker(self.base / "kafka").start()
+        self.source_dsn = self.source.create_database("chaos")
+        self.target_dsn = self.target.create_database("warehouse")
+        self._pgbench("-i", "-q", "-s", "1")
+        with psycopg.connect(self.source_dsn, autocommit=True) as conn:
+            conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
+            conn.execute("ALTER TABLE pgbench_accounts REPLICA IDENTITY FULL")
+        self.config = make_config(
+            self.source_dsn, self.broker.bootstrap, PREFIX, SHAPES,
+            source={"reconnect_max_backoff": 2.0},
+            kafka={"client": {"message.timeout.ms": int(self.message_timeout_s * 1000)}},
+            consumer={"group": GROUP, "target_dsn": self.target_dsn,
+                      "checkpoint_dir": str(self.base / "checkpoints"), "trigger_interval": 0.5,
+                      "reconnect_max_backoff": 2.0},
+            ack={"consumer_groups": [GROUP], "interval": 0.5})
+        path = write_toml(self.config, self.base / "walbridge.toml")
+        self.producer = ProducerProcess(path, self.base / "producer.log")
+        self.consumer = ConsumerProcess(path, self.base / "consumer.log")
+
+    def _pgbench(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(find_pg_bin() / "pgbench"), *args, self.source_dsn], capture_output=True)
+
+    # -- the moving parts
+    def _load(self) -> None:
+        """pgbench at ``rate`` tx/s until the run stops it, started again
+        whenever a source restart ends it."""
+        while not self._stop.is_set():
+            cmd = [str(find_pg_bin() / "pgbench"), "-n", "-c", "2", "-T", "3600", "-R", str(self.rate),
+                   self.source_dsn]
+            bench = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            while bench.poll() is None and not self._stop.wait(0.5):
+                pass
+            if bench.poll() is None:
+                bench.terminate()
+            bench.wait(30)
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.5):
+            with self._lock:
+                for name, proc in (("producer", self.producer), ("consumer", self.consumer)):
+                    code = proc.proc.poll()
+                    if code is not None:
+                        tail = proc.log_path.read_text(errors="replace")[-3000:]
+                        self.result.problems.append(f"{name} exited by itself (code {code}):\n{tail}")
+                        self.say(f"!! {name} exited by itself (code {code}); restarted")
+                        proc.start()
+
+    def _marker_value(self) -> int | None:
+        try:
+            with psycopg.connect(self.target_dsn, connect_timeout=3) as conn:
+                row = conn.execute("SELECT filler FROM public.pgbench_tellers WHERE tid = 1").fetchone()
+        except psycopg.Error:
+            return None
+        m = re.match(r"chaos-(\d+)", (row[0] or "").strip()) if row else None
+        return int(m.group(1)) if m else None
+
+    def _watch_markers(self) -> None:
+        while not self._stop.wait(0.5):
+            seen = self._marker_value()
+            if seen is None:
+                continue
+            now = time.monotonic()
+            for n, injection in self._markers:
+                if n <= seen and injection.recovered is None:
+                    injection.recovered = now
+
+    def _write_marker(self, injection: Injection) -> None:
+        n = len(self._markers) + 1
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with psycopg.connect(self.source_dsn, autocommit=True, connect_timeout=3) as conn:
+                    conn.execute("UPDATE pgbench_tellers SET filler = %s WHERE tid = 1", (f"chaos-{n}",))
+                self._markers.append((n, injection))
+                return
+            except psycopg.Error:
+                time.sleep(0.5)
+
+    # -- faults
+    def _inject(self, kind: str) -> Injection:
+        injection = Injection(kind, time.monotonic())
+        if kind == "producer_kill":
+            with self._lock:
+                self.producer.kill9()
+                self.producer.start()
+        elif kind == "consumer_kill":
+            with self._lock:
+                self.consumer.kill9()
+                self.consumer.start()
+        elif kind == "worker_kill":
+            workers = wait_for(lambda: python_workers(self.consumer.proc.pid), timeout=120, interval=0.5,
+                               what="a Spark Python worker")
+            victim = random.Random(self.seed + len(self.result.injections)).choice(sorted(workers))
+            os.kill(victim, signal.SIGKILL)
+        elif kind in ("source_restart", "target_restart"):
+            cluster = self.source if kind == "source_restart" else self.target
+            cluster.stop("immediate")
+            cluster.start()
+        elif kind == "broker_restart":
+            self.broker.restart()
+        elif kind == "broker_freeze":
+            os.kill(self.broker.pid, signal.SIGSTOP)
+            try:
+                time.sleep(self.message_timeout_s + 2)
+            finally:
+                os.kill(self.broker.pid, signal.SIGCONT)
+        injection.ended = time.monotonic()
+        return injection
+
+    # -- the run
+    def run(self) -> ChaosResult:
+        self.say(f"chaos run: seed {self.seed}, {len(self.plan)} faults, pgbench -R {self.rate}")
+        self._start_servers()
+        threads: list[threading.Thread] = []
+        try:
+            self.producer.start()
+            self.consumer.start()
+            wait_for(self._equal, timeout=self.settle_timeout, interval=3, what="the initial snapshot applied")
+            threads = [threading.Thread(target=self._supervise, daemon=True),
+                       threading.Thread(target=self._watch_markers, daemon=True)]
+            threads.append(threading.Thread(target=self._load, daemon=True))
+            for t in threads:
+                t.start()
+            for pause, kind in self.plan:
+                time.sleep(pause)
+                injection = self._inject(kind)
+                self.result.injections.append(injection)
+                self._write_marker(injection)
+                self.say(f"{time.strftime('%H:%M:%S')} {kind} ({len(self.result.injections)}/{len(self.plan)})")
+            self._stop.set()  # ends the load, the supervisor's and the marker watch's next round
+            for t in threads:
+                t.join(60)
+            self._stop.clear()
+            watch = threading.Thread(target=self._watch_markers, daemon=True)
+            watch.start()
+            self._settle()
+            self._stop.set()
+            watch.join(10)
+        finally:
+            self._stop.set()
+            self.producer.stop()
+            self.consumer.stop()
+            for server in (self.broker, self.source, self.target):
+                try:
+                    server.stop()
+                except Exception as e:  # the next one is stopped anyway
+                    self.say(f"stopping {server}: {e}")
+        return self.result
+
+    def _equal(self) -> bool:
+        try:
+            diffs = verify(parse_config(self.config))
+        except Exception:  # a server still coming back
+            return False
+        self.result.diffs = diffs
+        return all(d.ok for d in diffs)
+
+    def _caught_up(self) -> bool:
+        try:
+            with psycopg.connect(self.source_dsn) as conn:
+                row = conn.execute("SELECT confirmed_flush_lsn::text, pg_current_wal_lsn()::text "
+                                   "FROM pg_replication_slots WHERE slot_name = %s",
+                                   (self.config["source"]["slot"],)).fetchone()
+        except psycopg.Error:
+            return False
+        return row is not None and row[0] is not None and lsn_to_int(row[0]) >= lsn_to_int(row[1])
+
+    def _settle(self) -> None:
+        """After the last fault: the target converges and the slot catches up
+        by themselves; then every process must still be the one last started."""
+        for what, check in (("target == source", self._equal), ("slot confirmed the final LSN", self._caught_up)):
+            try:
+                wait_for(check, timeout=self.settle_timeout, interval=3, what=what)
+            except AssertionError as e:
+                self.result.problems.append(str(e))
+        for d in self.result.diffs:
+            if d.ok:
+                continue
+            self.result.lost_rows += _count(d.missing) + len(d.changed)
+            self.result.duplicate_rows += _count(d.extra)
+            self.result.problems.append(f"{d.shape}: {d.error or ''} missing {d.missing[:5]}, extra {d.extra[:5]}, "
+                                        f"changed {d.changed[:5]}")
+        for name, proc in (("producer", self.producer), ("consumer", self.consumer)):
+            if proc.proc.poll() is not None:
+                self.result.problems.append(f"{name} exited by itself (code {proc.proc.poll()})")
+        history = Counter(i.kind for i in self.result.injections)
+        self.say(f"injected: {dict(history)}")
+
+
+def _count(entries: list) -> int:
+    """Rows in a verify list: one per key, or ``row hash H ×N`` (keyless) N."""
+    total = 0
+    for e in entries:
+        m = re.search(r"×(\d+)$", str(e))
+        total += int(m.group(1)) if m else 1
+    return total

@@ -1,0 +1,74 @@
+"""``walbridge producer`` as a real process through a frozen broker (issue 16):
+while the broker is stopped with SIGSTOP (it accepts connections and never
+answers) for longer than every client timeout, the producer keeps reading
+the consumer groups' commits and producing, says what it waits for, and once
+the broker is back every change made meanwhile arrives."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psycopg
+
+from tests.helpers import (
+    ProducerProcess,
+    latest_rows,
+    make_config,
+    read_topic,
+    wait_for,
+    wait_snapshot_done,
+    write_toml,
+)
+
+FREEZE = 40.0  # seconds: longer than message.timeout.ms (30 s) and the group-offset reads' 10 s
+
+
+def _source_rows(source_db) -> dict:
+    with psycopg.connect(source_db) as conn:
+        return {(("id", r[0]),): {"id": r[0], "name": r[1]} for r in conn.execute("SELECT id, name FROM items")}
+
+
+def test_producer_outlives_a_broker_frozen_past_its_timeouts(source_db, private_kafka_broker, topic_prefix,
+                                                             tmp_path):
+    """The producer waits on a consumer group that commits nothing, so every
+    ``[ack] interval`` it asks the group's coordinator for committed offsets;
+    with the broker frozen those reads time out again and again. Once the
+    broker answers again the process is still alive (the admin client's group
+    request aborted it here, librdkafka issue #4605) and the topic holds
+    every row of the source."""
+    broker = private_kafka_broker
+    with psycopg.connect(source_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text)")
+        conn.execute("INSERT INTO items SELECT g, 'before' FROM generate_series(1, 20) g")
+    cfg = make_config(source_db, broker.bootstrap, topic_prefix, [{"table": "public.items"}],
+                      ack={"consumer_groups": [f"{topic_prefix}-silent"], "interval": 0.5})
+    topic = f"{topic_prefix}.public.items"
+    log = tmp_path / "producer.log"
+    with ProducerProcess(write_toml(cfg, tmp_path / "wb.toml"), log) as producer, \
+            psycopg.connect(source_db, autocommit=True) as conn:
+        wait_snapshot_done(broker.bootstrap, topic, topic_prefix)
+        conn.execute("UPDATE items SET name = 'flowing' WHERE id <= 5")
+        os.kill(broker.pid, signal.SIGSTOP)
+        try:
+            end = time.monotonic() + FREEZE
+            n = 100
+            while time.monotonic() < end:  # changes keep coming while the broker is frozen
+                conn.execute("INSERT INTO items VALUES (%s, 'frozen')", (n,))
+                n += 1
+                time.sleep(1.0)
+                assert producer.proc.poll() is None, log.read_text()[-4000:]
+        finally:
+            os.kill(broker.pid, signal.SIGCONT)
+        conn.execute("UPDATE items SET name = 'after' WHERE id % 3 = 0")
+        source = _source_rows(source_db)
+        wait_for(lambda: latest_rows(read_topic(broker.bootstrap, topic, topic_prefix)) == source
+                 or producer.proc.poll() is not None, timeout=180, interval=2,
+                 what="every source row in the topic after the freeze")
+        time.sleep(5)  # the ack loop's reads, answered again, run a few rounds
+        assert producer.proc.poll() is None, log.read_text()[-4000:]
+        assert latest_rows(read_topic(broker.bootstrap, topic, topic_prefix)) == source
+    text = log.read_text()
+    assert "reading committed offsets failed (will retry)" in text, text[-4000:]
+    assert "Assertion" not in text, text[-4000:]
