@@ -427,6 +427,10 @@ class WriterSchemas:
     layout: ShapeLayout
     lookup: SchemaLookup
     known: frozenset[str] = frozenset()
+    # True: any value schema not in ``known`` raises SchemaChangedError (the
+    # driver then derives the layout again); False: only one that adds or
+    # retypes a column.
+    only_known: bool = False
     # Read value bodies with the compiled reader where it applies (false: fastavro only).
     compiled: bool = True
     _parsed: dict[tuple, Any] = field(default_factory=dict)
@@ -443,6 +447,9 @@ class WriterSchemas:
         if key in self._undecodable:
             raise UndecodableMessage(self._undecodable[key])
         try:
+            if check and self.only_known and schema_ref_key(ref) not in self.known:
+                raise SchemaChangedError(f"written with value schema {schema_ref_key(ref)}, "
+                                         "which the layout was not derived with")
             raw = self.lookup(ref, data)
             if check:
                 self.layout.check_writer(raw, schema_ref_key(ref) in self.known)
@@ -662,8 +669,13 @@ class BatchBuilder:
                 lsn, op_index = wire.parse_position(pos)
             except Exception:
                 pass
+        self.add_control(topic, partition, offset, wire.DLQ_CONTROL, error, lsn, op_index)
+
+    def add_control(self, topic: str, partition: int, offset: int, control: str, error: str,
+                    lsn: int | None = None, op_index: int | None = None) -> None:
+        """A row of the decoder's own (row columns null): ``_wb_control`` and why in ``_wb_error``."""
         self._records.append(self._empty_row + [
-            None, lsn, op_index, topic, partition, offset, None, None, wire.DLQ_CONTROL, None, None, None, error,
+            None, lsn, op_index, topic, partition, offset, None, None, control, None, None, None, error,
             None, None])
 
     def _fill_key(self, row: list | None, key: bytes) -> list | None:
