@@ -79,14 +79,16 @@ anything else that needs it:
   (their struct fields are null), as ``_wb_special``; null when there are none.
 
 Invariants:
-- The layout is derived from one value schema (the newest at stream start) and
-  never changes during a query. Messages written with an older, known writer
-  schema are read into it by name (columns dropped since are ignored, columns
-  added since are null). A writer schema that appeared after the stream
-  started and carries a column the layout lacks or types one differently
-  raises :class:`SchemaChangedError`: the query must stop (and be restarted to
-  pick the new layout up), never drop data silently. One that only lacks
-  columns is read (they are null).
+- A layout is derived from one value schema (the newest the driver knows) and
+  holds for the whole decode of a micro-batch. Messages written with an
+  older, known writer schema are read into it by name (columns dropped since
+  are ignored, columns added since are null). A writer schema the layout was
+  not derived with raises :class:`SchemaChangedError` where it cannot be read
+  faithfully: with ``WriterSchemas.only_known`` (the consumer job) any value
+  schema not known when the layout was made, so the driver learns the schemas
+  again and decodes the batch with the new layout; otherwise one that adds or
+  retypes a column (a stream with a fixed layout must stop, never drop data
+  silently), while one that only lacks columns is read (they are null).
 - A message whose bytes cannot be decoded (no walbridge wire prefix, a schema
   that cannot be found, a corrupt Avro body, a schema of another shape)
   raises :class:`UndecodableMessage`; the source sends it to the DLQ. Infrastructure failures (broker, registry unreachable)

@@ -8,8 +8,13 @@ committed to the consumer group (which the producer's FlushTracker reads).
 The session and whose settings it takes: :mod:`spark_consumer.session`.
 
 The path of one micro-batch, top to bottom:
-1. :func:`spark_consumer.kafka_source.read_shape_stream` gives the batch's
-   decoded rows (a fixed, replayable offset range per partition).
+1. :func:`spark_consumer.kafka_source.read_raw_stream` gives the batch's
+   messages as they are (a fixed, replayable offset range per partition);
+   ``ShapeApplier._decode`` has the executors decode them
+   (:func:`spark_consumer.kafka_source.decode_batches`) with the newest writer
+   schemas the batch needs: one it had not seen makes the driver read the
+   shape's schemas again and decode the batch anew, so a schema change never
+   restarts the query.
 2. ``ShapeApplier.__call__`` collects them on the driver as Arrow and hands
    them to the apply thread, which groups them per partition for
    :func:`spark_consumer.apply_driver.apply_batch`: one target transaction that
@@ -22,6 +27,9 @@ The path of one micro-batch, top to bottom:
    task stages its partitions' rows in the target instead, and the driver
    commits the staged parts and progress in one transaction
    (:mod:`spark_consumer.apply_staged`).
+   A batch decoded with a new writer schema first makes the target's tables
+   follow it (:func:`spark_consumer.target_layout.ensure_table`) in the same
+   transaction (the staged apply: in one of its own before staging).
 3. Only after that commit are the group's offsets committed to Kafka.
 
 Invariants:

@@ -11,11 +11,16 @@ Use::
                            max_offsets_per_trigger=50_000)
     query = df.writeStream.foreachBatch(apply).option("checkpointLocation", ...).start()
 
-``read_shape_stream`` discovers the shape's schemas in the calling process,
-registers the data source and returns ``spark.readStream.format("walbridge_shape")
-.options(...).load()``. The same format can be used directly with the options
-below (discovery then runs in Spark's Python planner worker, which cannot see an
-in-process ``mock://`` registry). Rows and columns: see :mod:`spark_consumer.decode`.
+The source itself is schema-free: ``spark.readStream.format("walbridge_shape")``
+(:func:`read_raw_stream`) yields one row per message as it is on the wire
+(:data:`RAW_SCHEMA`: ``_wb_topic``, ``_wb_partition``, ``_wb_offset``,
+``_wb_key``, ``_wb_value``, ``_wb_headers``), so a new writer schema never
+needs a new stream. Decoding is a ``mapInArrow`` over those rows
+(:func:`decode_batches`, on the executors, with the compiled decoder) into the
+typed layout of a :class:`ShapeSchemas` (rows and columns: see
+:mod:`spark_consumer.decode`). The consumer job decides each micro-batch's
+layout in its ``foreachBatch``; ``read_shape_stream`` gives a typed stream
+whose layout is fixed when it is called.
 
 Options (all strings): ``topic``, ``bootstrap_servers``, ``topic_prefix`` (for
 ``<prefix>._schemas``), ``schema_registry_url`` (optional),
@@ -29,19 +34,20 @@ an offset outside [earliest, end] is an error, never silently moved),
 ``max_offsets_per_task`` (cut a partition's range into tasks of at most this
 many offsets; default one task per partition and batch), ``read_idle_timeout_s``
 (default 120: a task that gets no message for that long fails), ``on_data_loss``
-(``fail`` (default) or ``follow``, see below). Filled by discovery: ``value_schema``,
-``key_schema``, ``known_value_schemas``, ``writer_schemas``.
+(``fail`` (default) or ``follow``, see below).
 
-Schema discovery: the newest value schema (registry: the latest version of the
-value subject the strategy names, ``<topic>-value`` by default; without a
-registry: the last ``<prefix>._schemas`` record whose ``wb.subject`` header is
-``<topic>-value``) defines the stream's columns, and the key subject marks the
-key columns. Every value schema version existing at
-that moment is "known" (older messages are read against the newest by name),
-and all value/key schemas found are handed to the executors with the options.
-A message written with a schema published later that adds or retypes a column
-fails its task with ``SchemaChangedError``: restart the query (call
-``read_shape_stream`` again) to pick the new layout up.
+Schema discovery (:func:`discover_schemas`, in the driver's process): the
+newest value schema (registry: the latest version of the value subject the
+strategy names, ``<topic>-value`` by default; without a registry: the last
+``<prefix>._schemas`` record whose ``wb.subject`` header is ``<topic>-value``)
+defines the layout, and the newest key schema marks the key columns. Every
+value schema version existing at that moment is "known" (older messages are
+read into the newest by name), and all value/key schemas found are handed to
+the executors with the decode function. With ``mark_new_schemas`` (the job's
+decode), a message written with any value schema not known then ends its
+task's output with a ``new_schema`` row: the driver discovers again and
+decodes the batch anew. Without it (``read_shape_stream``), a schema published
+later that adds or retypes a column fails the task with ``SchemaChangedError``.
 
 Invariants:
 - Offsets are ``{"<partition>": next offset, "topic_id": id}`` (partitions
@@ -72,12 +78,15 @@ Invariants:
   driver's long-lived Python process, consumers and the DLQ producer in executor
   workers (cached per worker process, reused across tasks). Nothing with a
   socket is pickled.
-- A message that cannot be decoded is produced to ``<topic>.dlq`` (created if
-  missing) with its key, value and headers plus ``wb.dlq.error``,
-  ``wb.dlq.topic``, ``wb.dlq.partition`` and ``wb.dlq.offset``; the task flushes
-  the DLQ before it completes (a failed delivery fails the task), and the stream
-  gets a ``_wb_control = 'dlq'`` row for it. A replayed batch may send it again:
-  the DLQ is at-least-once, deduplicate by the origin headers.
+- A message that cannot be decoded is produced by :func:`decode_batches` to
+  ``<topic>.dlq`` (created if missing) with its key, value and headers plus
+  ``wb.dlq.error``, ``wb.dlq.topic``, ``wb.dlq.partition`` and
+  ``wb.dlq.offset``; the task flushes the DLQ before it completes (a failed
+  delivery fails the task), and the decoded rows get a ``_wb_control = 'dlq'``
+  row for it. A replayed batch, or one decoded again for a new writer schema,
+  may send it again: the DLQ is at-least-once, deduplicate by the origin headers.
+- The raw rows are the messages exactly: decoding a batch twice (a new writer
+  schema) reads the same offsets and yields the same rows but for the layout.
   ``read_dead_letters`` reads it back (its length is the count).
 - ``commit`` does nothing: group offsets are committed by the apply step after
   the target transaction commits (Spark only commits batch N-1 while planning N).
