@@ -47,6 +47,9 @@ Invariants:
   ends the query through that batch instead.
 - Each query has its own checkpoint (``<checkpoint_dir>/<shape>``), target
   connection and offset committer; queries share nothing mutable.
+- A shape whose target cannot follow its new writer schema (a key column
+  whose values do not cast, :class:`~spark_consumer.target_layout.ShapeCannotFollow`)
+  stops alone, with one error line; the other queries go on.
 - An unreachable broker, registry or target (a transient
   :class:`~schemas.failures.Failure`) never ends the job: starts and query
   restarts wait for it with jittered exponential backoff (:mod:`schemas.retry`),
@@ -92,7 +95,7 @@ from spark_consumer.kafka_source import (
 )
 from spark_consumer.progress import ensure_progress, read_progress
 from spark_consumer.session import spark_session
-from spark_consumer.target_layout import ensure_table
+from spark_consumer.target_layout import ShapeCannotFollow, ensure_table
 
 log = logging.getLogger("walbridge.consumer")
 
@@ -525,6 +528,12 @@ def query_failure(config: Config, error: BaseException) -> Failure | None:
     return failure if failure is not None else classify_text(str(error))
 
 
+def cannot_follow(error: BaseException) -> bool:
+    """Did a query fail because its target cannot follow the shape's new
+    writer schema (raised in the apply thread, or through Spark as text)?"""
+    return isinstance(error, ShapeCannotFollow) or ShapeCannotFollow.__name__ in str(error)
+
+
 def run(config: Config, master: str | None = None, stop: threading.Event | None = None,
         appliers: list | None = None) -> None:
     """Run the queries until ``stop`` is set or one fails for good; ``appliers``
@@ -546,10 +555,13 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
     policy = retry_policy(config)
     failures: list[list[float]] = [[] for _ in queries]
+    given_up: set[int] = set()  # shapes whose target cannot follow their schema: stopped, the others go on
     outages: list[list[float]] = [[] for _ in queries]  # when each transient failure in a row happened
     try:
         while not (stop and stop.is_set()):
             for i, q in enumerate(queries):
+                if i in given_up:
+                    continue
                 failure = None
                 if q.isActive:
                     # An apply runs after its foreachBatch returned; when it
@@ -565,6 +577,11 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                 elif q.exception() is None:
                     return  # stopped from outside
                 failure = failure or q.exception()
+                if cannot_follow(failure):
+                    log.error("query %s stopped: %s. The other shapes go on; this one's WAL is held (or dropped "
+                              "per [ack] on_stall)", q.name, _first_line(failure).split("ShapeCannotFollow: ")[-1])
+                    given_up.add(i)
+                    continue
                 # A failed query restarts from its checkpoint: the target's
                 # progress table makes that exactly-once (a crashed Python
                 # worker, a broker restart mid-read). A transient failure (an

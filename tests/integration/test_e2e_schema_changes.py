@@ -20,6 +20,8 @@ import time
 import psycopg
 import pytest
 
+from spark_consumer.apply_plan import ShapeTarget, TargetColumn
+from spark_consumer.target_layout import ShapeCannotFollow, ensure_table
 from tests.helpers import ConsumerProcess, ProducerProcess, make_config, wait_for, write_toml
 
 TABLES = {
@@ -227,3 +229,77 @@ def test_widening_retypes_follow_with_history_kept(pipeline):
         assert t.execute("SELECT count(*) FROM t_widen WHERE v LIKE 'v%'").fetchone()[0] >= 1  # history kept
     assert_alive(pipeline)
     assert_no_query_restart(pipeline)
+
+
+# ------------------------------------------------------------------------
+# The target's side alone (real PostgreSQL, no stream): what ensure_table does
+# with the rows the e2e tests above cannot reach without the producer's side
+# (a cast that fails, a rename by alias, a changed or lost key).
+def _target(*columns: tuple) -> ShapeTarget:
+    """columns: (name, pg type, is key[, aliases])."""
+    return ShapeTarget("public.s", "public", "s", tuple(
+        TargetColumn(c[0], c[0], c[1], len(c) > 2 and c[2], None, tuple(c[3]) if len(c) > 3 else ()) for c in columns))
+
+
+def _table(conn, name: str = "public.s") -> dict:
+    return {n: t for n, t in conn.execute(
+        "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = %s::regclass "
+        "AND attnum > 0 AND NOT attisdropped AND attname NOT LIKE '\\_wb\\_%%'", (name,)).fetchall()}
+
+
+def _key(conn, name: str = "public.s") -> list:
+    row = conn.execute("SELECT array_agg(a.attname ORDER BY a.attnum) FROM pg_constraint c JOIN pg_attribute a "
+                       "ON a.attrelid = c.conrelid AND a.attnum = ANY(c.conkey) WHERE c.conrelid = %s::regclass "
+                       "AND c.contype = 'p'", (name,)).fetchone()
+    return list(row[0] or [])
+
+
+def test_a_retype_casts_and_a_cast_that_fails_leaves_null_for_the_re_read(target_db):
+    with psycopg.connect(target_db, autocommit=True) as conn:
+        ensure_table(conn, _target(("id", "integer", True), ("n", "text"), ("m", "text")))
+        conn.execute("INSERT INTO s (id, n, m) VALUES (1, '12', 'x'), (2, '7', '3')")
+        with conn.transaction():
+            ensure_table(conn, _target(("id", "integer", True), ("n", "integer"), ("m", "integer")))
+        assert _table(conn) == {"id": "integer", "n": "integer", "m": "integer"}
+        assert conn.execute("SELECT id, n, m FROM s ORDER BY id").fetchall() == [(1, 12, None), (2, 7, None)]
+
+
+def test_a_key_column_that_cannot_cast_stops_the_shape_and_changes_nothing(target_db):
+    with psycopg.connect(target_db, autocommit=True) as conn:
+        ensure_table(conn, _target(("id", "text", True), ("v", "integer")))
+        conn.execute("INSERT INTO s (id, v) VALUES ('a', 1)")
+        with pytest.raises(ShapeCannotFollow, match="key column 'id' changed type from text to integer"):
+            with conn.transaction():
+                ensure_table(conn, _target(("id", "integer", True), ("v", "bigint")))
+        assert _table(conn) == {"id": "text", "v": "integer"}  # the batch's transaction rolled it all back
+
+
+def test_an_aliased_field_renames_the_column_and_its_tombstones(target_db):
+    with psycopg.connect(target_db, autocommit=True) as conn:
+        ensure_table(conn, _target(("k", "integer", True), ("old", "text")))
+        conn.execute("INSERT INTO s (k, old) VALUES (1, 'kept')")
+        ensure_table(conn, _target(("key", "integer", True, ["k"]), ("new", "text", False, ["old"])))
+        assert _table(conn) == {"key": "integer", "new": "text"}
+        assert _table(conn, "public.s__wb_tombstones") == {"key": "integer"}
+        assert conn.execute("SELECT key, new FROM s").fetchall() == [(1, "kept")]
+
+
+def test_a_changed_key_moves_the_primary_key_and_a_lost_key_goes_keyless(target_db, caplog):
+    with psycopg.connect(target_db, autocommit=True) as conn:
+        ensure_table(conn, _target(("id", "integer", True), ("code", "text")))
+        conn.execute("INSERT INTO s (id, code) VALUES (1, 'a'), (2, 'b')")
+        ensure_table(conn, _target(("id", "integer", False), ("code", "text", True)))
+        assert _key(conn) == ["code"] and _table(conn, "public.s__wb_tombstones") == {"code": "text"}
+        ensure_table(conn, _target(("id", "integer", False), ("code", "text", False)))
+        assert _key(conn) == [] and conn.execute("SELECT to_regclass('public.s__wb_tombstones')").fetchone()[0] is None
+        assert conn.execute("SELECT count(*) FROM pg_indexes WHERE tablename = 's' AND indexdef LIKE "
+                            "'%UNIQUE%_wb_lsn%'").fetchone()[0] == 1  # the keyless rules' index
+        assert "has no key any more" in caplog.text
+        assert conn.execute("SELECT count(*) FROM s").fetchone()[0] == 2
+
+
+def test_on_dropped_column_drop_drops_it(target_db):
+    with psycopg.connect(target_db, autocommit=True) as conn:
+        ensure_table(conn, _target(("id", "integer", True), ("gone", "text")))
+        ensure_table(conn, _target(("id", "integer", True)), "drop")
+        assert _table(conn) == {"id": "integer"}

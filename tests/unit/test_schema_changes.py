@@ -181,3 +181,14 @@ def test_a_changed_key_swaps_the_primary_key_and_a_lost_key_goes_keyless():
         ("add_key", 'ALTER TABLE "public"."t" ADD PRIMARY KEY ("code")', None, False)]
     assert [s[0] for s in _plan(existing, ["id"], [("id", "integer"), ("code", "text")])] == [
         "drop_key", "relax", "relax", "keyless"]
+
+
+# ----------------------------------------------------------- the run loop
+def test_a_shape_that_cannot_follow_is_recognised_raised_or_through_spark():
+    from spark_consumer.job import cannot_follow
+    from spark_consumer.target_layout import ShapeCannotFollow
+
+    assert cannot_follow(ShapeCannotFollow("shape s: key column 'id' ..."))
+    assert cannot_follow(RuntimeError("[FOREACH_BATCH_USER_FUNCTION_ERROR] ... "
+                                      "spark_consumer.target_layout.ShapeCannotFollow: shape s: key column 'id'"))
+    assert not cannot_follow(RuntimeError('value "1099511627834" is out of range for type integer'))
