@@ -105,6 +105,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import datetime
 import io
 import json
@@ -281,6 +282,7 @@ class LayoutColumn:
     pg_type: str | None
     is_key: bool
     type: ColumnType
+    aliases: tuple[str, ...] = ()  # the Avro field's aliases: its names in older writers (a renamed column)
 
     def struct_field(self) -> StructField:
         meta = {"avro.field": self.avro_field, "wb.key": self.is_key}
@@ -334,7 +336,8 @@ class ShapeLayout:
                 raise UnsupportedSchema(f"column {name!r} appears twice")
             seen.add(name)
             columns.append(LayoutColumn(name, f["name"], f["type"], f.get("pg.type"), f["name"] in keys,
-                                        column_type(f["type"], f"column {name!r}")))
+                                        column_type(f["type"], f"column {name!r}"),
+                                        tuple(f.get("aliases") or ())))
         return cls(full_name(value_schema), tuple(columns))
 
     def spark_schema(self) -> StructType:
@@ -347,6 +350,12 @@ class ShapeLayout:
     @property
     def key_columns(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.columns if c.is_key)
+
+    def renamed_fields(self) -> dict[str, str]:
+        """{earlier Avro field name: the column's field name now}, from the
+        fields' aliases (a renamed column)."""
+        fields = {c.avro_field for c in self.columns}
+        return {a: c.avro_field for c in self.columns for a in c.aliases if a not in fields}
 
     def row_fields(self) -> list[str]:
         """The Avro fields a decoded row holds, in order: the columns', then the side field."""
@@ -410,6 +419,23 @@ def strip_logical_types(schema: Any) -> Any:
     return schema
 
 
+def with_renamed_fields(schema: dict, renamed: dict[str, str], envelope: bool) -> dict:
+    """A writer schema (an envelope, or a key record) whose row fields that
+    the layout knows by an alias (an older writer of a renamed column) carry
+    the column's current field name, so their values land in its column; the
+    binary encoding does not depend on field names."""
+    if not renamed:
+        return schema
+    schema = copy.deepcopy(schema)
+    record = row_record(schema) if envelope else schema
+    names = {f["name"] for f in record.get("fields", ())}
+    for f in record.get("fields", ()):
+        new = renamed.get(f["name"])
+        if new is not None and new not in names:
+            f["name"] = new
+    return schema
+
+
 def schema_ref_key(ref: wire.SchemaRef) -> str:
     """A writer schema's identity as a string: ``id:<registry id>`` or ``fp:<hex>``."""
     return f"id:{ref.ref}" if ref.kind == "confluent" else f"fp:{ref.ref.hex()}"
@@ -458,7 +484,7 @@ class WriterSchemas:
         except UndecodableMessage as e:
             self._undecodable[key] = str(e)
             raise
-        stripped = strip_logical_types(raw)
+        stripped = with_renamed_fields(strip_logical_types(raw), self.layout.renamed_fields(), check)
         if check and self.compiled:
             self._readers[key] = fastdecode.envelope_reader(
                 stripped, self.layout.row_fields(), self.layout.unscaled_decimals())
@@ -519,7 +545,9 @@ class BatchBuilder:
         self._row_fields = layout.row_fields()
         self._special = [(i, c.name) for i, c in enumerate(layout.columns) if c.type.has_special]
         self._converters = [c.type.convert for c in layout.columns]
-        self._name_by_field = {c.avro_field: c.name for c in layout.columns}
+        # Avro field -> column name; an older writer's name of a renamed column too (its unchanged_toast).
+        self._name_by_field = {**{a: c.name for c in layout.columns for a in c.aliases},
+                               **{c.avro_field: c.name for c in layout.columns}}
         self._key_fields = [(i, c.avro_field) for i, c in enumerate(layout.columns) if c.is_key]
         self._names = [c.name for c in layout.columns]
         self._column_names = frozenset(self._names)
