@@ -8,8 +8,9 @@ processes alive, and no Spark query restarted: the consumer picks the new
 writer schema up between micro-batches and changes the target table in the
 transaction of the first batch that carries it.
 
-One producer/consumer pair serves the whole module (one table per test), so
-Spark starts once."""
+One producer/consumer pair serves the module (one table per test), so Spark
+starts once per apply path (the driver apply, and the staged apply, whose
+target follows in a transaction of its own before the executors stage)."""
 
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ class Load:
         self.running.set()
 
 
-@pytest.fixture(scope="module")
-def pipeline(pg_cluster, kafka_broker, tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["driver-apply", "staged-apply"])
+def pipeline(request, pg_cluster, kafka_broker, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("schema-changes")
     suffix = f"{random.getrandbits(40):010x}"
     source, target = f"src_ddl_{suffix}", f"tgt_ddl_{suffix}"
@@ -92,7 +93,7 @@ def pipeline(pg_cluster, kafka_broker, tmp_path_factory):
             conn.execute(f"INSERT INTO {table} (id, a) SELECT g, g FROM generate_series(1, {ROWS}) g")
     group = f"{prefix}-spark"
     cfg = make_config(source_dsn, kafka_broker.bootstrap, prefix, [{"table": f"public.{t}"} for t in TABLES],
-                      consumer={"group": group, "target_dsn": target_dsn,
+                      consumer={"group": group, "target_dsn": target_dsn, "staged_apply": request.param,
                                 "checkpoint_dir": str(tmp / "checkpoints"), "trigger_interval": 0.5},
                       ack={"consumer_groups": [group], "interval": 0.5})
     path = write_toml(cfg, tmp / "walbridge.toml")
