@@ -163,7 +163,7 @@ class ShapeApplier:
         self.config = config
         self.shape = shape
         # The target as the connection last made it (ensure_table); a batch
-        # decoded with newer schemas brings its own (see _target_for).
+        # decoded with newer schemas brings its own (see _follow_target).
         self.target = target
         self.kafka_conf = kafka_conf
         # The raw stream's options and the writer schemas its batches are
@@ -267,14 +267,20 @@ class ShapeApplier:
             marks = table.filter(pc.equal(table.column("_wb_control"), wire.NEW_SCHEMA_CONTROL))
             if not marks.num_rows:
                 return table
-            log.info("shape %s batch %d: %s; learning the shape's schemas again", self.shape.shape_name, batch_id,
-                     marks.column("_wb_error")[0].as_py())
-            self.schemas = _wait_for_schemas(self.source, discover_schemas, retry_policy(self.config))
-            self._batch_target = ShapeTarget.from_avro(self.shape.shape_name, self.schemas.value_schema,
-                                                       self.schemas.key_schema)
-        raise RuntimeError(f"shape {self.shape.shape_name} batch {batch_id}: still written with a value schema the "
-                           f"{self.source.topic_prefix or 'registry'} schemas do not hold after "
-                           f"{NEW_SCHEMA_ROUNDS} lookups")
+            self._learn_schemas(batch_id, marks.column("_wb_error")[0].as_py())
+        raise self._unknown_schema(batch_id)
+
+    def _learn_schemas(self, batch_id: int, why: str) -> None:
+        """Read the shape's schemas again (the batch carries a new one) and
+        derive the target the next decode of the batch goes to."""
+        log.info("shape %s batch %d: %s; learning the shape's schemas again", self.shape.shape_name, batch_id, why)
+        self.schemas = _wait_for_schemas(self.source, discover_schemas, retry_policy(self.config))
+        self._batch_target = ShapeTarget.from_avro(self.shape.shape_name, self.schemas.value_schema,
+                                                   self.schemas.key_schema)
+
+    def _unknown_schema(self, batch_id: int) -> RuntimeError:
+        return RuntimeError(f"shape {self.shape.shape_name} batch {batch_id}: still written with a value schema "
+                            f"that the shape's schemas do not hold after {NEW_SCHEMA_ROUNDS} lookups")
 
     def _follow_target(self, target: ShapeTarget) -> bool:
         """Before the batch decoded for ``target`` is applied: True when the
@@ -339,13 +345,8 @@ class ShapeApplier:
                 _STAGED_SCHEMA).collect()
             if all(r.rows >= 0 for r in staged):
                 return staged
-            log.info("shape %s batch %d carries a new writer schema; learning the shape's schemas again",
-                     self.shape.shape_name, batch_id)
-            self.schemas = _wait_for_schemas(self.source, discover_schemas, retry_policy(self.config))
-            self._batch_target = ShapeTarget.from_avro(self.shape.shape_name, self.schemas.value_schema,
-                                                       self.schemas.key_schema)
-        raise RuntimeError(f"shape {self.shape.shape_name} batch {batch_id}: still written with a value schema "
-                           f"the schemas do not hold after {NEW_SCHEMA_ROUNDS} lookups")
+            self._learn_schemas(batch_id, "a task met a value schema the layout was not derived with")
+        raise self._unknown_schema(batch_id)
 
     def _apply_table(self, table, target: ShapeTarget, batch_id: int, started: float, read_s: float) -> None:
         """Apply thread: one batch in one target transaction (with the DDL
