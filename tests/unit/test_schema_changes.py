@@ -215,3 +215,16 @@ def test_older_messages_of_a_renamed_column_land_in_it_by_its_alias():
         rows = b.rows()
         assert [(r["id"], r["w"]) for r in rows] == [(1, "five"), (1, None)]
         assert rows[1]["_wb_unchanged"] == ["w"]
+
+
+def test_on_dropped_column_is_validated():
+    from schemas.config import ConfigError, parse_config
+    from tests.helpers import make_config
+
+    def config(value):
+        return parse_config(make_config("postgresql://u@127.0.0.1:1/x", "127.0.0.1:1", "wb", [{"table": "a.b"}],
+                                        consumer={"on_dropped_column": value}))
+
+    assert config("drop").consumer.on_dropped_column == "drop"
+    with pytest.raises(ConfigError, match="consumer.on_dropped_column"):
+        config("purge")
