@@ -15,7 +15,14 @@ import os
 import signal
 import time
 
-from spark_consumer.kafka_source import OffsetRange, PartitionEnds, SourceOptions, discover_schemas, read_offset_range
+from spark_consumer.kafka_source import (
+    OffsetRange,
+    PartitionEnds,
+    SourceOptions,
+    decode_batches,
+    discover_schemas,
+    read_offset_range,
+)
 from tests.integration.test_spark_source import ShapeTopic
 
 
@@ -24,7 +31,7 @@ def _read(opts: SourceOptions, task: OffsetRange, ready, out) -> None:
     schemas = discover_schemas(opts)
     ready.set()
     ids = []
-    for batch in read_offset_range(opts, schemas, task):
+    for batch in decode_batches(opts, schemas, False, read_offset_range(opts, task)):
         ids += batch.to_pydict()["id"]
     out.put(ids)
 
