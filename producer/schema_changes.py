@@ -310,3 +310,18 @@ def _stop_reason(changes: list[Change], shape: ShapeRef, table: str, new_key: tu
             return (f"shape {shape.name}: the key of {table} is now ({', '.join(new_key)}), and the shape's columns "
                     f"lack {', '.join(lacking)}; add them to the shape's columns and restart")
     return None
+
+
+def unknown_columns(shapes: list[ShapeRef], names: list[str], table: str) -> dict[str, str]:
+    """Shapes whose ``columns`` or ``where`` name a column the relation (its
+    columns: ``names``) does not have, whatever the change that took it (the
+    first Relation of a run has nothing to compare with): shape → the error."""
+    out = {}
+    have = set(names)
+    for shape in shapes:
+        missing = sorted(c for c in set(shape.columns or ()) | shape.filter_columns if c not in have)
+        if missing:
+            where = ", ".join(f"{c} (in its {shape.names(c)})" for c in missing)
+            out[shape.name] = (f"shape {shape.name}: {table} has no column {where} any more; fix the shape in the "
+                               "config and restart")
+    return out

@@ -220,3 +220,10 @@ def test_in_doubt_rereads():
     message = [("id", sc.INT4, -1), ("a2", sc.INT4, -1), ("b", sc.TEXT, -1)]
     out = decide(after, shapes=[ALL, COLS_B], message=message)
     assert set(out.reread) == {"all"} and out.aliases == {}
+
+
+def test_unknown_columns_of_a_relation_stop_the_shapes_naming_them():
+    out = sc.unknown_columns([ALL, ON_A, COLS_AB, COLS_B], ["id", "b"], "public.t")
+    assert set(out) == {"on_a", "cols_ab"}
+    assert out["on_a"] == ("shape on_a: public.t has no column a (in its where) any more; fix the shape in the "
+                           "config and restart")
