@@ -469,13 +469,14 @@ class Pipeline:
             return  # dropped since: its changes up to the drop still go out; _watch_shape_tables stops its shapes
         table = catalog.table_info(conn, facts.schema, facts.name)
         columns = [(c.name, c.type_oid, c.typmod, self._type_info(c.type_oid, c.typmod).name) for c in rel.columns]
-        new = schema_changes.shape_of(rel.schema, rel.name, columns, _relation_key(rel, table),
-                                      rel.replica_identity, facts)
         old = self._relation_shapes.get(rel.oid)
+        new = schema_changes.shape_of(rel.schema, rel.name, columns, _relation_key(rel, table),
+                                      rel.replica_identity, facts, old)
         self._relation_shapes[rel.oid] = new
         specs = [s for s in self.shape_specs[qualified] if s.name not in self.stats.stopped_shapes]
         refs = [ShapeRef(s.name, s.columns, s.row_filter.columns if s.row_filter else frozenset()) for s in specs]
-        changes = schema_changes.classify(old, new, facts) if old is not None else []
+        changes = (schema_changes.classify(old, new, facts) if old is not None
+                   else schema_changes.first_sight(qualified, f"{facts.schema}.{facts.name}"))
         out = schema_changes.consequences(changes, refs, qualified, new.key, self._aliases.get(rel.oid))
         self._aliases[rel.oid] = out.aliases
         if changes:

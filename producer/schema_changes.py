@@ -13,12 +13,16 @@ per shape: re-read (backfill), stop, and the aliases of renamed columns.
 
 Invariants:
 - Pure: no I/O, no clock.
-- The catalog is read later than the message's WAL position, so a catalog
-  fact is used for a column only when the catalog's column of that name has
-  the message's type; otherwise the column's attnum is unknown and it is *in
-  doubt*. In doubt means never a rename (a rename needs both attnums, and an
-  added column never reuses an attnum), and the shapes carrying the column
-  are re-read.
+- The catalog is read later than the message's WAL position (and pgoutput
+  repeats an unchanged Relation after some DDL): a column's attnum is the
+  catalog's for its name, or, when the catalog no longer has the name (a later
+  rename or drop, which a later Relation brings), the one the stream knew.
+  A column whose name and type the WAL kept is unchanged unless the catalog
+  gives that name another attnum (dropped and added again). A new column's
+  default facts are used only when the catalog's column of that name has the
+  message's type; otherwise it is *in doubt*, and the shapes carrying it are
+  re-read. An added column never reuses an attnum, so a rename (a name gone,
+  one new with its attnum) is never guessed.
 - pgoutput cannot tell a rename from a drop and an add: a column name that
   went and one that came with the same attnum are a rename; a name kept
   with another attnum is a drop and an add.
@@ -120,9 +124,9 @@ class Change:
 
     def describe(self) -> str:
         subject = f"{self.kind} {self.column}" if self.column else self.kind
-        if self.was or self.now:
+        if self.was:
             return f"{subject} ({self.was} → {self.now})"
-        return subject
+        return f"{subject} ({self.now})" if self.now else subject
 
 
 @dataclass(frozen=True)
@@ -151,15 +155,14 @@ class Consequences:
 
 
 def shape_of(schema: str, name: str, columns: list[tuple[str, int, int, str]], key: tuple[str, ...],
-             identity: str, catalog: CatalogFacts | None) -> RelationShape:
+             identity: str, catalog: CatalogFacts | None, previous: RelationShape | None = None) -> RelationShape:
     """The relation of a Relation message (``columns``: name, type oid,
-    typmod, type name), with each column's attnum where the catalog agrees."""
-    facts = {c.name: c for c in (catalog.columns if catalog else ())}
-    shaped = []
-    for col_name, type_oid, typmod, type_name in columns:
-        fact = facts.get(col_name)
-        agrees = fact is not None and (fact.type_oid, fact.typmod) == (type_oid, typmod)
-        shaped.append(ColumnShape(col_name, type_oid, typmod, type_name, fact.attnum if agrees else None))
+    typmod, type name), each column with the catalog's attnum for its name,
+    else the one ``previous`` (the stream's last) knew."""
+    facts = {c.name: c.attnum for c in (catalog.columns if catalog else ())}
+    known = {c.name: c.attnum for c in (previous.columns if previous else ())}
+    shaped = [ColumnShape(col_name, type_oid, typmod, type_name, facts.get(col_name, known.get(col_name)))
+              for col_name, type_oid, typmod, type_name in columns]
     return RelationShape(schema, name, tuple(shaped), key, identity)
 
 
@@ -204,7 +207,7 @@ def _retype(old: ColumnShape, new: ColumnShape) -> Change | None:
 
 def _added(col: ColumnShape, facts: dict[str, ColumnFacts]) -> Change:
     fact = facts.get(col.name)
-    if col.attnum is None or fact is None:
+    if fact is None or (fact.type_oid, fact.typmod) != (col.type_oid, col.typmod):
         return Change(IN_DOUBT, col.name)
     if fact.has_missing:
         return Change(ADDED_CONSTANT_DEFAULT, col.name, now=col.type_name)
@@ -238,10 +241,7 @@ def classify(old: RelationShape, new: RelationShape, catalog: CatalogFacts | Non
         elif prior is None:
             changes.append(_added(col, facts))
             continue
-        elif col.attnum is None:
-            changes.append(Change(IN_DOUBT, col.name))
-            continue
-        elif prior.attnum is not None and prior.attnum != col.attnum:
+        elif None not in (prior.attnum, col.attnum) and prior.attnum != col.attnum:
             # Dropped and added again under the same name: another column,
             # whose values the existing rows got without a row change.
             changes.append(Change(RECREATED, col.name, prior.type_name, col.type_name))
@@ -263,11 +263,20 @@ def classify(old: RelationShape, new: RelationShape, catalog: CatalogFacts | Non
 _IDENTITY = {"d": "default", "n": "nothing", "f": "full", "i": "index"}
 
 
+def first_sight(table: str, now: str) -> list[Change]:
+    """The first Relation of a shape table in a run has nothing to compare
+    with, but its name: ``table`` as the config names it, ``now`` as the
+    catalog does. (A Relation carrying another name with the catalog agreeing
+    with the config is WAL from before a rename the config already follows.)"""
+    return [Change(TABLE_RENAMED, None, table, now)] if table != now else []
+
+
 def consequences(changes: list[Change], shapes: list[ShapeRef], table: str, key: tuple[str, ...],
                  aliases: dict[str, tuple[str, ...]] | None = None) -> Consequences:
-    """What each shape of ``table`` (its name before any rename; ``key``: its
+    """What each shape of ``table`` (as the config names it; ``key``: its
     key now) must do. ``aliases``: the former names the relation's columns
-    already carry (a column renamed twice keeps both)."""
+    already carry (a column renamed twice keeps both). A table renamed to
+    what the config names is followed, not stopped."""
     out = Consequences()
     known = dict(aliases or {})
     for change in changes:
@@ -294,8 +303,8 @@ def consequences(changes: list[Change], shapes: list[ShapeRef], table: str, key:
 
 def _stop_reason(changes: list[Change], shape: ShapeRef, table: str, new_key: tuple[str, ...] | None) -> str | None:
     for change in changes:
-        if change.kind == TABLE_RENAMED:
-            return (f"shape {shape.name}: table {change.was} was renamed to {change.now}; point the shape at "
+        if change.kind == TABLE_RENAMED and change.now != table:
+            return (f"shape {shape.name}: table {table} was renamed to {change.now}; point the shape at "
                     f"{change.now} in the config and restart")
         if change.kind in (DROPPED, RENAMED):
             gone = change.column if change.kind == DROPPED else change.was

@@ -23,18 +23,19 @@ def catalog(*columns, key=("id",), identity="d", name="t"):
     return CatalogFacts("public", name, tuple(columns), key, identity)
 
 
-def shape(cat: CatalogFacts, message=None, key=None, identity=None, name=None):
+def shape(cat: CatalogFacts, message=None, previous=None):
     """The relation of a Relation message (default: what ``cat`` says) with ``cat``'s facts."""
     cols = message if message is not None else [(c.name, c.type_oid, c.typmod) for c in cat.columns]
-    return sc.shape_of("public", name or cat.name, [(n, t, m, TYPES[t]) for n, t, m in cols],
-                       cat.key if key is None else key, identity or cat.identity, cat)
+    return sc.shape_of("public", cat.name, [(n, t, m, TYPES[t]) for n, t, m in cols], cat.key, cat.identity, cat,
+                       previous)
 
 
 BASE = catalog(col(1, "id"), col(2, "a"), col(3, "b", sc.TEXT))
 
 
 def changes_to(after: CatalogFacts, before: CatalogFacts = BASE, message=None):
-    return sc.classify(shape(before), shape(after, message), after)
+    old = shape(before)
+    return sc.classify(old, shape(after, message, old), after)
 
 
 def kinds(changes):
@@ -82,6 +83,18 @@ def test_renamed_again_since_the_message_is_in_doubt_never_a_rename():
     after = catalog(col(1, "id"), col(2, "a3"), col(3, "b", sc.TEXT))
     message = [("id", sc.INT4, -1), ("a2", sc.INT4, -1), ("b", sc.TEXT, -1)]
     assert sorted(kinds(changes_to(after, message=message))) == sorted([(sc.IN_DOUBT, "a2"), (sc.DROPPED, "a")])
+
+
+def test_a_repeated_relation_is_no_change_whatever_the_catalog_did_since():
+    message = [(c.name, c.type_oid, c.typmod) for c in BASE.columns]
+    retyped_since = catalog(col(1, "id"), col(2, "a", sc.INT8), col(3, "b", sc.TEXT))
+    renamed_since = catalog(col(1, "id"), col(2, "a2"), col(3, "b", sc.TEXT))
+    assert changes_to(retyped_since, message=message) == []
+    assert changes_to(renamed_since, message=message) == []
+    # ... and the rename, when its own Relation comes, is still one: the attnum was carried over.
+    old = shape(BASE)
+    repeated = shape(renamed_since, message, old)
+    assert kinds(sc.classify(repeated, shape(renamed_since, None, repeated), renamed_since)) == [(sc.RENAMED, "a2")]
 
 
 def test_dropped_and_added_again_under_its_name_is_recreated():
@@ -201,6 +214,17 @@ def test_aliases_carry_over_a_change_that_is_no_rename_and_go_with_the_column():
 def test_table_renamed_stops_every_shape():
     out = decide(catalog(*BASE.columns, name="t2"))
     assert set(out.stop) == {"all", "on_a", "cols_ab", "cols_b"}
+    assert "table public.t was renamed to public.t2" in out.stop["all"]
+
+
+def test_a_rename_to_what_the_config_names_is_followed():
+    renamed_back = [sc.Change(sc.TABLE_RENAMED, None, "public.t_old", "public.t")]
+    assert sc.consequences(renamed_back, [ALL], "public.t", ("id",)).stop == {}
+
+
+def test_first_sight_of_a_table_compares_its_name_with_the_config():
+    assert sc.first_sight("public.t", "public.t") == []
+    out = sc.consequences(sc.first_sight("public.t", "public.t2"), [ALL], "public.t", ("id",))
     assert "table public.t was renamed to public.t2" in out.stop["all"]
 
 
