@@ -487,20 +487,20 @@ class Pipeline:
             log.warning("%s lost its key (%s): its shapes follow the keyless rules from now on (null Kafka "
                         "keys, no key schema), and are re-read", qualified, new.identity)
         stops = {**schema_changes.unknown_columns(refs, [c.name for c in rel.columns], qualified), **out.stop}
+        stops.update(self._recompile_filters(qualified, {c[0]: c[3] for c in columns}, set(stops)))
         if table is not None and not any(c.kind == schema_changes.TABLE_RENAMED for c in changes):
             self.tables[qualified] = table  # backfills read the table as it is now
-            stops.update(self._recompile_filters(qualified, table, set(stops)))
         for shape, error in stops.items():
             self._stop_shape(shape, error)
         for shape, why in out.reread.items():
             if shape not in stops:
                 self._request_backfill(shape, f"schema change of {qualified}: {why}")
 
-    def _recompile_filters(self, qualified: str, table: TableInfo, skip: set[str]) -> dict[str, str]:
-        """The table's shape filters, compiled again for its column types now;
-        a filter that no longer compiles stops its shape (shape → error)."""
+    def _recompile_filters(self, qualified: str, types: dict[str, str], skip: set[str]) -> dict[str, str]:
+        """The table's shape filters, compiled again for its column types as
+        the WAL has them now (``types``: name → type); a filter that no longer
+        compiles stops its shape (shape → error)."""
         wheres = {s.shape_name: s.where for s in self.config.shapes if s.where}
-        types = {c.name: c.type_name for c in table.columns}
         failed = {}
         specs = self.shape_specs[qualified]
         for i, spec in enumerate(specs):
