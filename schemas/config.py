@@ -244,6 +244,9 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
     # their start and applies by position (the producer re-snapshots); "stop"
     # stops the consumer with an error.
     on_data_loss: Literal["follow", "stop"] = "follow"
+    # A column the shape's new writer schema lacks (DROP COLUMN at the source):
+    # "keep" it in the target, nullable (later rows leave it NULL); "drop" it.
+    on_dropped_column: Literal["keep", "drop"] = "keep"
 
     @model_validator(mode="before")
     @classmethod

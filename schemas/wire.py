@@ -80,6 +80,9 @@ CONTROL_KEY_RECORD = "io.walbridge.ControlKey"
 # and for a delete's tombstone (skipped; the row covers its offset).
 DLQ_CONTROL = "dlq"
 TOMBSTONE_CONTROL = "tombstone"
+# The consumer's decode met a value schema its layout was not derived with:
+# the driver learns the schemas again and decodes the micro-batch anew.
+NEW_SCHEMA_CONTROL = "new_schema"
 
 # Topics: ``<prefix>.<shape>`` for data, these for the rest.
 SCHEMAS_TOPIC_SUFFIX = "._schemas"  # writer schemas without a registry, keyed by fingerprint

@@ -110,6 +110,7 @@ class TargetColumn:
     pg_type: str | None  # "pg.type" of the Avro field: the type to recreate
     is_key: bool
     avro_type: Any = None
+    aliases: tuple[str, ...] = ()  # the Avro field's aliases: earlier names of a renamed column
 
     @property
     def sql_type(self) -> str:
@@ -188,7 +189,7 @@ class ShapeTarget:
                 raise PlanError(f"column {name!r} appears twice")
             seen.add(name)
             cols.append(TargetColumn(name, f["name"], f.get("pg.type"), f["name"] in keys or name in keys,
-                                     f.get("type")))
+                                     f.get("type"), tuple(f.get("aliases") or ())))
         unknown = keys - {c.field for c in cols} - {c.name for c in cols}
         if unknown:
             raise PlanError(f"key field(s) {sorted(unknown)} are not columns of shape {shape!r}")

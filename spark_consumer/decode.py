@@ -79,14 +79,16 @@ anything else that needs it:
   (their struct fields are null), as ``_wb_special``; null when there are none.
 
 Invariants:
-- The layout is derived from one value schema (the newest at stream start) and
-  never changes during a query. Messages written with an older, known writer
-  schema are read into it by name (columns dropped since are ignored, columns
-  added since are null). A writer schema that appeared after the stream
-  started and carries a column the layout lacks or types one differently
-  raises :class:`SchemaChangedError`: the query must stop (and be restarted to
-  pick the new layout up), never drop data silently. One that only lacks
-  columns is read (they are null).
+- A layout is derived from one value schema (the newest the driver knows) and
+  holds for the whole decode of a micro-batch. Messages written with an
+  older, known writer schema are read into it by name (columns dropped since
+  are ignored, columns added since are null). A writer schema the layout was
+  not derived with raises :class:`SchemaChangedError` where it cannot be read
+  faithfully: with ``WriterSchemas.only_known`` (the consumer job) any value
+  schema not known when the layout was made, so the driver learns the schemas
+  again and decodes the batch with the new layout; otherwise one that adds or
+  retypes a column (a stream with a fixed layout must stop, never drop data
+  silently), while one that only lacks columns is read (they are null).
 - A message whose bytes cannot be decoded (no walbridge wire prefix, a schema
   that cannot be found, a corrupt Avro body, a schema of another shape)
   raises :class:`UndecodableMessage`; the source sends it to the DLQ. Infrastructure failures (broker, registry unreachable)
@@ -103,6 +105,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import datetime
 import io
 import json
@@ -279,6 +282,7 @@ class LayoutColumn:
     pg_type: str | None
     is_key: bool
     type: ColumnType
+    aliases: tuple[str, ...] = ()  # the Avro field's aliases: its names in older writers (a renamed column)
 
     def struct_field(self) -> StructField:
         meta = {"avro.field": self.avro_field, "wb.key": self.is_key}
@@ -332,7 +336,8 @@ class ShapeLayout:
                 raise UnsupportedSchema(f"column {name!r} appears twice")
             seen.add(name)
             columns.append(LayoutColumn(name, f["name"], f["type"], f.get("pg.type"), f["name"] in keys,
-                                        column_type(f["type"], f"column {name!r}")))
+                                        column_type(f["type"], f"column {name!r}"),
+                                        tuple(f.get("aliases") or ())))
         return cls(full_name(value_schema), tuple(columns))
 
     def spark_schema(self) -> StructType:
@@ -345,6 +350,12 @@ class ShapeLayout:
     @property
     def key_columns(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.columns if c.is_key)
+
+    def renamed_fields(self) -> dict[str, str]:
+        """{earlier Avro field name: the column's field name now}, from the
+        fields' aliases (a renamed column)."""
+        fields = {c.avro_field for c in self.columns}
+        return {a: c.avro_field for c in self.columns for a in c.aliases if a not in fields}
 
     def row_fields(self) -> list[str]:
         """The Avro fields a decoded row holds, in order: the columns', then the side field."""
@@ -408,6 +419,23 @@ def strip_logical_types(schema: Any) -> Any:
     return schema
 
 
+def with_renamed_fields(schema: dict, renamed: dict[str, str], envelope: bool) -> dict:
+    """A writer schema (an envelope, or a key record) whose row fields that
+    the layout knows by an alias (an older writer of a renamed column) carry
+    the column's current field name, so their values land in its column; the
+    binary encoding does not depend on field names."""
+    if not renamed:
+        return schema
+    schema = copy.deepcopy(schema)
+    record = row_record(schema) if envelope else schema
+    names = {f["name"] for f in record.get("fields", ())}
+    for f in record.get("fields", ()):
+        new = renamed.get(f["name"])
+        if new is not None and new not in names:
+            f["name"] = new
+    return schema
+
+
 def schema_ref_key(ref: wire.SchemaRef) -> str:
     """A writer schema's identity as a string: ``id:<registry id>`` or ``fp:<hex>``."""
     return f"id:{ref.ref}" if ref.kind == "confluent" else f"fp:{ref.ref.hex()}"
@@ -427,6 +455,10 @@ class WriterSchemas:
     layout: ShapeLayout
     lookup: SchemaLookup
     known: frozenset[str] = frozenset()
+    # True: any value schema not in ``known`` raises SchemaChangedError (the
+    # driver then derives the layout again); False: only one that adds or
+    # retypes a column.
+    only_known: bool = False
     # Read value bodies with the compiled reader where it applies (false: fastavro only).
     compiled: bool = True
     _parsed: dict[tuple, Any] = field(default_factory=dict)
@@ -443,13 +475,16 @@ class WriterSchemas:
         if key in self._undecodable:
             raise UndecodableMessage(self._undecodable[key])
         try:
+            if check and self.only_known and schema_ref_key(ref) not in self.known:
+                raise SchemaChangedError(f"written with value schema {schema_ref_key(ref)}, "
+                                         "which the layout was not derived with")
             raw = self.lookup(ref, data)
             if check:
                 self.layout.check_writer(raw, schema_ref_key(ref) in self.known)
         except UndecodableMessage as e:
             self._undecodable[key] = str(e)
             raise
-        stripped = strip_logical_types(raw)
+        stripped = with_renamed_fields(strip_logical_types(raw), self.layout.renamed_fields(), check)
         if check and self.compiled:
             self._readers[key] = fastdecode.envelope_reader(
                 stripped, self.layout.row_fields(), self.layout.unscaled_decimals())
@@ -510,7 +545,9 @@ class BatchBuilder:
         self._row_fields = layout.row_fields()
         self._special = [(i, c.name) for i, c in enumerate(layout.columns) if c.type.has_special]
         self._converters = [c.type.convert for c in layout.columns]
-        self._name_by_field = {c.avro_field: c.name for c in layout.columns}
+        # Avro field -> column name; an older writer's name of a renamed column too (its unchanged_toast).
+        self._name_by_field = {**{a: c.name for c in layout.columns for a in c.aliases},
+                               **{c.avro_field: c.name for c in layout.columns}}
         self._key_fields = [(i, c.avro_field) for i, c in enumerate(layout.columns) if c.is_key]
         self._names = [c.name for c in layout.columns]
         self._column_names = frozenset(self._names)
@@ -662,8 +699,13 @@ class BatchBuilder:
                 lsn, op_index = wire.parse_position(pos)
             except Exception:
                 pass
+        self.add_control(topic, partition, offset, wire.DLQ_CONTROL, error, lsn, op_index)
+
+    def add_control(self, topic: str, partition: int, offset: int, control: str, error: str,
+                    lsn: int | None = None, op_index: int | None = None) -> None:
+        """A row of the decoder's own (row columns null): ``_wb_control`` and why in ``_wb_error``."""
         self._records.append(self._empty_row + [
-            None, lsn, op_index, topic, partition, offset, None, None, wire.DLQ_CONTROL, None, None, None, error,
+            None, lsn, op_index, topic, partition, offset, None, None, control, None, None, None, error,
             None, None])
 
     def _fill_key(self, row: list | None, key: bytes) -> list | None:

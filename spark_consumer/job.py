@@ -8,8 +8,13 @@ committed to the consumer group (which the producer's FlushTracker reads).
 The session and whose settings it takes: :mod:`spark_consumer.session`.
 
 The path of one micro-batch, top to bottom:
-1. :func:`spark_consumer.kafka_source.read_shape_stream` gives the batch's
-   decoded rows (a fixed, replayable offset range per partition).
+1. :func:`spark_consumer.kafka_source.read_raw_stream` gives the batch's
+   messages as they are (a fixed, replayable offset range per partition);
+   ``ShapeApplier._decode`` has the executors decode them
+   (:func:`spark_consumer.kafka_source.decode_batches`) with the newest writer
+   schemas the batch needs: one it had not seen makes the driver read the
+   shape's schemas again and decode the batch anew, so a schema change never
+   restarts the query.
 2. ``ShapeApplier.__call__`` collects them on the driver as Arrow and hands
    them to the apply thread, which groups them per partition for
    :func:`spark_consumer.apply_driver.apply_batch`: one target transaction that
@@ -22,6 +27,9 @@ The path of one micro-batch, top to bottom:
    task stages its partitions' rows in the target instead, and the driver
    commits the staged parts and progress in one transaction
    (:mod:`spark_consumer.apply_staged`).
+   A batch decoded with a new writer schema first makes the target's tables
+   follow it (:func:`spark_consumer.target_layout.ensure_table`) in the same
+   transaction (the staged apply: in one of its own before staging).
 3. Only after that commit are the group's offsets committed to Kafka.
 
 Invariants:
@@ -39,6 +47,9 @@ Invariants:
   ends the query through that batch instead.
 - Each query has its own checkpoint (``<checkpoint_dir>/<shape>``), target
   connection and offset committer; queries share nothing mutable.
+- A shape whose target cannot follow its new writer schema (a key column
+  whose values do not cast, :class:`~spark_consumer.target_layout.ShapeCannotFollow`)
+  stops alone, with one error line; the other queries go on.
 - An unreachable broker, registry or target (a transient
   :class:`~schemas.failures.Failure`) never ends the job: starts and query
   restarts wait for it with jittered exponential backoff (:mod:`schemas.retry`),
@@ -63,6 +74,7 @@ import pyarrow.compute as pc
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from pyspark.errors import StreamingQueryException
 
+from schemas import wire
 from schemas.config import Config, ConfigError, ShapeConfig
 from schemas.failures import TARGET, Failure, attributed, classify, classify_text
 from schemas.kafka import client_config
@@ -74,10 +86,16 @@ from spark_consumer.apply_staged import commit_batch, stage_part
 from spark_consumer.batch import Part, parts_from_rows
 from spark_consumer.checkpoint import replay_unapplied
 from spark_consumer.decode import arrow_rows
-from spark_consumer.kafka_source import SourceOptions, discover_schemas, read_shape_stream
+from spark_consumer.kafka_source import (
+    ShapeSchemas,
+    SourceOptions,
+    decode_batches,
+    discover_schemas,
+    read_raw_stream,
+)
 from spark_consumer.progress import ensure_progress, read_progress
 from spark_consumer.session import spark_session
-from spark_consumer.target_layout import ensure_table
+from spark_consumer.target_layout import ShapeCannotFollow, ensure_table
 
 log = logging.getLogger("walbridge.consumer")
 
@@ -139,12 +157,21 @@ class ShapeApplier:
     the next ``__call__`` or through :attr:`error` (the run loop restarts the
     query)."""
 
-    def __init__(self, config: Config, shape: ShapeConfig, target: ShapeTarget, kafka_conf: dict[str, Any]):
+    def __init__(self, config: Config, shape: ShapeConfig, target: ShapeTarget, kafka_conf: dict[str, Any],
+                 source: SourceOptions | None = None, schemas: ShapeSchemas | None = None):
 
         self.config = config
         self.shape = shape
+        # The target as the connection last made it (ensure_table); a batch
+        # decoded with newer schemas brings its own (see _target_for).
         self.target = target
         self.kafka_conf = kafka_conf
+        # The raw stream's options and the writer schemas its batches are
+        # decoded with (learned again when a batch carries a new one); None:
+        # batches arrive decoded (a stream of read_shape_stream).
+        self.source = source
+        self.schemas = schemas
+        self._batch_target = target  # the target of self.schemas
         self._conn = None
         self._committer: OffsetCommitter | None = None
         self._apply_thread = ThreadPoolExecutor(1, thread_name_prefix=f"apply-{shape.shape_name}")
@@ -223,8 +250,37 @@ class ShapeApplier:
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self.config.consumer.target_dsn, autocommit=True)
             ensure_progress(self._conn)
-            ensure_table(self._conn, self.target)
+            ensure_table(self._conn, self.target, self.config.consumer.on_dropped_column)
         return self._conn
+
+    def _decode(self, batch_df, batch_id: int):
+        """The batch's rows as Arrow, decoded on the executors with the newest
+        writer schemas the batch needs: a batch that carries a value schema
+        the layout was not derived with is decoded again after the schemas
+        are learned again (no query restart for a schema change)."""
+        if self.schemas is None:
+            return batch_df.toArrow()
+        for _ in range(NEW_SCHEMA_ROUNDS):
+            layout = self.schemas.layout()
+            table = batch_df.mapInArrow(functools.partial(decode_batches, self.source, self.schemas, True),
+                                        layout.spark_schema()).toArrow()
+            marks = table.filter(pc.equal(table.column("_wb_control"), wire.NEW_SCHEMA_CONTROL))
+            if not marks.num_rows:
+                return table
+            log.info("shape %s batch %d: %s; learning the shape's schemas again", self.shape.shape_name, batch_id,
+                     marks.column("_wb_error")[0].as_py())
+            self.schemas = _wait_for_schemas(self.source, discover_schemas, retry_policy(self.config))
+            self._batch_target = ShapeTarget.from_avro(self.shape.shape_name, self.schemas.value_schema,
+                                                       self.schemas.key_schema)
+        raise RuntimeError(f"shape {self.shape.shape_name} batch {batch_id}: still written with a value schema the "
+                           f"{self.source.topic_prefix or 'registry'} schemas do not hold after "
+                           f"{NEW_SCHEMA_ROUNDS} lookups")
+
+    def _follow_target(self, target: ShapeTarget) -> bool:
+        """Before the batch decoded for ``target`` is applied: True when the
+        target's tables must follow it (done by ensure_table, in the batch's
+        transaction)."""
+        return target is not self.target
 
     def __call__(self, batch_df, batch_id: int) -> None:
 
@@ -247,10 +303,7 @@ class ShapeApplier:
             # staged parts, with progress, is one decision on the driver.
             conn = self._connection()
             group = self.config.consumer.group
-            staged = batch_df.mapInArrow(
-                functools.partial(_stage_partitions, self.config.consumer.target_dsn, group, self.target,
-                                  _OFFSET_RESET[self.config.consumer.on_data_loss]),
-                _STAGED_SCHEMA).collect()
+            staged = self._stage(batch_df, batch_id)
             if not staged:
                 return
             parts = [Part(r.topic, r.partition, r.start, r.end) for r in staged]
@@ -260,21 +313,57 @@ class ShapeApplier:
             return
         # Arrow: fast, and timestamps arrive timezone-aware (collect() would
         # give naive datetimes in the driver's local zone).
-        table = batch_df.toArrow()
+        table = self._decode(batch_df, batch_id)
+        target = self._batch_target
         read_s = time.monotonic() - started
         self._finish_pending()  # batch N-1 committed (or its error fails this batch)
         if table.num_rows:
-            self._pending = self._apply_thread.submit(self._apply_table, table, batch_id, started, read_s)
+            self._pending = self._apply_thread.submit(self._apply_table, table, target, batch_id, started, read_s)
 
-    def _apply_table(self, table, batch_id: int, started: float, read_s: float) -> None:
-        """Apply thread: one batch in one target transaction, then the group's offsets."""
+    def _stage(self, batch_df, batch_id: int) -> list:
+        """Staged apply: decode and stage on the executors; the target's
+        tables follow a new writer schema first, in a transaction of their own
+        (the staging tables are made from them)."""
+        group = self.config.consumer.group
+        for _ in range(NEW_SCHEMA_ROUNDS):
+            target = self._batch_target
+            if self._follow_target(target):
+                ensure_table(self._connection(), target, self.config.consumer.on_dropped_column)
+                self.target = target
+            decoded = batch_df if self.schemas is None else batch_df.mapInArrow(
+                functools.partial(decode_batches, self.source, self.schemas, True),
+                self.schemas.layout().spark_schema())
+            staged = decoded.mapInArrow(
+                functools.partial(_stage_partitions, self.config.consumer.target_dsn, group, target,
+                                  _OFFSET_RESET[self.config.consumer.on_data_loss]),
+                _STAGED_SCHEMA).collect()
+            if all(r.rows >= 0 for r in staged):
+                return staged
+            log.info("shape %s batch %d carries a new writer schema; learning the shape's schemas again",
+                     self.shape.shape_name, batch_id)
+            self.schemas = _wait_for_schemas(self.source, discover_schemas, retry_policy(self.config))
+            self._batch_target = ShapeTarget.from_avro(self.shape.shape_name, self.schemas.value_schema,
+                                                       self.schemas.key_schema)
+        raise RuntimeError(f"shape {self.shape.shape_name} batch {batch_id}: still written with a value schema "
+                           f"the schemas do not hold after {NEW_SCHEMA_ROUNDS} lookups")
+
+    def _apply_table(self, table, target: ShapeTarget, batch_id: int, started: float, read_s: float) -> None:
+        """Apply thread: one batch in one target transaction (with the DDL
+        that makes the target follow a new writer schema), then the group's offsets."""
 
         began = time.monotonic()
         # Rows go to the planner as tuples, converted column by column (no dict per row).
         fields, rows = arrow_rows(table)
-        result = apply_batch(self._connection(), self.config.consumer.group, self.target,
-                             parts_from_rows(rows, fields=fields),
-                             on_offset_reset=_OFFSET_RESET[self.config.consumer.on_data_loss])
+        conn = self._connection()
+        parts = parts_from_rows(rows, fields=fields)
+        on_reset = _OFFSET_RESET[self.config.consumer.on_data_loss]
+        if self._follow_target(target):
+            with conn.transaction():
+                ensure_table(conn, target, self.config.consumer.on_dropped_column)
+                result = apply_batch(conn, self.config.consumer.group, target, parts, on_offset_reset=on_reset)
+            self.target = target
+        else:
+            result = apply_batch(conn, self.config.consumer.group, target, parts, on_offset_reset=on_reset)
         self._applied(batch_id, result, len(rows), _newest_ts_ms(table), started,
                       f" (read {read_s:.2f}s, apply {time.monotonic() - began:.2f}s)")
 
@@ -314,7 +403,12 @@ def _newest_ts_ms(table) -> int | None:
 
 
 _OFFSET_RESET = {"follow": "follow", "stop": "raise"}  # [consumer] on_data_loss -> apply's on_offset_reset
+_SOURCE_ON_DATA_LOSS = {"follow": "follow", "stop": "fail"}  # ... -> the source's on_data_loss
+NEW_SCHEMA_ROUNDS = 3  # lookups of the schemas for one batch (the producer publishes before it writes)
+# rows = -1: the task met a new writer schema and staged nothing (the batch is decoded again).
 _STAGED_SCHEMA = "topic string, partition int, start long, end long, rows long, newest_ts_ms long"
+_STAGED_ARROW_SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32()), ("start", pa.int64()),
+                                  ("end", pa.int64()), ("rows", pa.int64()), ("newest_ts_ms", pa.int64())])
 _stage_connections: dict[str, Any] = {}  # per Python worker process, reused across tasks
 
 
@@ -323,6 +417,12 @@ def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, batche
 
     fields, rows = arrow_rows(batches)
     if not rows:
+        return
+    control = fields.index("_wb_control")
+    if any(r[control] == wire.NEW_SCHEMA_CONTROL for r in rows):  # decoded again with the new schemas
+        yield pa.RecordBatch.from_pydict({"topic": [rows[0][fields.index("_wb_topic")]], "partition": [0],
+                                          "start": [0], "end": [0], "rows": [-1], "newest_ts_ms": [0]},
+                                         schema=_STAGED_ARROW_SCHEMA)
         return
     ts_ms = fields.index("_wb_ts_ms")
     conn = _stage_connections.get(dsn)
@@ -336,9 +436,7 @@ def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, batche
                      ("end", part.end), ("rows", len(part.rows)),
                      ("newest_ts_ms", max((r[ts_ms] or 0 for r in part.rows), default=0))):
             out[k].append(v)
-    yield pa.RecordBatch.from_pydict(out, schema=pa.schema([
-        ("topic", pa.string()), ("partition", pa.int32()), ("start", pa.int64()), ("end", pa.int64()),
-        ("rows", pa.int64()), ("newest_ts_ms", pa.int64())]))
+    yield pa.RecordBatch.from_pydict(out, schema=_STAGED_ARROW_SCHEMA)
 
 
 def start_queries(spark, config: Config, stop: threading.Event | None = None) -> tuple[list, list[ShapeApplier]]:
@@ -364,15 +462,12 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
                          schema_registry_client=registry_client,
                          subject_name_strategy=config.kafka.subject_name_strategy,
                          kafka_client=dict(config.kafka.client),
-                         max_offsets_per_trigger=config.consumer.max_offsets_per_trigger)
+                         max_offsets_per_trigger=config.consumer.max_offsets_per_trigger,
+                         on_data_loss=_SOURCE_ON_DATA_LOSS[config.consumer.on_data_loss])
     schemas = _wait_for_schemas(opts, discover_schemas, retry_policy(config), stop)
     target = ShapeTarget.from_avro(shape.shape_name, schemas.value_schema, schemas.key_schema)
-    applier = ShapeApplier(config, shape, target, kafka_conf)
-    df = read_shape_stream(spark, topic, config.kafka.bootstrap_servers, config.kafka.topic_prefix,
-                           config.kafka.schema_registry_url, dict(config.kafka.client),
-                           config.consumer.max_offsets_per_trigger, schemas=schemas,
-                           on_data_loss=config.consumer.on_data_loss, schema_registry_client=registry_client,
-                           subject_name_strategy=config.kafka.subject_name_strategy)
+    applier = ShapeApplier(config, shape, target, kafka_conf, opts, schemas)
+    df = read_raw_stream(spark, opts)
     checkpoint = Path(config.consumer.checkpoint_dir) / shape.shape_name
     applier.recover(checkpoint, topic, stop)
     query = (df.writeStream.queryName(f"walbridge:{shape.shape_name}").foreachBatch(applier)
@@ -433,6 +528,12 @@ def query_failure(config: Config, error: BaseException) -> Failure | None:
     return failure if failure is not None else classify_text(str(error))
 
 
+def cannot_follow(error: BaseException) -> bool:
+    """Did a query fail because its target cannot follow the shape's new
+    writer schema (raised in the apply thread, or through Spark as text)?"""
+    return isinstance(error, ShapeCannotFollow) or ShapeCannotFollow.__name__ in str(error)
+
+
 def run(config: Config, master: str | None = None, stop: threading.Event | None = None,
         appliers: list | None = None) -> None:
     """Run the queries until ``stop`` is set or one fails for good; ``appliers``
@@ -454,10 +555,13 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
     policy = retry_policy(config)
     failures: list[list[float]] = [[] for _ in queries]
+    given_up: set[int] = set()  # shapes whose target cannot follow their schema: stopped, the others go on
     outages: list[list[float]] = [[] for _ in queries]  # when each transient failure in a row happened
     try:
         while not (stop and stop.is_set()):
             for i, q in enumerate(queries):
+                if i in given_up:
+                    continue
                 failure = None
                 if q.isActive:
                     # An apply runs after its foreachBatch returned; when it
@@ -473,6 +577,11 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                 elif q.exception() is None:
                     return  # stopped from outside
                 failure = failure or q.exception()
+                if cannot_follow(failure):
+                    log.error("query %s stopped: %s. The other shapes go on; this one's WAL is held (or dropped "
+                              "per [ack] on_stall)", q.name, _first_line(failure).split("ShapeCannotFollow: ")[-1])
+                    given_up.add(i)
+                    continue
                 # A failed query restarts from its checkpoint: the target's
                 # progress table makes that exactly-once (a crashed Python
                 # worker, a broker restart mid-read). A transient failure (an

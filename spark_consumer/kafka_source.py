@@ -11,11 +11,16 @@ Use::
                            max_offsets_per_trigger=50_000)
     query = df.writeStream.foreachBatch(apply).option("checkpointLocation", ...).start()
 
-``read_shape_stream`` discovers the shape's schemas in the calling process,
-registers the data source and returns ``spark.readStream.format("walbridge_shape")
-.options(...).load()``. The same format can be used directly with the options
-below (discovery then runs in Spark's Python planner worker, which cannot see an
-in-process ``mock://`` registry). Rows and columns: see :mod:`spark_consumer.decode`.
+The source itself is schema-free: ``spark.readStream.format("walbridge_shape")``
+(:func:`read_raw_stream`) yields one row per message as it is on the wire
+(:data:`RAW_SCHEMA`: ``_wb_topic``, ``_wb_partition``, ``_wb_offset``,
+``_wb_key``, ``_wb_value``, ``_wb_headers``), so a new writer schema never
+needs a new stream. Decoding is a ``mapInArrow`` over those rows
+(:func:`decode_batches`, on the executors, with the compiled decoder) into the
+typed layout of a :class:`ShapeSchemas` (rows and columns: see
+:mod:`spark_consumer.decode`). The consumer job decides each micro-batch's
+layout in its ``foreachBatch``; ``read_shape_stream`` gives a typed stream
+whose layout is fixed when it is called.
 
 Options (all strings): ``topic``, ``bootstrap_servers``, ``topic_prefix`` (for
 ``<prefix>._schemas``), ``schema_registry_url`` (optional),
@@ -29,19 +34,20 @@ an offset outside [earliest, end] is an error, never silently moved),
 ``max_offsets_per_task`` (cut a partition's range into tasks of at most this
 many offsets; default one task per partition and batch), ``read_idle_timeout_s``
 (default 120: a task that gets no message for that long fails), ``on_data_loss``
-(``fail`` (default) or ``follow``, see below). Filled by discovery: ``value_schema``,
-``key_schema``, ``known_value_schemas``, ``writer_schemas``.
+(``fail`` (default) or ``follow``, see below).
 
-Schema discovery: the newest value schema (registry: the latest version of the
-value subject the strategy names, ``<topic>-value`` by default; without a
-registry: the last ``<prefix>._schemas`` record whose ``wb.subject`` header is
-``<topic>-value``) defines the stream's columns, and the key subject marks the
-key columns. Every value schema version existing at
-that moment is "known" (older messages are read against the newest by name),
-and all value/key schemas found are handed to the executors with the options.
-A message written with a schema published later that adds or retypes a column
-fails its task with ``SchemaChangedError``: restart the query (call
-``read_shape_stream`` again) to pick the new layout up.
+Schema discovery (:func:`discover_schemas`, in the driver's process): the
+newest value schema (registry: the latest version of the value subject the
+strategy names, ``<topic>-value`` by default; without a registry: the last
+``<prefix>._schemas`` record whose ``wb.subject`` header is ``<topic>-value``)
+defines the layout, and the newest key schema marks the key columns. Every
+value schema version existing at that moment is "known" (older messages are
+read into the newest by name), and all value/key schemas found are handed to
+the executors with the decode function. With ``mark_new_schemas`` (the job's
+decode), a message written with any value schema not known then ends its
+task's output with a ``new_schema`` row: the driver discovers again and
+decodes the batch anew. Without it (``read_shape_stream``), a schema published
+later that adds or retypes a column fails the task with ``SchemaChangedError``.
 
 Invariants:
 - Offsets are ``{"<partition>": next offset, "topic_id": id}`` (partitions
@@ -72,12 +78,15 @@ Invariants:
   driver's long-lived Python process, consumers and the DLQ producer in executor
   workers (cached per worker process, reused across tasks). Nothing with a
   socket is pickled.
-- A message that cannot be decoded is produced to ``<topic>.dlq`` (created if
-  missing) with its key, value and headers plus ``wb.dlq.error``,
-  ``wb.dlq.topic``, ``wb.dlq.partition`` and ``wb.dlq.offset``; the task flushes
-  the DLQ before it completes (a failed delivery fails the task), and the stream
-  gets a ``_wb_control = 'dlq'`` row for it. A replayed batch may send it again:
-  the DLQ is at-least-once, deduplicate by the origin headers.
+- A message that cannot be decoded is produced by :func:`decode_batches` to
+  ``<topic>.dlq`` (created if missing) with its key, value and headers plus
+  ``wb.dlq.error``, ``wb.dlq.topic``, ``wb.dlq.partition`` and
+  ``wb.dlq.offset``; the task flushes the DLQ before it completes (a failed
+  delivery fails the task), and the decoded rows get a ``_wb_control = 'dlq'``
+  row for it. A replayed batch, or one decoded again for a new writer schema,
+  may send it again: the DLQ is at-least-once, deduplicate by the origin headers.
+- The raw rows are the messages exactly: decoding a batch twice (a new writer
+  schema) reads the same offsets and yields the same rows but for the layout.
   ``read_dead_letters`` reads it back (its length is the count).
 - ``commit`` does nothing: group offsets are committed by the apply step after
   the target transaction commits (Spark only commits batch N-1 while planning N).
@@ -85,6 +94,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -93,10 +103,12 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
+import pyarrow as pa
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
     ReadLimit,
@@ -104,7 +116,7 @@ from pyspark.sql.streaming.datasource import (
     ReadMinRows,
     SupportsTriggerAvailableNow,
 )
-from pyspark.sql.types import StructType
+from pyspark.sql.types import ArrayType, BinaryType, IntegerType, LongType, StringType, StructField, StructType
 
 from schemas import wire
 from schemas.config import redact_dsn
@@ -130,6 +142,20 @@ RANGE_CONSUME_WAIT_S = 1.0  # one consume() call of a range read
 RANGE_FETCH_QUEUE_BACKOFF_MS = 10  # librdkafka fetch.queue.backoff.ms of the range consumers (see _range_consumer)
 RANGE_FETCH_WAIT_MS = 50  # librdkafka fetch.wait.max.ms of the executors' range consumers (10 ms livelocked on Tansu)
 LOST_DATA_RETRIES = 3
+
+# What the source yields: one row per message, as it is on the wire. Decoding
+# happens per micro-batch (decode_batches), so a new writer schema never
+# needs a new stream.
+RAW_SCHEMA = StructType([
+    StructField("_wb_topic", StringType(), nullable=False),
+    StructField("_wb_partition", IntegerType(), nullable=False),
+    StructField("_wb_offset", LongType(), nullable=False),
+    StructField("_wb_key", BinaryType()),
+    StructField("_wb_value", BinaryType()),
+    StructField("_wb_headers", ArrayType(StructType([StructField("key", StringType()),
+                                                     StructField("value", BinaryType())]), containsNull=False)),
+])
+RAW_ARROW_SCHEMA = to_arrow_schema(RAW_SCHEMA)
 
 
 # ------------------------------------------------------------------ options
@@ -220,28 +246,6 @@ class ShapeSchemas:
     key_schema: dict | None = None
     known_value_refs: tuple[str, ...] = ()
     writer_schemas: dict[str, dict] = field(default_factory=dict)
-
-    def to_options(self) -> dict[str, str]:
-        out = {"value_schema": json.dumps(self.value_schema),
-               "known_value_schemas": json.dumps(list(self.known_value_refs))}
-        if self.key_schema is not None:
-            out["key_schema"] = json.dumps(self.key_schema)
-        if self.writer_schemas:
-            out["writer_schemas"] = json.dumps(self.writer_schemas)
-        return out
-
-    @classmethod
-    def from_options(cls, options: dict[str, str]) -> ShapeSchemas | None:
-        o = {k.lower(): v for k, v in options.items()}
-        if not o.get("value_schema"):
-            return None
-        value = json.loads(o["value_schema"])
-        known = list(json.loads(o.get("known_value_schemas") or "[]"))
-        fp = "fp:" + wire.schema_fingerprint(value).hex()
-        if fp not in known:
-            known.append(fp)
-        return cls(value, json.loads(o["key_schema"]) if o.get("key_schema") else None, tuple(known),
-                   json.loads(o.get("writer_schemas") or "{}"))
 
     def layout(self) -> ShapeLayout:
         return ShapeLayout.from_schemas(self.value_schema, self.key_schema)
@@ -462,15 +466,14 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """See the module docstring. Driver-side state (probe, availableNow target)
     lives only in Spark's long-lived source process; executors only ``read``."""
 
-    def __init__(self, opts: SourceOptions, schemas: ShapeSchemas):
+    def __init__(self, opts: SourceOptions):
         self._opts = opts
-        self._schemas = schemas
         self._ends: PartitionEnds | None = None
         self._target: Offsets | None = None
         self._last_ends: Offsets | None = None
 
     def __getstate__(self) -> dict:
-        return {"_opts": self._opts, "_schemas": self._schemas, "_ends": None, "_target": None, "_last_ends": None}
+        return {"_opts": self._opts, "_ends": None, "_target": None, "_last_ends": None}
 
     def _probe(self) -> PartitionEnds:
         if self._ends is None:
@@ -594,11 +597,12 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     # -- executors
     def read(self, partition: OffsetRange) -> Iterator[Any]:
-        return read_offset_range(self._opts, self._schemas, partition)
+        return read_offset_range(self._opts, partition)
 
 
 class ShapeTopicDataSource(DataSource):
-    """``spark.readStream.format("walbridge_shape")``: one shape topic."""
+    """``spark.readStream.format("walbridge_shape")``: one shape topic, one
+    row per message in the schema-free :data:`RAW_SCHEMA`."""
 
     @classmethod
     def name(cls) -> str:
@@ -607,25 +611,23 @@ class ShapeTopicDataSource(DataSource):
     def __init__(self, options: dict[str, str]):
         super().__init__(options)
         self._opts = SourceOptions.from_options(dict(options))
-        self._shape_schemas = ShapeSchemas.from_options(dict(options))
-
-    def _discovered(self) -> ShapeSchemas:
-        # Runs where Spark first asks (its planner worker); the result travels
-        # with this pickled instance to the other processes.
-        if self._shape_schemas is None:
-            self._shape_schemas = discover_schemas(self._opts)
-        return self._shape_schemas
 
     def schema(self) -> StructType:
-        return self._discovered().layout().spark_schema()
+        return RAW_SCHEMA
 
     def streamReader(self, schema: StructType) -> ShapeStreamReader:
-        schemas = self._discovered()
-        expected = schemas.layout().spark_schema()
-        if schema.simpleString() != expected.simpleString():
-            raise ValueError(f"{SOURCE_NAME} derives its schema from the shape's Avro schema; "
+        if schema.simpleString() != RAW_SCHEMA.simpleString():
+            raise ValueError(f"{SOURCE_NAME} has a fixed schema ({RAW_SCHEMA.simpleString()}); "
                              f"do not pass one (got {schema.simpleString()})")
-        return ShapeStreamReader(self._opts, schemas)
+        return ShapeStreamReader(self._opts)
+
+
+def read_raw_stream(spark, opts: SourceOptions):
+    """The streaming DataFrame of one shape topic's messages as they are
+    (:data:`RAW_SCHEMA`): what the consumer job reads, decoding each
+    micro-batch with the writer schemas it carries (:func:`decode_batches`)."""
+    spark.dataSource.register(ShapeTopicDataSource)
+    return spark.readStream.format(SOURCE_NAME).options(**opts.to_options()).load()
 
 
 def read_shape_stream(spark, topic: str, bootstrap_servers: str, topic_prefix: str | None = None,
@@ -634,8 +636,12 @@ def read_shape_stream(spark, topic: str, bootstrap_servers: str, topic_prefix: s
                       max_offsets_per_task: int | None = None, schemas: ShapeSchemas | None = None,
                       on_data_loss: str = "fail", schema_registry_client: dict[str, Any] | None = None,
                       subject_name_strategy: str = "topic"):
-    """The streaming DataFrame of one shape topic (schemas discovered here,
-    in the calling process, unless given). Spark's Python workers must be
+    """The streaming DataFrame of one shape topic decoded into the layout of
+    its newest value schema at this call (schemas discovered here, in the
+    calling process, unless given): a message written with a schema published
+    later that adds or retypes a column fails its task with
+    :class:`~spark_consumer.decode.SchemaChangedError` (the consumer job reads
+    :func:`read_raw_stream` instead and picks new layouts up per batch). Spark's Python workers must be
     able to import walbridge: start the session with ``PYSPARK_PYTHON`` set to
     this environment's interpreter (the data source planner reads that
     variable, not ``spark.pyspark.python``)."""
@@ -648,9 +654,9 @@ def read_shape_stream(spark, topic: str, bootstrap_servers: str, topic_prefix: s
                          max_offsets_per_trigger=max_offsets_per_trigger, starting_offsets=starting_offsets,
                          max_offsets_per_task=max_offsets_per_task, on_data_loss=on_data_loss)
     schemas = schemas or discover_schemas(opts)
-    schemas.layout()  # fail here, not in a worker, on an unmappable schema
-    spark.dataSource.register(ShapeTopicDataSource)
-    return spark.readStream.format(SOURCE_NAME).options(**opts.to_options(), **schemas.to_options()).load()
+    layout = schemas.layout()  # fail here, not in a worker, on an unmappable schema
+    return read_raw_stream(spark, opts).mapInArrow(
+        functools.partial(decode_batches, opts, schemas, False), layout.spark_schema())
 
 
 # ----------------------------------------------------------- executor side
@@ -731,12 +737,13 @@ def schema_lookup(opts: SourceOptions, preloaded: dict[str, dict]):
     return lookup
 
 
-def _writer_schemas_for(opts: SourceOptions, schemas: ShapeSchemas) -> WriterSchemas:
-    key = hashlib.sha256(_conf_key({"opts": asdict(opts), "schemas": asdict(schemas)}).encode()).hexdigest()
+def _writer_schemas_for(opts: SourceOptions, schemas: ShapeSchemas, only_known: bool) -> WriterSchemas:
+    key = hashlib.sha256(_conf_key({"opts": asdict(opts), "schemas": asdict(schemas),
+                                    "only_known": only_known}).encode()).hexdigest()
     ws = _writer_schemas.get(key)
     if ws is None:
         ws = _writer_schemas[key] = WriterSchemas(schemas.layout(), schema_lookup(opts, schemas.writer_schemas),
-                                                  frozenset(schemas.known_value_refs))
+                                                  frozenset(schemas.known_value_refs), only_known=only_known)
     return ws
 
 
@@ -762,12 +769,12 @@ class DeadLetters:
             _dlq_topics_ready.add((key, self.topic))
         return producer
 
-    def send(self, msg: Any, error: str) -> None:
-        headers = list(msg.headers() or []) + [
-            (wire.DLQ_ERROR_HEADER, error.encode()), (wire.DLQ_TOPIC_HEADER, msg.topic().encode()),
-            (wire.DLQ_PARTITION_HEADER, str(msg.partition()).encode()), (wire.DLQ_OFFSET_HEADER, str(msg.offset()).encode())]
-        log.warning("%s[%d]@%d cannot be decoded (%s): sent to %s", msg.topic(), msg.partition(), msg.offset(),
-                    error, self.topic)
+    def send(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+             headers: list | None, error: str) -> None:
+        headers = list(headers or []) + [
+            (wire.DLQ_ERROR_HEADER, error.encode()), (wire.DLQ_TOPIC_HEADER, topic.encode()),
+            (wire.DLQ_PARTITION_HEADER, str(partition).encode()), (wire.DLQ_OFFSET_HEADER, str(offset).encode())]
+        log.warning("%s[%d]@%d cannot be decoded (%s): sent to %s", topic, partition, offset, error, self.topic)
         producer = self._producer()
 
         def delivered(err, _msg) -> None:
@@ -776,7 +783,7 @@ class DeadLetters:
 
         while True:
             try:
-                producer.produce(self.topic, value=msg.value(), key=msg.key(), headers=headers, on_delivery=delivered)
+                producer.produce(self.topic, value=value, key=key, headers=headers, on_delivery=delivered)
                 break
             except BufferError:
                 producer.poll(0.1)
@@ -798,14 +805,13 @@ _TRANSIENT = frozenset({KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, Kaf
                         KafkaError.REQUEST_TIMED_OUT, KafkaError._RESOLVE})
 
 
-def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRange) -> Iterator[Any]:
-    """Arrow record batches of every message in ``task``'s range, in offset
-    order (executor side)."""
+def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
+    """Arrow record batches (:data:`RAW_SCHEMA`) of every message in
+    ``task``'s range, in offset order (executor side)."""
     topic, partition, end = task.topic, task.partition, task.end
     if _incarnation_gone(opts, task):
         return
-    builder = BatchBuilder(schemas.layout(), _writer_schemas_for(opts, schemas))
-    dead_letters = DeadLetters(opts)
+    rows = RawRows(topic, partition)
     consumer = _range_consumer(opts)
     consumer.assign([TopicPartition(topic, partition, task.start)])
     try:
@@ -842,23 +848,104 @@ def read_offset_range(opts: SourceOptions, schemas: ShapeSchemas, task: OffsetRa
                     break
                 if offset < next_offset:
                     continue
-                try:
-                    builder.add(topic, partition, offset, msg.key(), msg.value(), msg.headers())
-                except UndecodableMessage as e:
-                    dead_letters.send(msg, str(e))
-                    builder.add_dlq(topic, partition, offset, msg.headers(), str(e))
+                rows.add(offset, msg.key(), msg.value(), msg.headers())
                 next_offset = offset + 1
             idle_since = time.monotonic() if msgs else idle_since
-            if builder.count >= ARROW_BATCH_ROWS:
-                yield builder.to_record_batch()
-        if builder.count:
-            yield builder.to_record_batch()
-        dead_letters.flush()
-    except SchemaChangedError:
-        log.error("%s[%d]: writer schema changed under the stream; stopping", topic, partition)
-        raise
+            if rows.count >= ARROW_BATCH_ROWS:
+                yield rows.to_record_batch()
+        if rows.count:
+            yield rows.to_record_batch()
     finally:
         consumer.unassign()
+
+
+class RawRows:
+    """Messages of one topic-partition as :data:`RAW_ARROW_SCHEMA` batches."""
+
+    def __init__(self, topic: str, partition: int):
+        self.topic, self.partition = topic, partition
+        self._offsets: list[int] = []
+        self._keys: list = []
+        self._values: list = []
+        self._headers: list = []
+
+    @property
+    def count(self) -> int:
+        return len(self._offsets)
+
+    def add(self, offset: int, key: bytes | None, value: bytes | None, headers: list | None) -> None:
+        self._offsets.append(offset)
+        self._keys.append(key)
+        self._values.append(value)
+        self._headers.append(headers)
+
+    def to_record_batch(self):
+        n = len(self._offsets)
+        batch = pa.RecordBatch.from_arrays([
+            pa.array([self.topic] * n, pa.string()), pa.array([self.partition] * n, pa.int32()),
+            pa.array(self._offsets, pa.int64()), pa.array(self._keys, pa.binary()),
+            pa.array(self._values, pa.binary()), pa.array(self._headers, RAW_ARROW_SCHEMA.field(5).type)],
+            schema=RAW_ARROW_SCHEMA)
+        self._offsets, self._keys, self._values, self._headers = [], [], [], []
+        return batch
+
+
+def raw_messages(batch) -> Iterator[tuple]:
+    """(topic, partition, offset, key, value, headers) of each row of a raw
+    record batch; headers as confluent-kafka gives them (a list of (name,
+    value) pairs, or None)."""
+    topics = batch.column(0).to_pylist()
+    partitions = batch.column(1).to_pylist()
+    offsets = batch.column(2).to_pylist()
+    keys = batch.column(3).to_pylist()
+    values = batch.column(4).to_pylist()
+    hcol = batch.column(5)
+    bounds = hcol.offsets.to_pylist()
+    flat = hcol.flatten()  # the slice's headers, from bounds[0] on
+    pairs = list(zip(flat.field(0).to_pylist(), flat.field(1).to_pylist()))
+    base = bounds[0]
+    for i in range(len(offsets)):
+        lo, hi = bounds[i] - base, bounds[i + 1] - base
+        yield topics[i], partitions[i], offsets[i], keys[i], values[i], pairs[lo:hi] if hi > lo else None
+
+
+def decode_batches(opts: SourceOptions, schemas: ShapeSchemas, mark_new_schemas: bool,
+                   batches: Iterator[Any]) -> Iterator[Any]:
+    """``mapInArrow`` over raw record batches (executor side): the typed rows
+    of ``schemas.layout()`` (:mod:`spark_consumer.decode`), undecodable
+    messages sent to ``<topic>.dlq`` (flushed before the task completes) and
+    given a ``dlq`` row.
+
+    ``mark_new_schemas``: a message written with a value schema not among
+    ``schemas.known_value_refs`` ends the task's output with one
+    ``new_schema`` row (:data:`schemas.wire.NEW_SCHEMA_CONTROL`): the driver
+    then learns the schemas again and decodes the batch with the newest
+    layout. Without it, only a new schema that adds or retypes a column
+    stops, raising :class:`~spark_consumer.decode.SchemaChangedError`."""
+    layout = schemas.layout()
+    builder = BatchBuilder(layout, _writer_schemas_for(opts, schemas, mark_new_schemas))
+    dead_letters = DeadLetters(opts)
+    for batch in batches:
+        for topic, partition, offset, key, value, headers in raw_messages(batch):
+            try:
+                builder.add(topic, partition, offset, key, value, headers)
+            except UndecodableMessage as e:
+                dead_letters.send(topic, partition, offset, key, value, headers, str(e))
+                builder.add_dlq(topic, partition, offset, headers, str(e))
+            except SchemaChangedError as e:
+                if not mark_new_schemas:
+                    log.error("%s[%d]@%d: %s; stopping", topic, partition, offset, e)
+                    raise
+                builder.to_record_batch()  # dropped: the batch is decoded again
+                builder.add_control(topic, partition, offset, wire.NEW_SCHEMA_CONTROL, str(e))
+                dead_letters.flush()
+                yield builder.to_record_batch()
+                return
+            if builder.count >= ARROW_BATCH_ROWS:
+                yield builder.to_record_batch()
+    if builder.count:
+        yield builder.to_record_batch()
+    dead_letters.flush()
 
 
 # ---------------------------------------------------------------- DLQ reading

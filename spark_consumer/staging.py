@@ -54,9 +54,10 @@ def stage_select(target: ShapeTarget) -> sql.Composed:
 
 
 def temp_stage(conn: psycopg.Connection, target: ShapeTarget) -> sql.Identifier:
-    """This session's staging table for the shape (created once; emptied at
-    every commit and at every use)."""
-    sig = f"{target.schema}.{target.table}:{','.join(target.names)}"
+    """This session's staging table for the shape (created once per column
+    layout, so a retyped or renamed column gets a new one; emptied at every
+    commit and at every use)."""
+    sig = f"{target.schema}.{target.table}:{','.join(f'{c.name} {c.sql_type}' for c in target.columns)}"
     name = f"wb_stage_{zlib.crc32(sig.encode()):08x}"
     ident = sql.Identifier(name)
     with conn.cursor() as cur:

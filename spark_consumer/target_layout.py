@@ -28,8 +28,14 @@ Layout in the target database
   the cut; :func:`spark_consumer.statements.gc_tombstones` drops others.
 
 Invariants:
-- :func:`ensure_table` never drops or retypes a column: it creates what is
-  missing and adds the columns the shape has gained.
+- :func:`ensure_table` creates what is missing and makes an existing table
+  follow the shape's current writer schema (:mod:`spark_consumer.target_ddl`:
+  renames, added columns, widened or cast types, a changed key; a dropped
+  column is kept nullable unless ``on_dropped_column = "drop"``), all in the
+  caller's transaction when there is one (the consumer's: the first batch that
+  carries the new schema).
+- A key column whose values do not cast to its new type raises
+  :class:`ShapeCannotFollow`; nothing of that batch is applied.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from psycopg import sql
 
 from spark_consumer.apply_plan import ShapeTarget
 from spark_consumer.progress import ensure_progress, lock_ddl
+from spark_consumer.target_ddl import ExistingColumn, OnDropped, Step, WantedColumn, plan_changes
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +74,14 @@ def tombstones_ident(target: ShapeTarget) -> sql.Identifier:
     return sql.Identifier(target.schema, target.tombstone_table)
 
 
-def ensure_table(conn: psycopg.Connection, target: ShapeTarget) -> None:
+class ShapeCannotFollow(RuntimeError):
+    """The target cannot follow the shape's new writer schema (a key column
+    whose values do not cast): that shape stops."""
+
+
+def ensure_table(conn: psycopg.Connection, target: ShapeTarget, on_dropped_column: OnDropped = "keep") -> None:
     """Create the shape's table (and schema, tombstone table, progress tables)
-    if missing; add columns the shape has gained. Never drops or retypes."""
+    if missing; make an existing one follow ``target`` (module invariants)."""
     ensure_progress(conn)
     with conn.transaction():
         lock_ddl(conn)
@@ -88,7 +100,10 @@ def ensure_table(conn: psycopg.Connection, target: ShapeTarget) -> None:
             conn.execute(sql.SQL("CREATE TABLE {} ({})").format(table_ident(target), sql.SQL(", ").join(defs)))
             log.info("created target table %s.%s for shape %s", target.schema, target.table, target.shape)
         else:
-            for d in col_defs + book_defs:
+            key_changed = _follow(conn, target, types, on_dropped_column)
+            if key_changed:
+                conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(tombstones_ident(target)))
+            for d in book_defs:
                 conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {}").format(table_ident(target), d))
             # Tables of earlier versions had NOT NULL positions: relax them (once).
             for (col,) in conn.execute(
@@ -107,6 +122,66 @@ def ensure_table(conn: psycopg.Connection, target: ShapeTarget) -> None:
             defs.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(keys)))
             conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
                 tombstones_ident(target), sql.SQL(", ").join(defs)))
+
+
+def _follow(conn: psycopg.Connection, target: ShapeTarget, types: list[str], on_dropped: OnDropped) -> bool:
+    """Run the steps that make the existing table hold ``target``'s columns;
+    True when its key changed (the tombstone table is then made anew)."""
+    ident = table_ident(target)
+    regclass = ident.as_string(conn)
+    existing = [ExistingColumn(name, typ, not_null) for name, typ, not_null in conn.execute(
+        "SELECT attname, format_type(atttypid, atttypmod), attnotnull FROM pg_attribute "
+        "WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped AND attname NOT LIKE '\\_wb\\_%%' "
+        "ORDER BY attnum", (regclass,)).fetchall()]
+    row = conn.execute(
+        "SELECT c.conname, array_agg(a.attname ORDER BY k.i) FROM pg_constraint c "
+        "CROSS JOIN LATERAL unnest(c.conkey) WITH ORDINALITY AS k(attnum, i) "
+        "JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k.attnum "
+        "WHERE c.conrelid = %s::regclass AND c.contype = 'p' GROUP BY c.conname", (regclass,)).fetchone()
+    constraint, key = (row[0], list(row[1])) if row else (None, [])
+    wanted = [WantedColumn(c.name, t, c.is_key, c.aliases) for c, t in zip(target.columns, _format_types(conn, types))]
+    steps = plan_changes(ident, tombstones_ident(target), existing, key, constraint, wanted, on_dropped)
+    for step in steps:
+        _run(conn, target, step)
+    return any(s.kind in ("drop_key", "add_key", "keyless") for s in steps)
+
+
+def _run(conn: psycopg.Connection, target: ShapeTarget, step: Step) -> None:
+    if step.kind == "keyless":
+        log.warning("shape %s has no key any more: its table %s.%s follows the rules of keyless shapes "
+                    "(appends and removals of whole rows)", target.shape, target.schema, target.table)
+        return
+    if step.tombstones and conn.execute("SELECT to_regclass(%s) IS NULL",
+                                        (tombstones_ident(target).as_string(conn),)).fetchone()[0]:
+        return
+    try:
+        with conn.transaction():
+            conn.execute(step.statement)
+    except psycopg.Error as e:
+        if step.fallback is None:
+            if step.fatal is not None:
+                raise ShapeCannotFollow(f"shape {target.shape}: {step.fatal} ({str(e).strip().splitlines()[0]})"
+                                        ) from e
+            raise
+        log.warning("shape %s: column %s does not cast to its new type (%s): its values become NULL until the "
+                    "producer's re-read of the shape brings them", target.shape, step.column,
+                    str(e).strip().splitlines()[0])
+        conn.execute(step.fallback)
+    log.info("shape %s: %s", target.shape, step.statement.as_string(conn))
+
+
+def _format_types(conn: psycopg.Connection, types: list[str]) -> list[str]:
+    """Each type as the target's ``format_type`` prints it (what the catalog
+    shows of an existing column)."""
+    if not types:
+        return []
+    cur = conn.execute(sql.SQL("SELECT {} LIMIT 0").format(sql.SQL(", ").join(
+        sql.SQL("NULL::{}").format(sql.SQL(t)) for t in types)))
+    oids = [c.type_code for c in cur.description]
+    mods = [cur.pgresult.fmod(i) for i in range(len(types))]
+    return [r[0] for r in conn.execute(
+        "SELECT format_type(o, m) FROM unnest(%s::oid[], %s::int[]) WITH ORDINALITY AS t(o, m, i) ORDER BY i",
+        (oids, mods)).fetchall()]
 
 
 def _resolve_types(conn: psycopg.Connection, target: ShapeTarget) -> list[str]:

@@ -31,6 +31,7 @@ from schemas import wire
 from schemas.kafka import ensure_topics
 from schemas.publisher import SchemaPublisher
 from spark_consumer.kafka_source import (
+    RAW_SCHEMA,
     SOURCE_NAME,
     PartitionEnds,
     ShapeSchemas,
@@ -423,15 +424,16 @@ def test_real_producer_topic_typed_rows(spark, source_db, kafka_broker, topic_pr
 
     if registry:
         # A mock:// registry is per process: Spark's Python workers cannot see
-        # it. Discovery in the planner worker fails, and executors given no
-        # writer schemas cannot resolve a single id (every message goes to the
-        # DLQ). read_shape_stream discovers in this process and hands every
-        # version over, which is what makes registry mode work here.
+        # it. The source itself needs no schema (its rows are the raw
+        # messages), but executors given no writer schemas cannot resolve a
+        # single id (every message goes to the DLQ). read_shape_stream
+        # discovers in this process and hands every version over, which is
+        # what makes registry mode work here.
         spark.dataSource.register(ShapeTopicDataSource)
-        with pytest.raises(Exception, match="no schema under subject"):
-            (spark.readStream.format(SOURCE_NAME).option("topic", topic)
-             .option("bootstrap_servers", kafka_broker.bootstrap)
-             .option("schema_registry_url", registry).load())
+        raw = (spark.readStream.format(SOURCE_NAME).option("topic", topic)
+               .option("bootstrap_servers", kafka_broker.bootstrap)
+               .option("schema_registry_url", registry).load())
+        assert raw.schema == RAW_SCHEMA
         found = discover_schemas(SourceOptions(topic=topic, bootstrap_servers=kafka_broker.bootstrap,
                                                schema_registry_url=registry))
         blind = ShapeSchemas(found.value_schema, found.key_schema, found.known_value_refs, writer_schemas={})

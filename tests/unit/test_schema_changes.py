@@ -1,253 +1,217 @@
-"""The schema-change classifier: one scenario per row of the README's table."""
+"""Schema changes on the consumer side, pure parts: the raw source rows, the
+per-batch decode that notices a new writer schema, and the target DDL a new
+schema plans (issue 12)."""
+
+from __future__ import annotations
 
 import pytest
+from psycopg import sql
 
-from producer import schema_changes as sc
-from producer.schema_changes import CatalogFacts, ColumnFacts, ShapeRef
-
-VARCHAR_10, VARCHAR_20 = 14, 24  # typmod = n + 4
-NUMERIC_10_2 = ((10 << 16) | 2) + 4
-NUMERIC_12_2 = ((12 << 16) | 2) + 4
-NUMERIC_10_0 = (10 << 16) + 4
-NUMERIC_18_0 = (18 << 16) + 4
-
-TYPES = {sc.INT2: "smallint", sc.INT4: "integer", sc.INT8: "bigint", sc.TEXT: "text", sc.VARCHAR: "varchar",
-         sc.NUMERIC: "numeric", sc.TIMESTAMP: "timestamp", sc.TIMESTAMPTZ: "timestamptz"}
-
-
-def col(attnum, name, type_oid=sc.INT4, typmod=-1, missing=False, default=False):
-    return ColumnFacts(attnum, name, type_oid, typmod, missing, default)
+from schemas import wire
+from spark_consumer.kafka_source import (
+    RawRows,
+    ShapeSchemas,
+    SourceOptions,
+    decode_batches,
+    raw_messages,
+)
+from spark_consumer.target_ddl import ExistingColumn, WantedColumn, plan_changes, widens
+from tests.unit.test_spark_decode import TOPIC, Shape, _col, pos
 
 
-def catalog(*columns, key=("id",), identity="d", name="t"):
-    return CatalogFacts("public", name, tuple(columns), key, identity)
+# ------------------------------------------------------------ raw rows
+def test_raw_rows_give_back_every_message_as_read_also_from_a_slice():
+    rows = RawRows(TOPIC, 3)
+    messages = [(10, b"k1", b"v1", [("wb.pos", b"\x00" * 16), ("x", None)]),
+                (11, None, None, None),
+                (12, b"k3", b"v3", [("wb.control", b"snapshot_end")])]
+    for m in messages:
+        rows.add(*m)
+    batch = rows.to_record_batch()
+    assert rows.count == 0
+    assert list(raw_messages(batch)) == [(TOPIC, 3, *m) for m in messages]
+    assert list(raw_messages(batch.slice(1))) == [(TOPIC, 3, *m) for m in messages[1:]]
 
 
-def shape(cat: CatalogFacts, message=None, previous=None):
-    """The relation of a Relation message (default: what ``cat`` says) with ``cat``'s facts."""
-    cols = message if message is not None else [(c.name, c.type_oid, c.typmod) for c in cat.columns]
-    return sc.shape_of("public", cat.name, [(n, t, m, TYPES[t]) for n, t, m in cols], cat.key, cat.identity, cat,
-                       previous)
+# ---------------------------------------------------- per-batch decoding
+OLD = [_col("id", 20, "bigint", key=True), _col("v", 23, "integer")]
+NEW = [_col("id", 20, "bigint", key=True), _col("v", 20, "bigint"), _col("note", 25, "text")]
 
 
-BASE = catalog(col(1, "id"), col(2, "a"), col(3, "b", sc.TEXT))
+def _raw(*messages) -> list:
+    rows = RawRows(TOPIC, 0)
+    for m in messages:
+        rows.add(*m)
+    return [rows.to_record_batch()]
 
 
-def changes_to(after: CatalogFacts, before: CatalogFacts = BASE, message=None):
-    old = shape(before)
-    return sc.classify(old, shape(after, message, old), after)
+def _schemas(*shapes: Shape) -> ShapeSchemas:
+    newest = shapes[-1]
+    every = {f"fp:{fp.hex()}": s for shape in shapes for fp, s in shape.schemas.items()}
+    return ShapeSchemas(newest.codec.value_schema, newest.codec.key_schema,
+                        tuple(f"fp:{wire.schema_fingerprint(s.codec.value_schema).hex()}" for s in shapes), every)
 
 
-def kinds(changes):
-    return [(c.kind, c.column) for c in changes]
+OPTS = SourceOptions(topic=TOPIC, bootstrap_servers="127.0.0.1:1", topic_prefix="wb")
 
 
-def test_nothing_changed_is_no_change():
-    assert changes_to(BASE) == []
+def test_a_batch_with_a_value_schema_the_layout_lacks_is_marked_for_decoding_again():
+    old, new = Shape(OLD), Shape(NEW)
+    batch = _raw((0, None, old.value("c", after=(1, 5)), pos(1)),
+                 (1, None, new.value("c", after=(2, 2 ** 40, "n")), pos(2)),
+                 (2, None, old.value("c", after=(3, 7)), pos(3)))
+    [marked] = decode_batches(OPTS, _schemas(old), True, iter(batch))
+    assert marked.num_rows == 1  # the rows before it are dropped: the whole batch is decoded again
+    [row] = marked.to_pylist()
+    assert row["_wb_control"] == wire.NEW_SCHEMA_CONTROL and row["_wb_offset"] == 1
+    assert "which the layout was not derived with" in row["_wb_error"]
+
+    # With the schemas learned again, the same batch decodes into the new layout, older rows by name.
+    [decoded] = decode_batches(OPTS, _schemas(old, new), True, iter(batch))
+    assert [(r["id"], r["v"], r["note"]) for r in decoded.to_pylist()] == [(1, 5, None), (2, 2 ** 40, "n"),
+                                                                          (3, 7, None)]
 
 
-def test_added_column_without_default():
-    after = catalog(*BASE.columns, col(4, "c"))
-    assert kinds(changes_to(after)) == [(sc.ADDED, "c")]
+def test_an_unknown_schema_that_only_drops_columns_is_also_learned():
+    """A DROP COLUMN must reach the target too (keep nullable, or drop)."""
+    old, narrower = Shape(OLD), Shape(OLD[:1])
+    batch = _raw((0, None, narrower.value("c", after=(1,)), pos(1)))
+    [marked] = decode_batches(OPTS, _schemas(old), True, iter(batch))
+    assert marked.to_pylist()[0]["_wb_control"] == wire.NEW_SCHEMA_CONTROL
+    # read_shape_stream's typed stream (no re-learning) reads it, the column null
+    with_lookup = ShapeSchemas(old.codec.value_schema, old.codec.key_schema, _schemas(old).known_value_refs,
+                               _schemas(old, narrower).writer_schemas)
+    [typed] = decode_batches(OPTS, with_lookup, False, iter(batch))
+    assert [(r["id"], r["v"]) for r in typed.to_pylist()] == [(1, None)]
 
 
-def test_added_column_with_constant_default_has_missing():
-    after = catalog(*BASE.columns, col(4, "c", missing=True, default=True))
-    assert kinds(changes_to(after)) == [(sc.ADDED_CONSTANT_DEFAULT, "c")]
+# -------------------------------------------------------------- target DDL
+T = sql.Identifier("public", "t")
+TOMB = sql.Identifier("public", "t__wb_tombstones")
 
 
-def test_added_column_with_volatile_default_rewrote_the_table():
-    after = catalog(*BASE.columns, col(4, "c", sc.TIMESTAMPTZ, default=True))
-    assert kinds(changes_to(after)) == [(sc.ADDED_VOLATILE_DEFAULT, "c")]
+def _plan(existing, key, wanted, on_dropped="keep", constraint="t_pkey"):
+    steps = plan_changes(T, TOMB, [ExistingColumn(*c) for c in existing], key, constraint,
+                         [WantedColumn(*c) for c in wanted], on_dropped)
+    return [(s.kind, s.text(), s.fallback.as_string() if s.fallback else None, bool(s.fatal)) for s in steps]
 
 
-def test_dropped_column():
-    after = catalog(col(1, "id"), col(3, "b", sc.TEXT))
-    assert kinds(changes_to(after)) == [(sc.DROPPED, "a")]
+def test_same_columns_plan_nothing():
+    cols = [("id", "bigint", True), ("v", "text")]
+    assert _plan(cols, ["id"], [("id", "bigint", True), ("v", "text")]) == []
 
 
-def test_renamed_column_keeps_its_attnum():
-    after = catalog(col(1, "id"), col(2, "a2"), col(3, "b", sc.TEXT))
-    changes = changes_to(after)
-    assert kinds(changes) == [(sc.RENAMED, "a2")]
-    assert (changes[0].was, changes[0].now) == ("a", "a2")
+def test_added_column_is_added_nullable():
+    assert _plan([("id", "bigint", True)], ["id"], [("id", "bigint", True), ("note", "character varying(20)")]) == [
+        ("add", 'ALTER TABLE "public"."t" ADD COLUMN "note" character varying(20)', None, False)]
 
 
-def test_drop_and_add_under_other_names_is_not_a_rename():
-    after = catalog(col(1, "id"), col(3, "b", sc.TEXT), col(4, "a2"))
-    assert sorted(kinds(changes_to(after))) == sorted([(sc.DROPPED, "a"), (sc.ADDED, "a2")])
+def test_dropped_column_is_kept_nullable_or_dropped_as_configured():
+    existing = [("id", "bigint", True), ("gone", "integer", True), ("also", "text", False)]
+    assert _plan(existing, ["id"], [("id", "bigint", True)]) == [
+        ("relax", 'ALTER TABLE "public"."t" ALTER COLUMN "gone" DROP NOT NULL', None, False)]
+    assert _plan(existing, ["id"], [("id", "bigint", True)], on_dropped="drop") == [
+        ("drop", 'ALTER TABLE "public"."t" DROP COLUMN "gone"', None, False),
+        ("drop", 'ALTER TABLE "public"."t" DROP COLUMN "also"', None, False)]
 
 
-def test_renamed_again_since_the_message_is_in_doubt_never_a_rename():
-    # The message says a → a2, the catalog (read later) already says a3.
-    after = catalog(col(1, "id"), col(2, "a3"), col(3, "b", sc.TEXT))
-    message = [("id", sc.INT4, -1), ("a2", sc.INT4, -1), ("b", sc.TEXT, -1)]
-    assert sorted(kinds(changes_to(after, message=message))) == sorted([(sc.IN_DOUBT, "a2"), (sc.DROPPED, "a")])
-
-
-def test_a_repeated_relation_is_no_change_whatever_the_catalog_did_since():
-    message = [(c.name, c.type_oid, c.typmod) for c in BASE.columns]
-    retyped_since = catalog(col(1, "id"), col(2, "a", sc.INT8), col(3, "b", sc.TEXT))
-    renamed_since = catalog(col(1, "id"), col(2, "a2"), col(3, "b", sc.TEXT))
-    assert changes_to(retyped_since, message=message) == []
-    assert changes_to(renamed_since, message=message) == []
-    # ... and the rename, when its own Relation comes, is still one: the attnum was carried over.
-    old = shape(BASE)
-    repeated = shape(renamed_since, message, old)
-    assert kinds(sc.classify(repeated, shape(renamed_since, None, repeated), renamed_since)) == [(sc.RENAMED, "a2")]
-
-
-def test_dropped_and_added_again_under_its_name_is_recreated():
-    after = catalog(col(1, "id"), col(3, "b", sc.TEXT), col(4, "a", missing=True, default=True))
-    message = [("id", sc.INT4, -1), ("b", sc.TEXT, -1), ("a", sc.INT4, -1)]
-    assert kinds(changes_to(after, message=message)) == [(sc.RECREATED, "a")]
-
-
-@pytest.mark.parametrize("old,new", [
-    ((sc.INT2, -1), (sc.INT4, -1)), ((sc.INT4, -1), (sc.INT8, -1)), ((sc.INT2, -1), (sc.INT8, -1)),
-    ((sc.VARCHAR, VARCHAR_10), (sc.VARCHAR, VARCHAR_20)), ((sc.VARCHAR, VARCHAR_10), (sc.TEXT, -1)),
-    ((sc.VARCHAR, VARCHAR_10), (sc.VARCHAR, -1)),
-    ((sc.NUMERIC, NUMERIC_10_2), (sc.NUMERIC, NUMERIC_12_2)), ((sc.NUMERIC, NUMERIC_10_2), (sc.NUMERIC, -1)),
-    ((sc.INT4, -1), (sc.NUMERIC, -1)), ((sc.INT4, -1), (sc.NUMERIC, NUMERIC_10_0)),
-    ((sc.TIMESTAMP, -1), (sc.TIMESTAMPTZ, -1)),
+@pytest.mark.parametrize("old, new", [
+    ("integer", "bigint"), ("smallint", "integer"), ("integer", "numeric"), ("real", "double precision"),
+    ("character varying(10)", "text"), ("character varying(10)", "character varying(20)"),
+    ("character varying(10)", "character varying"), ("numeric(10,2)", "numeric(12,2)"),
+    ("numeric(10,2)", "numeric(12,3)"), ("numeric(10,2)", "numeric"), ("integer", "text"),
+    ("timestamp without time zone", "timestamp with time zone"),
 ])
-def test_widening_retypes(old, new):
-    before = catalog(col(1, "id"), col(2, "a", *old))
-    after = catalog(col(1, "id"), col(2, "a", *new))
-    assert kinds(changes_to(after, before)) == [(sc.RETYPED_WIDENING, "a")]
+def test_widenings(old, new):
+    assert widens(old, new)
 
 
-@pytest.mark.parametrize("old,new", [
-    ((sc.INT8, -1), (sc.INT4, -1)), ((sc.TEXT, -1), (sc.INT4, -1)), ((sc.INT4, -1), (sc.TEXT, -1)),
-    ((sc.VARCHAR, VARCHAR_20), (sc.VARCHAR, VARCHAR_10)), ((sc.VARCHAR, -1), (sc.VARCHAR, VARCHAR_10)),
-    ((sc.NUMERIC, NUMERIC_10_2), (sc.NUMERIC, NUMERIC_10_0)), ((sc.NUMERIC, -1), (sc.NUMERIC, NUMERIC_12_2)),
-    ((sc.INT8, -1), (sc.NUMERIC, NUMERIC_18_0)), ((sc.TIMESTAMPTZ, -1), (sc.TIMESTAMP, -1)),
+@pytest.mark.parametrize("old, new", [
+    ("bigint", "integer"), ("text", "integer"), ("character varying(20)", "character varying(10)"),
+    ("numeric(12,2)", "numeric(10,2)"), ("numeric(10,2)", "numeric(10,3)"), ("numeric", "numeric(10,2)"),
+    ("timestamp with time zone", "timestamp without time zone"), ("double precision", "real"),
 ])
-def test_other_retypes_are_not_widening(old, new):
-    before = catalog(col(1, "id"), col(2, "a", *old))
-    after = catalog(col(1, "id"), col(2, "a", *new))
-    changes = changes_to(after, before)
-    assert kinds(changes) == [(sc.RETYPED, "a")]
-    assert changes[0].was == TYPES[old[0]] and changes[0].now == TYPES[new[0]]
+def test_not_widenings(old, new):
+    assert not widens(old, new)
 
 
-def test_key_changed_and_lost():
-    after = catalog(*BASE.columns, key=("id", "a"))
-    assert kinds(changes_to(after)) == [(sc.KEY_CHANGED, None)]
-    lost = catalog(*BASE.columns, key=())
-    change = changes_to(lost)[0]
-    assert (change.kind, change.was, change.now) == (sc.KEY_LOST, "id", "none")
+def test_widened_type_keeps_the_values_and_the_key_column_follows_in_the_tombstones():
+    assert _plan([("id", "integer", True), ("v", "integer")], ["id"], [("id", "bigint", True), ("v", "bigint")]) == [
+        ("widen", 'ALTER TABLE "public"."t" ALTER COLUMN "id" TYPE bigint', None, False),
+        ("widen", 'ALTER TABLE "public"."t__wb_tombstones" ALTER COLUMN "id" TYPE bigint', None, False),
+        ("widen", 'ALTER TABLE "public"."t" ALTER COLUMN "v" TYPE bigint', None, False)]
 
 
-def test_replica_identity_changed():
-    after = catalog(*BASE.columns, identity="f")
-    change = changes_to(after)[0]
-    assert (change.kind, change.was, change.now) == (sc.IDENTITY_CHANGED, "default", "full")
+def test_other_retypes_cast_and_fall_back_to_null_but_a_key_column_stops_the_shape():
+    steps = _plan([("id", "text", True), ("v", "text")], ["id"], [("id", "integer", True), ("v", "integer")])
+    assert steps[0] == ("retype", 'ALTER TABLE "public"."t" ALTER COLUMN "id" TYPE integer USING "id"::integer',
+                        None, True)
+    assert steps[1][:2] == ("retype", 'ALTER TABLE "public"."t__wb_tombstones" ALTER COLUMN "id" TYPE integer '
+                                      'USING "id"::integer')
+    assert steps[2] == ("retype", 'ALTER TABLE "public"."t" ALTER COLUMN "v" TYPE integer USING "v"::integer',
+                        'ALTER TABLE "public"."t" ALTER COLUMN "v" TYPE integer USING NULL', False)
 
 
-def test_table_renamed():
-    after = catalog(*BASE.columns, name="t2")
-    change = changes_to(after)[0]
-    assert (change.kind, change.was, change.now) == (sc.TABLE_RENAMED, "public.t", "public.t2")
+def test_an_aliased_field_renames_the_column_before_anything_compares_names():
+    steps = _plan([("id", "integer", True), ("old_name", "integer")], ["id"],
+                  [("id", "integer", True), ("new_name", "bigint", False, ("old_name",))])
+    assert steps == [
+        ("rename", 'ALTER TABLE "public"."t" RENAME COLUMN "old_name" TO "new_name"', None, False),
+        ("widen", 'ALTER TABLE "public"."t" ALTER COLUMN "new_name" TYPE bigint', None, False)]
+    # done once: the target already has the new name
+    assert _plan([("id", "integer", True), ("new_name", "bigint")], ["id"],
+                 [("id", "integer", True), ("new_name", "bigint", False, ("old_name",))]) == []
+    # a renamed key column is renamed in the tombstones too
+    assert _plan([("k", "integer", True)], ["k"], [("key", "integer", True, ("k",))]) == [
+        ("rename", 'ALTER TABLE "public"."t" RENAME COLUMN "k" TO "key"', None, False),
+        ("rename", 'ALTER TABLE "public"."t__wb_tombstones" RENAME COLUMN "k" TO "key"', None, False)]
 
 
-# ------------------------------------------------------------ what shapes do
-
-ALL = ShapeRef("all", None)
-ON_A = ShapeRef("on_a", None, frozenset({"a"}))
-COLS_AB = ShapeRef("cols_ab", ("id", "a", "b"))
-COLS_B = ShapeRef("cols_b", ("id", "b"))
+def test_an_alias_naming_a_column_still_wanted_is_no_rename():
+    assert [s[0] for s in _plan([("id", "integer", True), ("a", "integer")], ["id"],
+                                [("id", "integer", True), ("a", "integer"), ("b", "integer", False, ("a",))])] == [
+        "add"]
 
 
-def decide(after, shapes=(ALL, ON_A, COLS_AB, COLS_B), aliases=None, message=None):
-    return sc.consequences(changes_to(after, message=message), list(shapes), "public.t", after.key, aliases)
+def test_a_changed_key_swaps_the_primary_key_and_a_lost_key_goes_keyless():
+    existing = [("id", "integer", True), ("code", "text", True)]
+    assert _plan(existing, ["id"], [("id", "integer"), ("code", "text", True)]) == [
+        ("drop_key", 'ALTER TABLE "public"."t" DROP CONSTRAINT "t_pkey"', None, False),
+        ("relax", 'ALTER TABLE "public"."t" ALTER COLUMN "id" DROP NOT NULL', None, False),
+        ("add_key", 'ALTER TABLE "public"."t" ADD PRIMARY KEY ("code")', None, False)]
+    assert [s[0] for s in _plan(existing, ["id"], [("id", "integer"), ("code", "text")])] == [
+        "drop_key", "relax", "relax", "keyless"]
 
 
-def test_plain_add_and_widening_need_nothing_but_the_schema():
-    out = decide(catalog(col(1, "id"), col(2, "a", sc.INT8), col(3, "b", sc.TEXT), col(4, "c")))
-    assert (out.reread, out.stop, out.aliases) == ({}, {}, {})
+# ----------------------------------------------------------- the run loop
+def test_a_shape_that_cannot_follow_is_recognised_raised_or_through_spark():
+    from spark_consumer.job import cannot_follow
+    from spark_consumer.target_layout import ShapeCannotFollow
+
+    assert cannot_follow(ShapeCannotFollow("shape s: key column 'id' ..."))
+    assert cannot_follow(RuntimeError("[FOREACH_BATCH_USER_FUNCTION_ERROR] ... "
+                                      "spark_consumer.target_layout.ShapeCannotFollow: shape s: key column 'id'"))
+    assert not cannot_follow(RuntimeError('value "1099511627834" is out of range for type integer'))
 
 
-def test_default_rereads_the_shapes_that_carry_the_new_column():
-    out = decide(catalog(*BASE.columns, col(4, "c", missing=True, default=True)))
-    assert set(out.reread) == {"all", "on_a"} and not out.stop
-    assert "constant default c" in out.reread["all"]
+def test_older_messages_of_a_renamed_column_land_in_it_by_its_alias():
+    """The producer marks a rename with Avro aliases: a batch that still holds
+    messages written before it decodes their values into the new column (not
+    NULL over the target's value), fastavro and the compiled reader alike."""
+    import copy
 
+    from spark_consumer.decode import BatchBuilder, ShapeLayout, WriterSchemas, row_record
 
-def test_narrowing_rereads_shapes_carrying_or_filtering_on_the_column():
-    out = decide(catalog(col(1, "id"), col(2, "a", sc.INT2), col(3, "b", sc.TEXT)))
-    assert set(out.reread) == {"all", "on_a", "cols_ab"}
-    narrowed_filter = sc.consequences(changes_to(catalog(col(1, "id"), col(2, "a", sc.INT2),
-                                                         col(3, "b", sc.TEXT))),
-                                      [ShapeRef("f", ("id", "b"), frozenset({"a"}))], "public.t", ("id",))
-    assert "filters on it" in narrowed_filter.reread["f"]
-
-
-def test_dropped_column_stops_the_shapes_naming_it_only():
-    out = decide(catalog(col(1, "id"), col(3, "b", sc.TEXT)))
-    assert set(out.stop) == {"on_a", "cols_ab"} and not out.reread
-    assert out.stop["on_a"] == ("shape on_a: column a of public.t was dropped, and the shape's where names it; "
-                                "fix the shape in the config and restart")
-    assert "columns names it" in out.stop["cols_ab"]
-
-
-def test_renamed_column_gets_an_alias_and_stops_shapes_naming_the_old_name():
-    out = decide(catalog(col(1, "id"), col(2, "a2"), col(3, "b", sc.TEXT)))
-    assert out.aliases == {"a2": ("a",)}
-    assert set(out.stop) == {"on_a", "cols_ab"} and "renamed to a2" in out.stop["on_a"]
-
-
-def test_renamed_twice_keeps_every_former_name():
-    after = catalog(col(1, "id"), col(2, "a3"), col(3, "b", sc.TEXT))
-    before = catalog(col(1, "id"), col(2, "a2"), col(3, "b", sc.TEXT))
-    out = sc.consequences(changes_to(after, before), [ALL], "public.t", ("id",), {"a2": ("a",)})
-    assert out.aliases == {"a3": ("a", "a2")}
-
-
-def test_aliases_carry_over_a_change_that_is_no_rename_and_go_with_the_column():
-    kept = sc.consequences([], [ALL], "public.t", ("id",), {"a2": ("a",)})
-    assert kept.aliases == {"a2": ("a",)}
-    gone = sc.consequences([sc.Change(sc.DROPPED, "a2")], [ALL], "public.t", ("id",), {"a2": ("a",)})
-    assert gone.aliases == {}
-
-
-def test_table_renamed_stops_every_shape():
-    out = decide(catalog(*BASE.columns, name="t2"))
-    assert set(out.stop) == {"all", "on_a", "cols_ab", "cols_b"}
-    assert "table public.t was renamed to public.t2" in out.stop["all"]
-
-
-def test_a_rename_to_what_the_config_names_is_followed():
-    renamed_back = [sc.Change(sc.TABLE_RENAMED, None, "public.t_old", "public.t")]
-    assert sc.consequences(renamed_back, [ALL], "public.t", ("id",)).stop == {}
-
-
-def test_first_sight_of_a_table_compares_its_name_with_the_config():
-    assert sc.first_sight("public.t", "public.t") == []
-    out = sc.consequences(sc.first_sight("public.t", "public.t2"), [ALL], "public.t", ("id",))
-    assert "table public.t was renamed to public.t2" in out.stop["all"]
-
-
-def test_key_change_rereads_and_stops_shapes_whose_columns_lack_the_new_key():
-    out = decide(catalog(*BASE.columns, key=("a",)))
-    assert set(out.reread) == {"all", "on_a", "cols_ab"}
-    assert set(out.stop) == {"cols_b"} and "lack a" in out.stop["cols_b"]
-
-
-def test_lost_key_rereads_every_shape():
-    out = decide(catalog(*BASE.columns, key=()))
-    assert set(out.reread) == {"all", "on_a", "cols_ab", "cols_b"} and not out.stop
-
-
-def test_in_doubt_rereads():
-    after = catalog(col(1, "id"), col(2, "a3"), col(3, "b", sc.TEXT))
-    message = [("id", sc.INT4, -1), ("a2", sc.INT4, -1), ("b", sc.TEXT, -1)]
-    out = decide(after, shapes=[ALL, COLS_B], message=message)
-    assert set(out.reread) == {"all"} and out.aliases == {}
-
-
-def test_unknown_columns_of_a_relation_stop_the_shapes_naming_them():
-    out = sc.unknown_columns([ALL, ON_A, COLS_AB, COLS_B], ["id", "b"], "public.t")
-    assert set(out) == {"on_a", "cols_ab"}
-    assert out["on_a"] == ("shape on_a: public.t has no column a (in its where) any more; fix the shape in the "
-                           "config and restart")
+    old = Shape([_col("id", 20, "bigint", key=True), _col("v", 25, "text")])
+    renamed = Shape([_col("id", 20, "bigint", key=True), _col("w", 25, "text")])
+    value_schema = copy.deepcopy(renamed.codec.value_schema)
+    [field] = [f for f in row_record(value_schema)["fields"] if f["name"] == "w"]
+    field["aliases"] = ["v"]
+    layout = ShapeLayout.from_schemas(value_schema, renamed.codec.key_schema)
+    for compiled in (True, False):
+        b = BatchBuilder(layout, WriterSchemas(layout, old.lookup, old.known(), compiled=compiled))
+        b.add(TOPIC, 0, 0, None, old.value("c", after=(1, "five")), pos(1))
+        b.add(TOPIC, 0, 1, None, old.value("u", after=(1, None), unchanged=[1]), pos(2))
+        rows = b.rows()
+        assert [(r["id"], r["w"]) for r in rows] == [(1, "five"), (1, None)]
+        assert rows[1]["_wb_unchanged"] == ["w"]

@@ -55,7 +55,6 @@ from spark_consumer.decode import (
 )
 from spark_consumer.kafka_source import (
     OffsetRange,
-    ShapeSchemas,
     ShapeStreamReader,
     SourceOptions,
     plan_end_offsets,
@@ -775,7 +774,7 @@ class FakeEnds:
 def _reader(max_rows=None, starting="earliest", lows=None, ends=None, on_data_loss="fail"):
     opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb",
                          max_offsets_per_trigger=max_rows, starting_offsets=starting, on_data_loss=on_data_loss)
-    reader = ShapeStreamReader(opts, ShapeSchemas(Shape().codec.value_schema))
+    reader = ShapeStreamReader(opts)
     reader._ends = FakeEnds(lows or {0: 0, 1: 0}, ends or {0: 100, 1: 50})
     return reader
 
