@@ -1,9 +1,11 @@
 """The producer's schema-change classifier (producer.schema_changes): one scenario per row of the README's table."""
 
 import pytest
+from rich.console import Console
 
 from producer import schema_changes as sc
 from producer.schema_changes import CatalogFacts, ColumnFacts, ShapeRef
+from walbridge.render import render_status
 
 VARCHAR_10, VARCHAR_20 = 14, 24  # typmod = n + 4
 NUMERIC_10_2 = ((10 << 16) | 2) + 4
@@ -251,3 +253,13 @@ def test_unknown_columns_of_a_relation_stop_the_shapes_naming_them():
     assert set(out) == {"on_a", "cols_ab"}
     assert out["on_a"] == ("shape on_a: public.t has no column a (in its where) any more; fix the shape in the "
                            "config and restart")
+
+
+def test_status_shows_a_stopped_shape_with_its_error_and_held_wal():
+    error = "shape on_a: column a of public.t was dropped, and the shape's where names it"
+    status = {"slot": None, "groups": [], "writers": [], "producer": {
+        "age_s": 1, "stopped_shapes": {"on_a": {"error": error, "held_lsn": "0/16B3748", "wal_held": True}}}}
+    console = Console(record=True, width=300)
+    console.print(render_status(status))
+    text = console.export_text()
+    assert "STOPPED on_a" in text and "column a of public.t was dropped" in text and "WAL held from 0/16B3748" in text

@@ -1,0 +1,207 @@
+"""Schema changes at the source while everything streams: the producer's rows
+of the README's "Schema changes" table (issue 12). ``walbridge producer`` and
+``walbridge consumer`` run as processes throughout, a load writes every table
+at a steady rate, and each change ends with the target equal to the source on
+the source's current columns (cast back to the source's types), no manual
+command, both processes alive, and no Spark query restarted. Values the WAL
+did not carry (a default, a narrowing retype, a key change) arrive through the
+backfill the producer asks for itself.
+
+One producer/consumer pair serves the whole module (a table per test); the
+tests that stop a shape (its WAL then stays held) come last."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import psycopg
+import pytest
+
+from producer.pgoutput import lsn_to_int
+from tests.helpers import ConsumerProcess, ProducerProcess, make_config, wait_for, write_toml
+from tests.integration import test_e2e_schema_changes as e2e
+from tests.integration.test_e2e_schema_changes import (
+    assert_alive,
+    assert_no_query_restart,
+    settle,
+    target_columns,
+    wait_equal,
+)
+
+TABLES = {
+    "p_default": "CREATE TABLE p_default (id int PRIMARY KEY, a int)",
+    "p_narrow": "CREATE TABLE p_narrow (id int PRIMARY KEY, a bigint, n numeric(10,2) DEFAULT 0.45)",
+    "p_rename": "CREATE TABLE p_rename (id int PRIMARY KEY, a int, note text DEFAULT 'n')",
+    "p_key": "CREATE TABLE p_key (id int PRIMARY KEY, a int, code int NOT NULL DEFAULT 1)",
+    "p_trunc": "CREATE TABLE p_trunc (id int PRIMARY KEY, a int)",
+    "p_where": "CREATE TABLE p_where (id int PRIMARY KEY, a int, region text DEFAULT 'eu')",
+    "p_moved": "CREATE TABLE p_moved (id int PRIMARY KEY, a int)",
+}
+ROWS = 200
+RATE = 60  # load transactions per second, over all tables
+
+
+class Load(e2e.Load):
+    """An insert and an update (of ``id``, ``a`` only) per transaction on the
+    tables in ``tables``, round robin at ``RATE`` per second (pausing as the
+    consumer's module's load does)."""
+
+    def __init__(self, dsn: str):
+        super().__init__(dsn)
+        self.tables = list(TABLES)
+
+    def _run(self) -> None:
+        next_id = ROWS + 1
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                while not self.stop.wait(1 / RATE):
+                    if not self.running.is_set():
+                        self.idle.set()
+                        continue
+                    self.idle.clear()
+                    table = self.tables[next_id % len(self.tables)]
+                    with conn.transaction():
+                        conn.execute(f"INSERT INTO {table} (id, a) VALUES (%s, %s)", (next_id, next_id % 50))
+                        conn.execute(f"UPDATE {table} SET a = a + 1 WHERE id = %s", (next_id % ROWS + 1,))
+                    next_id += 1
+                    self.transactions += 1
+        except BaseException as e:  # surfaced by the tests
+            self.errors.append(e)
+
+
+@pytest.fixture(scope="module")
+def pipeline(pg_cluster, kafka_broker, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("schema-changes-producer")
+    suffix = f"{random.getrandbits(40):010x}"
+    source, target = f"src_ddlp_{suffix}", f"tgt_ddlp_{suffix}"
+    source_dsn, target_dsn = pg_cluster.create_database(source), pg_cluster.create_database(target)
+    prefix = f"ddlp{suffix}"
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        for table, ddl in TABLES.items():
+            conn.execute(ddl)
+            conn.execute(f"INSERT INTO {table} (id, a) SELECT g, g FROM generate_series(1, {ROWS}) g")
+    group = f"{prefix}-spark"
+    shapes = [{"table": f"public.{t}"} for t in TABLES]
+    shapes.append({"table": "public.p_where", "name": "p_where_eu", "where": "region = 'eu'"})
+    cfg = make_config(source_dsn, kafka_broker.bootstrap, prefix, shapes,
+                      consumer={"group": group, "target_dsn": target_dsn,
+                                "checkpoint_dir": str(tmp / "checkpoints"), "trigger_interval": 0.5},
+                      ack={"consumer_groups": [group], "interval": 0.5})
+    path = write_toml(cfg, tmp / "walbridge.toml")
+    load = Load(source_dsn)
+    producer = ProducerProcess(path, tmp / "producer.log").start()
+    consumer = ConsumerProcess(path, tmp / "consumer.log").start()
+    try:
+        load.thread.start()
+        state = {"source": source_dsn, "target": target_dsn, "load": load, "producer": producer,
+                 "consumer": consumer, "consumer_log": tmp / "consumer.log", "producer_log": tmp / "producer.log",
+                 "slot": cfg["source"]["slot"]}
+        for table in TABLES:
+            wait_equal(state, table, timeout=180)
+        yield state
+    finally:
+        load.stop.set()
+        load.thread.join(10)
+        consumer.stop()
+        producer.stop()
+        pg_cluster.drop_database(source)
+        pg_cluster.drop_database(target)
+
+
+def ddl(state, *statements: str) -> None:
+    with psycopg.connect(state["source"], autocommit=True) as conn:
+        for statement in statements:
+            conn.execute(statement)
+    settle(state)
+
+
+def producer_said(state, text: str, timeout: float = 60) -> str:
+    """The producer's first log line containing ``text``, once there is one."""
+    def line():
+        return next((ln for ln in state["producer_log"].read_text().splitlines() if text in ln), None)
+    return wait_for(line, timeout=timeout, what=f"the producer logging {text!r}")
+
+
+def converged(state, table: str) -> None:
+    wait_equal(state, table, timeout=120)
+    assert_alive(state)
+    assert_no_query_restart(state)
+
+
+def test_add_column_with_a_constant_or_volatile_default_fills_existing_rows(pipeline):
+    ddl(pipeline, "ALTER TABLE p_default ADD COLUMN d int DEFAULT 7")
+    producer_said(pipeline, "column added with a constant default d (integer): backfill")
+    ddl(pipeline, "ALTER TABLE p_default ADD COLUMN e timestamptz DEFAULT clock_timestamp()")
+    producer_said(pipeline, "column added with a volatile default (table rewritten) e")
+    converged(pipeline, "p_default")
+    with psycopg.connect(pipeline["target"]) as t:
+        assert t.execute("SELECT count(*) FROM p_default WHERE id <= %s AND d = 7 AND e IS NOT NULL",
+                         (ROWS,)).fetchone()[0] == ROWS
+
+
+def test_narrowing_retypes_converge_by_a_re_read(pipeline):
+    ddl(pipeline, "UPDATE p_narrow SET n = id + 0.45 WHERE id <= 50")
+    ddl(pipeline, "ALTER TABLE p_narrow ALTER COLUMN a TYPE int, ALTER COLUMN n TYPE numeric(10,0)")
+    producer_said(pipeline, "schema change of public.p_narrow, shape public.p_narrow: column retyped a (bigint → integer)")
+    converged(pipeline, "p_narrow")
+    cols = target_columns(pipeline["target"], "p_narrow")
+    assert (cols["a"][0], cols["n"][0]) == ("integer", "numeric(10,0)")
+
+
+def test_rename_column_renames_the_target_column(pipeline):
+    ddl(pipeline, "UPDATE p_rename SET note = 'before ' || id WHERE id <= 20")
+    ddl(pipeline, "ALTER TABLE p_rename RENAME COLUMN note TO remark")
+    producer_said(pipeline, "column renamed remark (note → remark)")
+    converged(pipeline, "p_rename")
+    cols = target_columns(pipeline["target"], "p_rename")
+    assert "remark" in cols and "note" not in cols  # renamed, not a stale column that looks current
+    with psycopg.connect(pipeline["target"]) as t:
+        assert t.execute("SELECT count(*) FROM p_rename WHERE remark LIKE 'before %'").fetchone()[0] == 20
+
+
+def test_a_primary_key_change_re_keys_the_shape(pipeline):
+    ddl(pipeline, "ALTER TABLE p_key DROP CONSTRAINT p_key_pkey, ADD PRIMARY KEY (id, code)")
+    producer_said(pipeline, "schema change of public.p_key, shape public.p_key: key changed (id → id, code)")
+    with psycopg.connect(pipeline["source"], autocommit=True) as conn:
+        conn.execute("UPDATE p_key SET code = 2 WHERE id <= 10")  # the new key of these rows changes
+    converged(pipeline, "p_key")
+
+
+def test_truncate_empties_the_target_in_the_stream(pipeline):
+    ddl(pipeline, "TRUNCATE p_trunc")
+    converged(pipeline, "p_trunc")
+    with psycopg.connect(pipeline["target"]) as t:
+        assert t.execute("SELECT count(*) FROM p_trunc WHERE id <= %s", (ROWS,)).fetchone()[0] == 0
+
+
+def _held(state, text: str) -> int:
+    line = producer_said(state, text)
+    return lsn_to_int(re.search(r"WAL is held from (\S+)", line).group(1))
+
+
+def _confirmed(state) -> int:
+    with psycopg.connect(state["source"]) as conn:
+        return lsn_to_int(conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                                       "WHERE slot_name = %s", (state["slot"],)).fetchone()[0])
+
+
+def test_a_shape_whose_where_column_is_dropped_stops_alone_and_holds_wal(pipeline):
+    ddl(pipeline, "ALTER TABLE p_where DROP COLUMN region")
+    held = _held(pipeline, "shape p_where_eu: column region of public.p_where was dropped, and the shape's where "
+                           "names it")
+    converged(pipeline, "p_where")  # the other shape of the table keeps flowing
+    converged(pipeline, "p_default")  # and so do the other tables
+    assert _confirmed(pipeline) <= held
+
+
+def test_rename_table_stops_its_shape_and_holds_wal(pipeline):
+    pipeline["load"].pause()
+    pipeline["load"].tables.remove("p_moved")
+    pipeline["load"].resume()
+    ddl(pipeline, "ALTER TABLE p_moved RENAME TO p_moved2", "INSERT INTO p_moved2 VALUES (-1, -1)")
+    held = _held(pipeline, "shape public.p_moved: table public.p_moved was renamed to public.p_moved2")
+    converged(pipeline, "p_default")
+    assert _confirmed(pipeline) <= held
+    with psycopg.connect(pipeline["target"]) as t:  # nothing of the renamed table lost or half-applied
+        assert t.execute("SELECT count(*) FROM p_moved WHERE id = -1").fetchone()[0] == 0
