@@ -27,16 +27,11 @@ reports and group commits (``acks.py``), standby status, the producer's status
 and metrics (``status.py``), new backfill requests and the partitioned shape
 tables' leaves (``partitions.py``: a table attached with rows is backfilled).
 
-Schema changes: a shape table's Relation message is compared with the one the
-stream planned before (``_follow_schema``, the pure :mod:`producer.schema_changes`
-on catalog facts read then). Each change is logged per shape; the shapes whose
-rows changed without a change in the WAL (a default, a narrowing retype, a key
-change) are backfilled; a renamed column's field carries its old name as an
-Avro alias; a shape whose config names a column or table that is gone, or
-whose new schema the registry refuses, stops alone (``_stop_shape``: status,
-metric, one error line) while the others stream on, and holds WAL from its
-first unpublished change (``Acks.hold``). Its re-read is recorded for the run
-after the fix, which also streams again from the held position.
+Schema changes: a shape table's Relation message goes to the
+``SchemaFollower`` (``schema_follow.py``) before the relation is planned
+again: the changed shapes are logged, backfilled where rows changed without a
+change in the WAL, given the aliases of renamed columns, or stopped (left out
+of the plan, WAL held); a new schema the registry refuses stops its shape too.
 
 Invariants:
 - The LSN confirmed to PostgreSQL never passes a change that some configured
@@ -76,7 +71,7 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
-from producer import catalog, pgoutput, recovery, schema_changes, slot_binding
+from producer import catalog, pgoutput, recovery, slot_binding
 from producer.acks import Acks
 from producer.backfill import Backfills
 from producer.backfill_requests import request_backfill
@@ -92,7 +87,7 @@ from producer.pgtypes import column_codec
 from producer.reads import Reads
 from producer.recovery import check_binding
 from producer.replication import ReplicationConnection, ReplicationError, connect
-from producer.schema_changes import RelationShape, ShapeRef
+from producer.schema_follow import SchemaFollower, relation_key
 from producer.shapes import Event, RelationPlan, ShapeSpec, event_message
 from producer.snapshot import InitialSnapshot, snapshot_id
 from producer.status import Stats, StatusPublisher
@@ -103,7 +98,7 @@ from schemas.failures import SOURCE, Failure, attributed
 from schemas.kafka import Writer, client_config, topic_id
 from schemas.publisher import SchemaPublisher, SchemaRegistrationError
 from schemas.retry import Outage, RetryPolicy
-from schemas.shape_filter import FilterError, compile_filter
+from schemas.shape_filter import compile_filter
 
 log = logging.getLogger("walbridge.producer")
 
@@ -141,9 +136,6 @@ class Pipeline:
         self._encoders: dict[int, Any] = {}  # relation oid -> compiled encoder (fastcodec), where one applies
         self.shape_specs: dict[str, list[ShapeSpec]] = defaultdict(list)
         self.tables: dict[str, TableInfo] = {}
-        self._shape_tables: dict[int, str] = {}  # oid → the shape table's name in the config
-        self._relation_shapes: dict[int, RelationShape] = {}  # oid → as the stream last planned it
-        self._aliases: dict[int, dict[str, tuple[str, ...]]] = {}  # oid → column → its former names
         self.publications: list[str] = []
         self.repl: ReplicationConnection | None = None
         self.catalog_conn: psycopg.Connection | None = None
@@ -154,6 +146,7 @@ class Pipeline:
         self.backfills: Backfills | None = None
         self.status: StatusPublisher | None = None
         self.partition_watch: PartitionWatch | None = None
+        self.schema: SchemaFollower | None = None
         # Current transaction.
         self._tx: Begin | None = None
         self._tx_ts_ms = 0
@@ -178,7 +171,6 @@ class Pipeline:
         self.catalog_conn = connect(cfg.source.dsn)
         self.db_name = self.catalog_conn.info.dbname
         self.tables = catalog.check_source(self.catalog_conn, cfg)
-        self._shape_tables = {t.oid: q for q, t in self.tables.items()}
         self._cluster_id = self.admin.list_topics(timeout=30).cluster_id
         self._slot = catalog.slot_state(self.catalog_conn, cfg.source.slot)
         if self._slot is not None:
@@ -214,6 +206,9 @@ class Pipeline:
         for shape in cfg.shapes:
             shapes[shape.table].append(shape.shape_name)
         self.partition_watch = PartitionWatch(self.catalog_conn, self.tables, shapes, self._request_backfill)
+        self.schema = SchemaFollower(cfg, self.catalog_conn, self.tables, self.shape_specs, self.stats, self.acks,
+                                     self._type_info, self._hold_position, self._request_backfill,
+                                     self._defer_backfill)
 
     def writers(self) -> list[Writer]:
         return [(t, p) for t, n in self.partitions.items() for p in range(n)]
@@ -355,7 +350,7 @@ class Pipeline:
                 status.publish()
                 backfills.poll()
                 self.partition_watch.poll()
-                self._watch_shape_tables()
+                self.schema.poll()
                 self.checkpoints.watch_consumed(now)
             elif idle and acks.confirmed_lsn > repl.flushed and now - self._last_status >= CONFIRM_INTERVAL:
                 # Caught up: release the WAL now rather than at the next periodic update.
@@ -408,8 +403,8 @@ class Pipeline:
         elif isinstance(msg, Commit):
             self._commit(msg)
         elif isinstance(msg, Relation):
-            if msg.oid in self._shape_tables:
-                self._follow_schema(msg)
+            if msg.oid in self.schema.shape_tables:
+                self.schema.relation(msg)
             plan = self.relations[msg.oid] = self._plan_relation(msg)
             encoder = relation_encoder(plan, self.partitions, self._tombstones)
             if encoder is not None:
@@ -434,16 +429,16 @@ class Pipeline:
     def _plan_relation(self, rel: Relation) -> RelationPlan:
         # By oid first: a shape table's changes from before a RENAME TABLE
         # still carry the old name when the config names the new one.
-        qualified = self._shape_tables.get(rel.oid, f"{rel.schema}.{rel.name}")
+        qualified = self.schema.shape_tables.get(rel.oid, f"{rel.schema}.{rel.name}")
         table = catalog.table_info(self.catalog_conn, rel.schema, rel.name)
-        key = _relation_key(rel, table)
-        stopped = self.stats.stopped_shapes
+        key = relation_key(rel, table)
+        stopped = self.schema.stopped
         specs = [s for s in self.shape_specs.get(qualified, []) if s.name not in stopped]
         if not specs and table is not None and qualified not in self.shape_specs:
             specs, key = self._routed_specs(table, key)
         codecs = [column_codec(self._type_info(c.type_oid, c.typmod), self.catalog_conn) for c in rel.columns]
         plan = RelationPlan(rel, codecs, key, specs, self.config.kafka.topic_prefix,
-                            self.db_name, self.config.kafka.value_layout, self._aliases.get(rel.oid))
+                            self.db_name, self.config.kafka.value_layout, self.schema.aliases(rel.oid))
         plan.fetch_current = self._fetch_current
         for route in plan.routes:
             try:
@@ -452,91 +447,9 @@ class Pipeline:
                 if not self._streaming:
                     raise
                 # That shape stops; the others are planned again without it.
-                self._stop_shape(route.name, f"shape {route.name}: {e.headline} (fix: {e.fix})")
+                self.schema.stop(route.name, f"shape {route.name}: {e.headline} (fix: {e.fix})")
                 return self._plan_relation(rel)
         return plan
-
-    def _follow_schema(self, rel: Relation) -> None:
-        """A shape table's Relation message: what changed since the stream last
-        planned it (:mod:`producer.schema_changes`, from the catalog's facts
-        read now), and what its shapes do about it: log it, stop the shapes
-        that cannot follow, re-read those whose rows changed without a change
-        in the WAL."""
-        qualified = self._shape_tables[rel.oid]
-        conn = self.catalog_conn
-        facts = catalog.relation_facts(conn, rel.oid)
-        if facts is None:
-            return  # dropped since: its changes up to the drop still go out; _watch_shape_tables stops its shapes
-        table = catalog.table_info(conn, facts.schema, facts.name)
-        columns = [(c.name, c.type_oid, c.typmod, self._type_info(c.type_oid, c.typmod).name) for c in rel.columns]
-        old = self._relation_shapes.get(rel.oid)
-        new = schema_changes.shape_of(rel.schema, rel.name, columns, _relation_key(rel, table),
-                                      rel.replica_identity, facts, old)
-        self._relation_shapes[rel.oid] = new
-        specs = [s for s in self.shape_specs[qualified] if s.name not in self.stats.stopped_shapes]
-        refs = [ShapeRef(s.name, s.columns, s.row_filter.columns if s.row_filter else frozenset()) for s in specs]
-        changes = (schema_changes.classify(old, new, facts) if old is not None
-                   else schema_changes.first_sight(qualified, f"{facts.schema}.{facts.name}"))
-        out = schema_changes.consequences(changes, refs, qualified, new.key, self._aliases.get(rel.oid))
-        self._aliases[rel.oid] = out.aliases
-        if changes:
-            what = "; ".join(c.describe() for c in changes)
-            for spec in specs:
-                log.info("schema change of %s, shape %s: %s", qualified, spec.name, what)
-        if any(c.kind == schema_changes.KEY_LOST for c in changes):
-            log.warning("%s lost its key (%s): its shapes follow the keyless rules from now on (null Kafka "
-                        "keys, no key schema), and are re-read", qualified, new.identity)
-        stops = {**schema_changes.unknown_columns(refs, [c.name for c in rel.columns], qualified), **out.stop}
-        stops.update(self._recompile_filters(qualified, {c[0]: c[3] for c in columns}, set(stops)))
-        if table is not None and not any(c.kind == schema_changes.TABLE_RENAMED for c in changes):
-            self.tables[qualified] = table  # backfills read the table as it is now
-        for shape, error in stops.items():
-            self._stop_shape(shape, error)
-        for shape, why in out.reread.items():
-            if shape not in stops:
-                self._request_backfill(shape, f"schema change of {qualified}: {why}")
-
-    def _recompile_filters(self, qualified: str, types: dict[str, str], skip: set[str]) -> dict[str, str]:
-        """The table's shape filters, compiled again for its column types as
-        the WAL has them now (``types``: name → type); a filter that no longer
-        compiles stops its shape (shape → error)."""
-        wheres = {s.shape_name: s.where for s in self.config.shapes if s.where}
-        failed = {}
-        specs = self.shape_specs[qualified]
-        for i, spec in enumerate(specs):
-            if spec.name in wheres and spec.name not in skip:
-                try:
-                    specs[i] = replace(spec, row_filter=compile_filter(wheres[spec.name], types))
-                except FilterError as e:
-                    failed[spec.name] = f"shape {spec.name}: its where no longer fits {qualified}: {e}"
-        return failed
-
-    def _stop_shape(self, shape: str, error: str) -> None:
-        """``shape`` stops: nothing more is produced to it, the slot is not
-        confirmed past its first unpublished change (``[ack] on_stall``), and a
-        re-read of it is recorded for the run after the fix."""
-        if shape in self.stats.stopped_shapes:
-            return
-        lsn = self._tx.final_lsn if self._tx is not None else self.acks.confirmed_lsn
-        self.acks.hold(shape, lsn, time.monotonic())
-        self.stats.stopped_shapes[shape] = {"error": error, "held_lsn": pgoutput.lsn_to_str(lsn),
-                                            "since": time.time()}
-        log.error("%s. Shape %s is stopped, the other shapes keep streaming; WAL is held from %s", error, shape,
-                  pgoutput.lsn_to_str(lsn))
-        request_id = request_backfill(self.config, shape, reason=f"stopped: {error}")
-        # Known to this run, so it is not started here: it runs once a restart with the fixed config loads it.
-        self.backfills.requests[request_id] = {"request_id": request_id, "shape": shape, "state": "requested"}
-
-    def _watch_shape_tables(self) -> None:
-        """A dropped shape table stops its shapes (DROP TABLE leaves nothing in the WAL)."""
-        stopped = self.stats.stopped_shapes
-        live = catalog.existing(self.catalog_conn, list(self._shape_tables))
-        for oid, qualified in self._shape_tables.items():
-            if oid not in live:
-                for spec in self.shape_specs[qualified]:
-                    if spec.name not in stopped:
-                        self._stop_shape(spec.name, f"shape {spec.name}: table {qualified} was dropped (its target "
-                                                    "keeps its rows); remove the shape from the config and restart")
 
     def _routed_specs(self, table: TableInfo, key: tuple[str, ...]) -> tuple[list[ShapeSpec], tuple[str, ...]]:
         """The shapes of the tables above ``table`` (its partition root, its
@@ -568,6 +481,17 @@ class Pipeline:
         """A backfill of ``shape`` for what the WAL did not carry."""
         request_id = request_backfill(self.config, shape, reason=reason)
         log.warning("%s: backfill %s of shape %s requested", reason, request_id, shape)
+
+    def _defer_backfill(self, shape: str, reason: str) -> None:
+        """A backfill of a stopped ``shape``, for the run after the fix: known
+        to this run's backfills, so they do not start it."""
+        request_id = request_backfill(self.config, shape, reason=reason)
+        self.backfills.requests[request_id] = {"request_id": request_id, "shape": shape, "state": "requested"}
+
+    def _hold_position(self) -> int:
+        """Where a shape stopped now holds WAL from: the transaction being
+        read, or (between transactions) what is confirmed."""
+        return self._tx.final_lsn if self._tx is not None else self.acks.confirmed_lsn
 
     def _fetch_current(self, rel: Relation, key: dict, columns: list[str]) -> dict | None:
         if not key:
@@ -712,16 +636,6 @@ class Pipeline:
         if self.ledger.error is not None:
             raise KafkaException(self.ledger.error)
         self.acks.take_boundaries()
-
-
-def _relation_key(rel: Relation, table: TableInfo | None) -> tuple[str, ...]:
-    """The key a relation's changes are sent with: the catalog's primary key
-    (or replica identity index), else what the Relation flags."""
-    if table is None:
-        return tuple(c.name for c in rel.columns if c.is_key)
-    if not table.primary_key and table.replica_identity == "f":
-        return ()  # REPLICA IDENTITY FULL flags every column; that is not a key
-    return table.primary_key
 
 
 class _Runs:
