@@ -71,7 +71,7 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
-from producer import catalog, pgoutput, recovery, slot_binding
+from producer import catalog, pgoutput, recovery, schema_changes, slot_binding
 from producer.acks import Acks
 from producer.backfill import Backfills
 from producer.backfill_requests import request_backfill
@@ -388,6 +388,11 @@ class Pipeline:
     def _handle(self, msg: pgoutput.Message) -> None:
         if isinstance(msg, (Insert, Update, Delete)):
             plan = self.relations[msg.relation_oid]
+            rel = plan.relation
+            unannounced = schema_changes.unannounced(f"{rel.schema}.{rel.name}", plan.names,
+                                                     len(msg.old if isinstance(msg, Delete) else msg.new))
+            if unannounced is not None:
+                raise Failure(SOURCE, unannounced, permanent=False)
             for event in plan.events(msg, self._op):
                 self._produce(event)
             self._op += plan.span(msg)

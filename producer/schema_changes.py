@@ -334,3 +334,15 @@ def unknown_columns(shapes: list[ShapeRef], names: list[str], table: str) -> dic
             out[shape.name] = (f"shape {shape.name}: {table} has no column {where} any more; fix the shape in the "
                                "config and restart")
     return out
+
+
+def unannounced(table: str, names: list[str], width: int) -> str | None:
+    """A change whose tuple has ``width`` columns while the relation's last
+    Relation message named ``names``: a schema change the stream did not
+    announce. Reading it by the old names would lose or misplace values, so
+    it is an error (the caller restarts the stream, whose new session sends
+    every relation again); None when the widths agree."""
+    if width == len(names):
+        return None
+    return (f"a change of {table} carries {width} columns, but its last Relation message named {len(names)} "
+            f"({', '.join(names)}): a schema change the stream did not announce; reading the relation again")

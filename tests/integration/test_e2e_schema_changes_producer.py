@@ -120,7 +120,18 @@ def producer_said(state, text: str, timeout: float = 60) -> str:
     """The producer's first log line containing ``text``, once there is one."""
     def line():
         return next((ln for ln in state["producer_log"].read_text().splitlines() if text in ln), None)
-    return wait_for(line, timeout=timeout, what=f"the producer logging {text!r}")
+    try:
+        return wait_for(line, timeout=timeout, what=f"the producer logging {text!r}")
+    except AssertionError as e:
+        tail = [ln for ln in state["producer_log"].read_text().splitlines() if "librdkafka" not in ln][-15:]
+        with psycopg.connect(state["source"]) as conn:
+            cols = conn.execute("SELECT c.relname, array_agg(a.attname ORDER BY a.attnum) FROM pg_class c JOIN "
+                                "pg_attribute a ON a.attrelid = c.oid WHERE c.relname LIKE 'p\\_%%' AND a.attnum > 0 "
+                                "AND NOT a.attisdropped GROUP BY 1").fetchall()
+            activity = conn.execute("SELECT application_name, state, wait_event_type, left(query, 80) FROM "
+                                    "pg_stat_activity WHERE backend_type IN ('client backend', 'walsender')").fetchall()
+        raise AssertionError(f"{e}; the producer's log ends with:\n" + "\n".join(tail)
+                             + f"\nsource tables: {cols}\nactivity: {activity}") from None
 
 
 def converged(state, table: str) -> None:

@@ -263,3 +263,10 @@ def test_status_shows_a_stopped_shape_with_its_error_and_held_wal():
     console.print(render_status(status))
     text = console.export_text()
     assert "STOPPED on_a" in text and "column a of public.t was dropped" in text and "WAL held from 0/16B3748" in text
+
+
+def test_a_change_wider_than_its_relation_is_an_error_not_a_truncation():
+    assert sc.unannounced("public.t", ["id", "a"], 2) is None
+    assert sc.unannounced("public.t", ["id", "a"], 3) == (
+        "a change of public.t carries 3 columns, but its last Relation message named 2 (id, a): a schema change "
+        "the stream did not announce; reading the relation again")
