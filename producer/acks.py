@@ -29,6 +29,11 @@ Invariants:
   for ``[ack] stall_timeout``: it is reported and WAL is held for it, unless
   ``[ack] on_stall = "drop"``, which stops waiting for it (and, once no group is
   left, counts everything in Kafka as flushed).
+- A shape stopped by a schema change it cannot follow holds WAL from its
+  first unpublished change (:meth:`Acks.hold`): ``confirmed_lsn`` stays at or
+  below that LSN, whatever the groups commit, so a restart streams it again.
+  With ``[ack] on_stall = "drop"`` a hold older than ``stall_timeout`` is let
+  go, loudly, as a stalled group is.
 - After a restart, the transactions in Kafka that not every group has committed
   are indexed per writer, commit LSN → offset (:meth:`Acks.rebuild`), so a
   replayed transaction is tracked against the offsets where it already is.
@@ -49,6 +54,7 @@ from confluent_kafka.admin import AdminClient
 from producer import metrics
 from producer.flush_tracker import FlushTracker, LogOffset, WriterAlignment
 from producer.kafka_io import DeliveryLedger, read_positions
+from producer.pgoutput import lsn_to_str
 from schemas.config import Config
 from schemas.kafka import GroupOffsets, Writer
 
@@ -78,13 +84,31 @@ class Acks:
         self._group_seen: dict[str, dict[Writer, int]] = {}
         self._group_progress: dict[str, float] = {}  # group → when its commits last moved
         self._last_poll = 0.0
+        self.holds: dict[str, tuple[int, float]] = {}  # stopped shape → (LSN never to confirm past, since)
 
     def idle(self) -> bool:
         """Nothing produced waits for Kafka or for a group."""
         return self.tracker.empty() and self.ledger.in_flight() == 0
 
     def confirm(self, lsn: int) -> None:
+        if self.holds:
+            lsn = min(lsn, min(held for held, _ in self.holds.values()))
         self.confirmed_lsn = max(self.confirmed_lsn, lsn)
+
+    def hold(self, shape: str, lsn: int, now: float) -> None:
+        """Never confirm past ``lsn`` for ``shape`` (stopped: its changes from
+        there on are not in Kafka)."""
+        self.holds.setdefault(shape, (lsn, now))
+
+    def _release_holds(self, now: float) -> None:
+        if self._config.on_stall != "drop":
+            return
+        for shape, (lsn, since) in list(self.holds.items()):
+            if now - since >= self._config.stall_timeout:
+                log.error("[ack] on_stall = \"drop\": no longer holding WAL for the stopped shape %s (held since "
+                          "%.0fs); its changes after %s may be released from WAL: it is re-read once fixed",
+                          shape, now - since, lsn_to_str(lsn))
+                del self.holds[shape]
 
     def commit(self, last: LogOffset, writers: set[Writer], replayed_writers: set[Writer], commit_ts_ms: int,
                now: float) -> None:
@@ -150,6 +174,8 @@ class Acks:
 
     def poll(self, now: float) -> None:
         """Read the groups' commits, if ``[ack] interval`` has passed since the last read."""
+        if self.holds:
+            self._release_holds(now)
         if self.groups and now - self._last_poll >= self._config.interval:
             self._last_poll = now
             self._admin.poll(0)  # serves the admin client's log records (schemas.kafka)

@@ -31,6 +31,7 @@ import psycopg
 from psycopg import sql
 
 from producer.pgtypes import PgTypeInfo
+from producer.schema_changes import CatalogFacts, ColumnFacts
 from schemas.config import Config
 from schemas.failures import SOURCE, Failure
 from schemas.shape_filter import FilterError, compile_filter
@@ -121,6 +122,32 @@ def table_info(conn: psycopg.Connection, schema: str, table: str) -> TableInfo |
     ancestors = tuple(r[0] for r in conn.execute(_ANCESTORS_SQL, (oid,)))
     return TableInfo(oid, schema, table, cols, tuple(key_row[0]) if key_row else (), identity, relkind == "p",
                      is_partition, ancestors)
+
+
+_FACTS_SQL = """
+SELECT a.attnum, a.attname, a.atttypid::int, a.atttypmod, a.atthasmissing, a.atthasdef
+FROM pg_attribute a
+WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+ORDER BY a.attnum
+"""
+
+
+def relation_facts(conn: psycopg.Connection, oid: int) -> CatalogFacts | None:
+    """What the catalog says of relation ``oid`` now, for
+    :mod:`producer.schema_changes`; None once it is dropped."""
+    row = conn.execute("SELECT n.nspname, c.relname, c.relreplident::text FROM pg_class c "
+                       "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %s", (oid,)).fetchone()
+    if row is None:
+        return None
+    schema, name, identity = row
+    columns = tuple(ColumnFacts(*r) for r in conn.execute(_FACTS_SQL, (oid,)))
+    key_row = conn.execute(_KEY_SQL, (oid,)).fetchone()
+    return CatalogFacts(schema, name, columns, tuple(key_row[0]) if key_row else (), identity)
+
+
+def existing(conn: psycopg.Connection, oids: list[int]) -> set[int]:
+    """Which of the relations ``oids`` exist (not dropped)."""
+    return {r[0] for r in conn.execute("SELECT oid::int FROM pg_class WHERE oid = ANY(%s)", (oids,))}
 
 
 # Partition parents and INHERITS parents alike, nearest first.

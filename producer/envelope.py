@@ -24,6 +24,10 @@ Invariants:
   Either way nothing is lost.
 - Avro names are derived from PostgreSQL names by replacing characters Avro does
   not allow with ``_``; the original name is kept in ``"pg.column"``.
+- A renamed column's field carries its former names in Avro's ``"aliases"``
+  (a reader schema with the old name resolves to it). Avro's parsing canonical
+  form, hence the single-object fingerprint, ignores aliases: the field's new
+  name is what makes the schema new.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class ShapeColumn:
     name: str  # PostgreSQL column name
     codec: ColumnCodec
     is_key: bool
+    aliases: tuple[str, ...] = ()  # its former PostgreSQL names (RENAME COLUMN), oldest first
 
     @property
     def field_name(self) -> str:
@@ -64,6 +69,8 @@ def _field(col: ShapeColumn, layout: str, nullable: bool = True) -> dict:
         f["default"] = None
     if col.field_name != col.name:
         f["pg.column"] = col.name
+    if col.aliases:
+        f["aliases"] = [avro_name(a) for a in col.aliases]
     return f
 
 

@@ -23,6 +23,8 @@ WRITER_LAG = Gauge("walbridge_writer_lag_messages", "Produced minus committed me
                    ["topic", "partition"])
 STALLED_WRITERS = Gauge("walbridge_stalled_writers", "Writers with no flush progress for [ack] stall_timeout")
 STALLED_GROUPS = Gauge("walbridge_stalled_groups", "Consumer groups holding WAL with no commit progress")
+STOPPED_SHAPES = Gauge("walbridge_stopped_shapes",
+                       "Shapes stopped by a schema change they cannot follow (their WAL is held unless on_stall = drop)")
 PRODUCE_LATENCY = Histogram("walbridge_produce_latency_seconds",
                             "Source commit time to Kafka acknowledgement, per acknowledged transaction end",
                             buckets=LATENCY_BUCKETS)

@@ -28,6 +28,12 @@ reports and group commits (``acks.py``), standby status, the producer's status
 and metrics (``status.py``), new backfill requests and the partitioned shape
 tables' leaves (``partitions.py``: a table attached with rows is backfilled).
 
+Schema changes: a shape table's Relation message goes to the
+``SchemaFollower`` (``schema_follow.py``) before the relation is planned
+again: the changed shapes are logged, backfilled where rows changed without a
+change in the WAL, given the aliases of renamed columns, or stopped (left out
+of the plan, WAL held); a new schema the registry refuses stops its shape too.
+
 Invariants:
 - The LSN confirmed to PostgreSQL never passes a change that some configured
   consumer group has not committed (or, in delivery mode, the broker has not
@@ -66,7 +72,7 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
-from producer import catalog, pgoutput, recovery, slot_binding
+from producer import catalog, pgoutput, recovery, schema_changes, slot_binding
 from producer.acks import Acks
 from producer.backfill import Backfills
 from producer.backfill_requests import request_backfill
@@ -82,6 +88,7 @@ from producer.pgtypes import column_codec
 from producer.reads import Reads
 from producer.recovery import check_binding
 from producer.replication import ReplicationConnection, ReplicationError, connect
+from producer.schema_follow import SchemaFollower, relation_key
 from producer.shapes import Event, RelationPlan, ShapeSpec, event_message
 from producer.snapshot import InitialSnapshot, snapshot_id
 from producer.status import Stats, StatusPublisher
@@ -90,7 +97,7 @@ from schemas import wire
 from schemas.config import Config
 from schemas.failures import SOURCE, Failure, attributed
 from schemas.kafka import Writer, client_config, topic_id
-from schemas.publisher import SchemaPublisher
+from schemas.publisher import SchemaPublisher, SchemaRegistrationError
 from schemas.retry import Outage, RetryPolicy
 from schemas.shape_filter import compile_filter
 
@@ -140,6 +147,7 @@ class Pipeline:
         self.backfills: Backfills | None = None
         self.status: StatusPublisher | None = None
         self.partition_watch: PartitionWatch | None = None
+        self.schema: SchemaFollower | None = None
         # Current transaction.
         self._tx: Begin | None = None
         self._tx_ts_ms = 0
@@ -199,6 +207,9 @@ class Pipeline:
         for shape in cfg.shapes:
             shapes[shape.table].append(shape.shape_name)
         self.partition_watch = PartitionWatch(self.catalog_conn, self.tables, shapes, self._request_backfill)
+        self.schema = SchemaFollower(cfg, self.catalog_conn, self.tables, self.shape_specs, self.stats, self.acks,
+                                     self._type_info, self._hold_position, self._request_backfill,
+                                     self._defer_backfill)
 
     def writers(self) -> list[Writer]:
         return [(t, p) for t, n in self.partitions.items() for p in range(n)]
@@ -341,6 +352,7 @@ class Pipeline:
                 status.publish()
                 backfills.poll()
                 self.partition_watch.poll()
+                self.schema.poll()
                 self.checkpoints.watch_consumed(now)
             elif idle and acks.confirmed_lsn > repl.flushed and now - self._last_status >= CONFIRM_INTERVAL:
                 # Caught up: release the WAL now rather than at the next periodic update.
@@ -378,6 +390,11 @@ class Pipeline:
     def _handle(self, msg: pgoutput.Message) -> None:
         if isinstance(msg, (Insert, Update, Delete)):
             plan = self.relations[msg.relation_oid]
+            rel = plan.relation
+            unannounced = schema_changes.unannounced(f"{rel.schema}.{rel.name}", plan.names,
+                                                     len(msg.old if isinstance(msg, Delete) else msg.new))
+            if unannounced is not None:
+                raise Failure(SOURCE, unannounced, permanent=False)
             for event in plan.events(msg, self._op):
                 self._produce(event)
             self._op += plan.span(msg)
@@ -393,6 +410,8 @@ class Pipeline:
         elif isinstance(msg, Commit):
             self._commit(msg)
         elif isinstance(msg, Relation):
+            if msg.oid in self.schema.shape_tables:
+                self.schema.relation(msg)
             plan = self.relations[msg.oid] = self._plan_relation(msg)
             encoder = relation_encoder(plan, self.partitions, self._tombstones)
             if encoder is not None:
@@ -415,20 +434,28 @@ class Pipeline:
             pass  # types are read from the catalog when a Relation needs them
 
     def _plan_relation(self, rel: Relation) -> RelationPlan:
-        qualified = f"{rel.schema}.{rel.name}"
+        # By oid first: a shape table's changes from before a RENAME TABLE
+        # still carry the old name when the config names the new one.
+        qualified = self.schema.shape_tables.get(rel.oid, f"{rel.schema}.{rel.name}")
         table = catalog.table_info(self.catalog_conn, rel.schema, rel.name)
-        key = table.primary_key if table else tuple(c.name for c in rel.columns if c.is_key)
-        if table and not table.primary_key and table.replica_identity == "f":
-            key = ()  # REPLICA IDENTITY FULL flags every column; that is not a key
-        specs = self.shape_specs.get(qualified, [])
-        if not specs and table is not None:
+        key = relation_key(rel, table)
+        stopped = self.schema.stopped
+        specs = [s for s in self.shape_specs.get(qualified, []) if s.name not in stopped]
+        if not specs and table is not None and qualified not in self.shape_specs:
             specs, key = self._routed_specs(table, key)
         codecs = [column_codec(self._type_info(c.type_oid, c.typmod), self.catalog_conn) for c in rel.columns]
         plan = RelationPlan(rel, codecs, key, specs, self.config.kafka.topic_prefix,
-                            self.db_name, self.config.kafka.value_layout)
+                            self.db_name, self.config.kafka.value_layout, self.schema.aliases(rel.oid))
         plan.fetch_current = self._fetch_current
         for route in plan.routes:
-            self._register(route.codec, route.topic)
+            try:
+                self._register(route.codec, route.topic)
+            except SchemaRegistrationError as e:
+                if not self._streaming:
+                    raise
+                # That shape stops; the others are planned again without it.
+                self.schema.stop(route.name, f"shape {route.name}: {e.headline} (fix: {e.fix})")
+                return self._plan_relation(rel)
         return plan
 
     def _routed_specs(self, table: TableInfo, key: tuple[str, ...]) -> tuple[list[ShapeSpec], tuple[str, ...]]:
@@ -461,6 +488,17 @@ class Pipeline:
         """A backfill of ``shape`` for what the WAL did not carry."""
         request_id = request_backfill(self.config, shape, reason=reason)
         log.warning("%s: backfill %s of shape %s requested", reason, request_id, shape)
+
+    def _defer_backfill(self, shape: str, reason: str) -> None:
+        """A backfill of a stopped ``shape``, for the run after the fix: known
+        to this run's backfills, so they do not start it."""
+        request_id = request_backfill(self.config, shape, reason=reason)
+        self.backfills.requests[request_id] = {"request_id": request_id, "shape": shape, "state": "requested"}
+
+    def _hold_position(self) -> int:
+        """Where a shape stopped now holds WAL from: the transaction being
+        read, or (between transactions) what is confirmed."""
+        return self._tx.final_lsn if self._tx is not None else self.acks.confirmed_lsn
 
     def _fetch_current(self, rel: Relation, key: dict, columns: list[str]) -> dict | None:
         if not key:

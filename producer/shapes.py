@@ -84,7 +84,8 @@ class RelationPlan:
     """How changes of one relation are loaded and routed."""
 
     def __init__(self, relation: Relation, codecs: list[ColumnCodec], key_columns: tuple[str, ...],
-                 specs: list[ShapeSpec], topic_prefix: str, db: str, layout: str = "plain"):
+                 specs: list[ShapeSpec], topic_prefix: str, db: str, layout: str = "plain",
+                 aliases: dict[str, tuple[str, ...]] | None = None):
         self.relation = relation
         self.names = [c.name for c in relation.columns]
         self.codecs = list(codecs)
@@ -98,7 +99,8 @@ class RelationPlan:
                 raise ValueError(f"shape {spec.name!r}: column(s) {', '.join(missing)} are not in "
                                  f"{relation.schema}.{relation.name} any more")
             idx = [self.names.index(c) for c in wanted]
-            columns = [ShapeColumn(relation.columns[i].name, codecs[i], relation.columns[i].name in keys)
+            columns = [ShapeColumn(relation.columns[i].name, codecs[i], relation.columns[i].name in keys,
+                                   (aliases or {}).get(relation.columns[i].name, ()))
                        for i in idx]
             schema, table = spec.table or (relation.schema, relation.name)
             codec = ShapeCodec(spec.name, topic_prefix, db, schema, table, columns, idx, layout)

@@ -44,6 +44,8 @@ class Stats:
     transactions: int = 0
     last_commit_ts_ms: int = 0  # source commit time of the last transaction read
     stream_idle: bool = True  # the stream had nothing more to give since that transaction
+    # Shapes stopped by a schema change they cannot follow: name → {"error", "held_lsn", "since"}.
+    stopped_shapes: dict[str, dict] = field(default_factory=dict)
 
 
 class StatusPublisher:
@@ -85,6 +87,8 @@ class StatusPublisher:
             "ack_groups": list(acks.groups),
             "stalled_writers": [name(w) for w in acks.stalled_writers],
             "stalled_groups": list(acks.stalled_groups),
+            "stopped_shapes": {shape: {**stop, "wal_held": shape in acks.holds}
+                               for shape, stop in stats.stopped_shapes.items()},
             "events": dict(events),
             "transactions": stats.transactions,
             "skipped_replayed": stats.skipped_replayed,
@@ -118,6 +122,7 @@ class StatusPublisher:
                                else max(time.time() - stats.last_commit_ts_ms / 1000, 0.0))
         metrics.STALLED_WRITERS.set(len(acks.stalled_writers))
         metrics.STALLED_GROUPS.set(len(acks.stalled_groups))
+        metrics.STOPPED_SHAPES.set(len(stats.stopped_shapes))
         if snapshot:
             metrics.SNAPSHOT_PROGRESS.set(snapshot.get("rows", 0))
             metrics.SNAPSHOT_TOTAL.set(snapshot.get("total_estimate", 0))

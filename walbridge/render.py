@@ -98,6 +98,9 @@ def render_status(status: dict):
         pt.add_row("confirmed LSN (sent)", p.get("confirmed_lsn") or "-")
         pt.add_row("waiting for groups", ", ".join(p.get("ack_groups") or []) or "(broker acks)")
         pt.add_row("stalled groups", ", ".join(p.get("stalled_groups") or []) or "none")
+        for shape, stop in (p.get("stopped_shapes") or {}).items():
+            pt.add_row(f"STOPPED {shape}", stop["error"] + (f" (WAL held from {stop['held_lsn']})"
+                                                             if stop.get("wal_held") else ""))
         snap = p.get("snapshot") or {}
         if snap:
             pt.add_row("snapshot", f"{snap.get('id')}: {snap.get('rows')} rows"

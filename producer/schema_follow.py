@@ -1,0 +1,156 @@
+"""What the stream does when a shape table's schema changes: the shell around
+the pure :mod:`producer.schema_changes`.
+
+The path: a shape table's Relation message (``SchemaFollower.relation``, before
+the stream plans the relation again) → the catalog's facts read now
+(``catalog.relation_facts``) → ``classify`` against the relation as the stream
+last planned it (``first_sight`` in a run's first) → ``consequences`` → one
+INFO line per shape, a backfill of each shape whose rows changed without a
+change in the WAL, the aliases of renamed columns for the next plan, and
+``stop`` for a shape that cannot follow. Between bursts, ``poll`` notices a
+dropped shape table (DROP TABLE leaves nothing in the WAL).
+
+Invariants:
+- A stopped shape is never silently filtered: it is left out of every later
+  plan (nothing more is produced to it), it holds WAL from its first
+  unpublished change (``Acks.hold``; ``[ack] on_stall = "drop"`` lets go), it
+  shows in the status (``Stats.stopped_shapes``), the
+  ``walbridge_stopped_shapes`` metric and one ERROR line naming shape, table
+  and column, and a re-read of it is recorded for the run after the fix, which
+  streams again from the held position.
+- Shape filters are compiled again for the column types the WAL has now; one
+  that no longer compiles stops its shape.
+- The shape tables (``tables``, shared with the snapshot and backfills) are
+  refreshed from the catalog at every Relation, so a backfill reads a table
+  with the columns it has now.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+import psycopg
+
+from producer import catalog, schema_changes
+from producer.acks import Acks
+from producer.catalog import TableInfo
+from producer.pgoutput import Relation, lsn_to_str
+from producer.schema_changes import RelationShape, ShapeRef
+from producer.shapes import ShapeSpec
+from producer.status import Stats
+from schemas.config import Config
+from schemas.shape_filter import FilterError, compile_filter
+
+log = logging.getLogger("walbridge.producer")
+
+
+def relation_key(rel: Relation, table: TableInfo | None) -> tuple[str, ...]:
+    """The key a relation's changes are sent with: the catalog's primary key
+    (or replica identity index), else what the Relation flags."""
+    if table is None:
+        return tuple(c.name for c in rel.columns if c.is_key)
+    if not table.primary_key and table.replica_identity == "f":
+        return ()  # REPLICA IDENTITY FULL flags every column; that is not a key
+    return table.primary_key
+
+
+class SchemaFollower:
+    """The schema changes of the shape tables, for one run of the stream."""
+
+    def __init__(self, config: Config, conn: psycopg.Connection, tables: dict[str, TableInfo],
+                 shape_specs: dict[str, list[ShapeSpec]], stats: Stats, acks: Acks,
+                 type_info: Callable[[int, int], Any], position: Callable[[], int],
+                 request_backfill: Callable[[str, str], None], defer_backfill: Callable[[str, str], None]):
+        self._config = config
+        self._conn = conn  # the catalog connection
+        self._tables = tables
+        self._specs = shape_specs
+        self._stats = stats
+        self._acks = acks
+        self._type_info = type_info
+        self._position = position  # the LSN a stop holds WAL from: the transaction's, or what is confirmed
+        self._request_backfill = request_backfill  # now
+        self._defer_backfill = defer_backfill  # for the run after the fix
+        self.shape_tables = {t.oid: q for q, t in tables.items()}  # oid → the shape table's name in the config
+        self._relations: dict[int, RelationShape] = {}  # oid → as the stream last planned it
+        self._aliases: dict[int, dict[str, tuple[str, ...]]] = {}  # oid → column → its former names
+
+    @property
+    def stopped(self) -> dict[str, dict]:
+        return self._stats.stopped_shapes
+
+    def aliases(self, oid: int) -> dict[str, tuple[str, ...]] | None:
+        return self._aliases.get(oid)
+
+    def relation(self, rel: Relation) -> None:
+        """A Relation message of a shape table (``rel.oid`` in ``shape_tables``)."""
+        qualified = self.shape_tables[rel.oid]
+        facts = catalog.relation_facts(self._conn, rel.oid)
+        if facts is None:
+            return  # dropped since: its changes up to the drop still go out; ``poll`` stops its shapes
+        table = catalog.table_info(self._conn, facts.schema, facts.name)
+        columns = [(c.name, c.type_oid, c.typmod, self._type_info(c.type_oid, c.typmod).name) for c in rel.columns]
+        old = self._relations.get(rel.oid)
+        new = schema_changes.shape_of(rel.schema, rel.name, columns, relation_key(rel, table),
+                                      rel.replica_identity, facts, old)
+        self._relations[rel.oid] = new
+        specs = [s for s in self._specs[qualified] if s.name not in self.stopped]
+        refs = [ShapeRef(s.name, s.columns, s.row_filter.columns if s.row_filter else frozenset()) for s in specs]
+        changes = (schema_changes.classify(old, new, facts) if old is not None
+                   else schema_changes.first_sight(qualified, f"{facts.schema}.{facts.name}"))
+        out = schema_changes.consequences(changes, refs, qualified, new.key, self._aliases.get(rel.oid))
+        self._aliases[rel.oid] = out.aliases
+        if changes:
+            what = "; ".join(c.describe() for c in changes)
+            for spec in specs:
+                log.info("schema change of %s, shape %s: %s", qualified, spec.name, what)
+        if any(c.kind == schema_changes.KEY_LOST for c in changes):
+            log.warning("%s lost its key (%s): its shapes follow the keyless rules from now on (null Kafka "
+                        "keys, no key schema), and are re-read", qualified, new.identity)
+        stops = {**schema_changes.unknown_columns(refs, [c.name for c in rel.columns], qualified), **out.stop}
+        stops.update(self._recompile_filters(qualified, {c[0]: c[3] for c in columns}, set(stops)))
+        if table is not None and not any(c.kind == schema_changes.TABLE_RENAMED for c in changes):
+            self._tables[qualified] = table
+        for shape, error in stops.items():
+            self.stop(shape, error)
+        for shape, why in out.reread.items():
+            if shape not in stops:
+                self._request_backfill(shape, f"schema change of {qualified}: {why}")
+
+    def _recompile_filters(self, qualified: str, types: dict[str, str], skip: set[str]) -> dict[str, str]:
+        """The table's shape filters compiled again for ``types`` (name → type);
+        returns the shapes whose filter no longer compiles, with the error."""
+        wheres = {s.shape_name: s.where for s in self._config.shapes if s.where}
+        failed = {}
+        specs = self._specs[qualified]
+        for i, spec in enumerate(specs):
+            if spec.name in wheres and spec.name not in skip:
+                try:
+                    specs[i] = replace(spec, row_filter=compile_filter(wheres[spec.name], types))
+                except FilterError as e:
+                    failed[spec.name] = f"shape {spec.name}: its where no longer fits {qualified}: {e}"
+        return failed
+
+    def stop(self, shape: str, error: str) -> None:
+        """``shape`` stops (see the module invariants); the caller plans its relation again without it."""
+        if shape in self.stopped:
+            return
+        lsn = self._position()
+        self._acks.hold(shape, lsn, time.monotonic())
+        self.stopped[shape] = {"error": error, "held_lsn": lsn_to_str(lsn), "since": time.time()}
+        log.error("%s. Shape %s is stopped, the other shapes keep streaming; WAL is held from %s", error, shape,
+                  lsn_to_str(lsn))
+        self._defer_backfill(shape, f"stopped: {error}")
+
+    def poll(self) -> None:
+        """A dropped shape table stops its shapes."""
+        live = catalog.existing(self._conn, list(self.shape_tables))
+        for oid, qualified in self.shape_tables.items():
+            if oid not in live:
+                for spec in self._specs[qualified]:
+                    if spec.name not in self.stopped:
+                        self.stop(spec.name, f"shape {spec.name}: table {qualified} was dropped (its target keeps "
+                                             "its rows); remove the shape from the config and restart")
