@@ -32,7 +32,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from schemas import wire
 from schemas.config import Config
 from schemas.failures import KAFKA, Failure
-from schemas.kafka import ensure_topics
+from schemas.kafka import METADATA_TIMEOUT, ensure_topics
 
 log = logging.getLogger("walbridge.producer")
 
@@ -134,7 +134,7 @@ def prepare_topics(admin: AdminClient, config: Config, with_schemas_topic: bool,
     internal = [t for t in wire.internal_topics(k.topic_prefix)
                 if with_schemas_topic or t != wire.schemas_topic(k.topic_prefix)]
     ensure_topics(admin, internal, 1, k.replication_factor, wire.INTERNAL_TOPIC_CONFIG)
-    existing = admin.list_topics(timeout=30).topics
+    existing = admin.list_topics(timeout=METADATA_TIMEOUT).topics
     dlqs = [wire.dlq_topic(t) for t in data if wire.dlq_topic(t) in existing]
     settings = describe(admin, data + internal + dlqs)
     for topic in internal + dlqs:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 import uuid
 from typing import Any, Callable, Iterable, Iterator
@@ -91,6 +92,19 @@ def client_config(bootstrap: str, extra: dict[str, Any] | None = None) -> dict[s
 
 def timed_out(what: str) -> KafkaException:
     return KafkaException(KafkaError(KafkaError._TIMED_OUT, what))
+
+
+def cluster_metadata(client: AdminClient | Consumer, timeout: float, stop: threading.Event) -> Any:
+    """``list_topics`` that ``stop`` interrupts: asked in slices of at most a
+    second, so a process told to stop while the broker is gone stops within
+    one (librdkafka blocks a metadata request for its whole timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return client.list_topics(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+        except KafkaException:
+            if stop.is_set() or time.monotonic() >= deadline:
+                raise
 
 
 def produce_acknowledged(producer: Producer, topic: str, value: bytes, key: bytes, timeout: float, what: str,
