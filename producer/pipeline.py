@@ -88,7 +88,7 @@ from producer.pgtypes import column_codec
 from producer.reads import Reads
 from producer.recovery import check_binding
 from producer.replication import ReplicationConnection, ReplicationError, connect
-from producer.schema_follow import SchemaFollower, relation_key
+from producer.schema_follow import SchemaFollower, relation_key, table_relation
 from producer.shapes import Event, RelationPlan, ShapeSpec, event_message
 from producer.snapshot import InitialSnapshot, snapshot_id
 from producer.status import Stats, StatusPublisher
@@ -239,6 +239,7 @@ class Pipeline:
             slot_binding.write(self.catalog_conn, cfg.source.slot,
                                recovery.Binding(cfg.kafka.topic_prefix, self._cluster_id))
             self._take_snapshot(lsn, snapshot_name)
+            self.schema.start_from(self.tables.values())
             self.tails = {}
             start = lsn
         else:
@@ -522,9 +523,7 @@ class Pipeline:
 
     def _plan_table(self, table: TableInfo) -> RelationPlan:
         """The plan of a table read whole (snapshot, backfill), as if its Relation message had arrived."""
-        columns = tuple(pgoutput.Column(c.name, c.type_oid, c.typmod, c.name in table.primary_key)
-                        for c in table.columns)
-        return self._plan_relation(Relation(table.oid, table.schema, table.name, table.replica_identity, columns))
+        return self._plan_relation(table_relation(table))
 
     def _produce(self, event: Event) -> None:
         tx = self._tx

@@ -4,7 +4,9 @@ the pure :mod:`producer.schema_changes`.
 The path: a shape table's Relation message (``SchemaFollower.relation``, before
 the stream plans the relation again) → the catalog's facts read now
 (``catalog.relation_facts``) → ``classify`` against the relation as the stream
-last planned it (``first_sight`` in a run's first) → ``consequences`` → one
+last planned it — or, before the table's first change in the stream, as the
+run's initial snapshot read it (``start_from``); ``first_sight`` when neither
+is known (a run resumed from its slot) → ``consequences`` → one
 INFO line per shape, a backfill of each shape whose rows changed without a
 change in the WAL, the aliases of renamed columns for the next plan, and
 ``stop`` for a shape that cannot follow. Between bursts, ``poll`` notices a
@@ -23,6 +25,10 @@ Invariants:
 - The shape tables (``tables``, shared with the snapshot and backfills) are
   refreshed from the catalog at every Relation, so a backfill reads a table
   with the columns it has now.
+- After an initial snapshot, a table's first Relation in the stream is compared
+  with the columns the snapshot read: DDL between the snapshot and the table's
+  first change (a table nobody wrote since) is a change like any other, never
+  a first sight whose missing default would go unnoticed.
 """
 
 from __future__ import annotations
@@ -30,14 +36,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import psycopg
 
 from producer import catalog, schema_changes
 from producer.acks import Acks
 from producer.catalog import TableInfo
-from producer.pgoutput import Relation, lsn_to_str
+from producer.pgoutput import Column, Relation, lsn_to_str
 from producer.schema_changes import RelationShape, ShapeRef
 from producer.shapes import ShapeSpec
 from producer.status import Stats
@@ -55,6 +61,13 @@ def relation_key(rel: Relation, table: TableInfo | None) -> tuple[str, ...]:
     if not table.primary_key and table.replica_identity == "f":
         return ()  # REPLICA IDENTITY FULL flags every column; that is not a key
     return table.primary_key
+
+
+def table_relation(table: TableInfo) -> Relation:
+    """``table`` as its Relation message would describe it: how a read of the
+    whole table (snapshot, backfill) plans it."""
+    columns = tuple(Column(c.name, c.type_oid, c.typmod, c.name in table.primary_key) for c in table.columns)
+    return Relation(table.oid, table.schema, table.name, table.replica_identity, columns)
 
 
 class SchemaFollower:
@@ -92,11 +105,11 @@ class SchemaFollower:
         if facts is None:
             return  # dropped since: its changes up to the drop still go out; ``poll`` stops its shapes
         table = catalog.table_info(self._conn, facts.schema, facts.name)
-        columns = [(c.name, c.type_oid, c.typmod, self._type_info(c.type_oid, c.typmod).name) for c in rel.columns]
+        columns = self._columns(rel)
         old = self._relations.get(rel.oid)
-        new = schema_changes.shape_of(rel.schema, rel.name, columns, relation_key(rel, table),
-                                      rel.replica_identity, facts, old)
-        self._relations[rel.oid] = new
+        new = self._relations[rel.oid] = schema_changes.shape_of(rel.schema, rel.name, columns,
+                                                                 relation_key(rel, table), rel.replica_identity,
+                                                                 facts, old)
         specs = [s for s in self._specs[qualified] if s.name not in self.stopped]
         refs = [ShapeRef(s.name, s.columns, s.row_filter.columns if s.row_filter else frozenset()) for s in specs]
         changes = (schema_changes.classify(old, new, facts) if old is not None
@@ -119,6 +132,21 @@ class SchemaFollower:
         for shape, why in out.reread.items():
             if shape not in stops:
                 self._request_backfill(shape, f"schema change of {qualified}: {why}")
+
+    def start_from(self, tables: Iterable[TableInfo]) -> None:
+        """The shape tables as the initial snapshot read them (``tables``): what
+        each table's first Relation in the stream is compared with."""
+        for table in tables:
+            facts = catalog.relation_facts(self._conn, table.oid) if table.oid in self.shape_tables else None
+            if facts is not None:  # None: dropped since, which ``poll`` notices
+                rel = table_relation(table)
+                self._relations[table.oid] = schema_changes.shape_of(
+                    table.schema, table.name, self._columns(rel), relation_key(rel, table), table.replica_identity,
+                    facts)
+
+    def _columns(self, rel: Relation) -> list[tuple[str, int, int, str]]:
+        """(name, type oid, typmod, type name) of each column of ``rel``."""
+        return [(c.name, c.type_oid, c.typmod, self._type_info(c.type_oid, c.typmod).name) for c in rel.columns]
 
     def _recompile_filters(self, qualified: str, types: dict[str, str], skip: set[str]) -> dict[str, str]:
         """The table's shape filters compiled again for ``types`` (name → type);

@@ -14,9 +14,12 @@ target follows in a transaction of its own before the executors stage)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
+from pathlib import Path
+from typing import Callable, Iterator
 
 import psycopg
 import pytest
@@ -80,40 +83,52 @@ class Load:
         self.running.set()
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["driver-apply", "staged-apply"])
-def pipeline(request, pg_cluster, kafka_broker, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("schema-changes")
+@contextlib.contextmanager
+def streaming(pg_cluster, kafka_broker, tmp: Path, name: str, tables: dict[str, str], shapes: list[dict],
+              load: Callable[[str], Load], **consumer) -> Iterator[dict]:
+    """Source and target databases in ``pg_cluster`` (``tables``, ``ROWS`` rows
+    each), ``walbridge producer`` and ``walbridge consumer`` processes on
+    ``shapes`` (``consumer``: more of its section) and ``load(source dsn)``
+    writing; the state the tests share, once every table converged."""
     suffix = f"{random.getrandbits(40):010x}"
-    source, target = f"src_ddl_{suffix}", f"tgt_ddl_{suffix}"
+    source, target = f"src_{name}_{suffix}", f"tgt_{name}_{suffix}"
     source_dsn, target_dsn = pg_cluster.create_database(source), pg_cluster.create_database(target)
-    prefix = f"ddl{suffix}"
+    prefix = f"{name}{suffix}"
     with psycopg.connect(source_dsn, autocommit=True) as conn:
-        for table, ddl in TABLES.items():
+        for table, ddl in tables.items():
             conn.execute(ddl)
             conn.execute(f"INSERT INTO {table} (id, a) SELECT g, g FROM generate_series(1, {ROWS}) g")
     group = f"{prefix}-spark"
-    cfg = make_config(source_dsn, kafka_broker.bootstrap, prefix, [{"table": f"public.{t}"} for t in TABLES],
-                      consumer={"group": group, "target_dsn": target_dsn, "staged_apply": request.param,
-                                "checkpoint_dir": str(tmp / "checkpoints"), "trigger_interval": 0.5},
+    cfg = make_config(source_dsn, kafka_broker.bootstrap, prefix, shapes,
+                      consumer={"group": group, "target_dsn": target_dsn, "checkpoint_dir": str(tmp / "checkpoints"),
+                                "trigger_interval": 0.5, **consumer},
                       ack={"consumer_groups": [group], "interval": 0.5})
     path = write_toml(cfg, tmp / "walbridge.toml")
-    load = Load(source_dsn)
+    writer = load(source_dsn)
     producer = ProducerProcess(path, tmp / "producer.log").start()
-    consumer = ConsumerProcess(path, tmp / "consumer.log").start()
+    consumer_process = ConsumerProcess(path, tmp / "consumer.log").start()
     try:
-        load.thread.start()
-        state = {"source": source_dsn, "target": target_dsn, "load": load, "producer": producer,
-                 "consumer": consumer, "consumer_log": tmp / "consumer.log", "producer_log": tmp / "producer.log"}
-        for table in TABLES:
+        writer.thread.start()
+        state = {"source": source_dsn, "target": target_dsn, "load": writer, "producer": producer,
+                 "consumer": consumer_process, "consumer_log": tmp / "consumer.log",
+                 "producer_log": tmp / "producer.log", "slot": cfg["source"]["slot"]}
+        for table in tables:
             wait_equal(state, table, timeout=180)
         yield state
     finally:
-        load.stop.set()
-        load.thread.join(10)
-        consumer.stop()
+        writer.stop.set()
+        writer.thread.join(10)
+        consumer_process.stop()
         producer.stop()
         pg_cluster.drop_database(source)
         pg_cluster.drop_database(target)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["driver-apply", "staged-apply"])
+def pipeline(request, pg_cluster, kafka_broker, tmp_path_factory):
+    with streaming(pg_cluster, kafka_broker, tmp_path_factory.mktemp("schema-changes"), "ddl", TABLES,
+                   [{"table": f"public.{t}"} for t in TABLES], Load, staged_apply=request.param) as state:
+        yield state
 
 
 def source_columns(dsn: str, table: str) -> list[tuple[str, str]]:

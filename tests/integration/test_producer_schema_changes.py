@@ -219,6 +219,33 @@ def test_ddl_under_load_becomes_versions_aliases_backfills_and_stopped_shapes(so
     assert states == {"public.dropme": "failed"}
 
 
+def test_ddl_before_a_tables_first_change_is_compared_with_the_snapshot(source_db, kafka_broker, topic_prefix,
+                                                                         caplog):
+    """Tables nobody writes between the snapshot and the DDL: their first
+    Relation in the stream already has the new columns (issue 12: the default
+    was never re-read, the rename looked like drop + add)."""
+    caplog.set_level(logging.INFO, logger="walbridge")
+    bootstrap = kafka_broker.bootstrap
+    _sql(source_db, "CREATE TABLE q_default (id int PRIMARY KEY, a int); CREATE TABLE q_rename (id int PRIMARY KEY, "
+                    "note text); INSERT INTO q_default SELECT i, i FROM generate_series(1, 50) i; "
+                    "INSERT INTO q_rename SELECT i, 'n' || i FROM generate_series(1, 50) i")
+    cfg = make_config(source_db, bootstrap, topic_prefix, [{"table": "public.q_default"}, {"table": "public.q_rename"}])
+    q_default = f"{topic_prefix}.public.q_default"
+    with ProducerThread(cfg) as producer:
+        wait_snapshot_done(bootstrap, q_default, topic_prefix)
+        _sql(source_db, "ALTER TABLE q_default ADD COLUMN d int DEFAULT 7; ALTER TABLE q_rename RENAME COLUMN note "
+                        "TO remark; INSERT INTO q_default VALUES (51, 51); INSERT INTO q_rename VALUES (51, 'x')")
+        _logged(caplog, "schema change of public.q_default, shape public.q_default: column added with a constant "
+                        "default d (integer)")
+        _logged(caplog, "schema change of public.q_rename, shape public.q_rename: column renamed remark (note → remark)")
+        wait_for(lambda: [r["state"] for r in _backfills(bootstrap, topic_prefix).values()] == ["done"], timeout=60,
+                 what="the backfill of public.q_default done")
+        assert producer.thread.is_alive()
+    rows = latest_rows(read_topic(bootstrap, q_default, topic_prefix), lambda r: r.value["after"]["id"])
+    assert sorted((r["id"], r.get("d")) for r in rows.values()) == [(i, 7) for i in range(1, 52)]
+    assert "column dropped" not in caplog.text
+
+
 def test_a_schema_the_registry_refuses_stops_that_shape_only(source_db, kafka_broker, topic_prefix, caplog,
                                                               monkeypatch):
     caplog.set_level(logging.INFO, logger="walbridge")

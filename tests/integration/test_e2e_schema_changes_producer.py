@@ -1,0 +1,121 @@
+"""Schema changes at the source while everything streams: the producer's rows
+of the README's "Schema changes" table (issue 12). ``walbridge producer`` and
+``walbridge consumer`` run as processes throughout, a load writes every table
+at a steady rate, and each change ends with the target equal to the source on
+the source's current columns (cast back to the source's types), no manual
+command, both processes alive, and no Spark query restarted. Values the WAL
+did not carry (a default, a narrowing retype, a key change) arrive through the
+backfill the producer asks for itself.
+
+One producer/consumer pair serves the whole module (a table per test). The
+load starts writing once every table converged, so the first DDL of a table
+reaches the stream before any change of it since the snapshot (issue 12).
+The tests of the other tables (narrowing retype, renames, key change,
+truncate, stopped shapes) are in commit 3620eee: they wait for the consumer
+to decode a numeric whose scale narrowed (it exits with pyarrow's "Rescaling
+Decimal value would cause data loss")."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from tests.helpers import wait_for
+from tests.integration import test_e2e_schema_changes as e2e
+from tests.integration.test_e2e_schema_changes import (
+    assert_alive,
+    assert_no_query_restart,
+    settle,
+    wait_equal,
+)
+
+TABLES = {
+    "p_default": "CREATE TABLE p_default (id int PRIMARY KEY, a int)",
+    "p_narrow": "CREATE TABLE p_narrow (id int PRIMARY KEY, a bigint, n numeric(10,2) DEFAULT 0.45)",
+    "p_rename": "CREATE TABLE p_rename (id int PRIMARY KEY, a int, note text DEFAULT 'n')",
+    "p_key": "CREATE TABLE p_key (id int PRIMARY KEY, a int, code int NOT NULL DEFAULT 1)",
+    "p_trunc": "CREATE TABLE p_trunc (id int PRIMARY KEY, a int)",
+    "p_where": "CREATE TABLE p_where (id int PRIMARY KEY, a int, region text DEFAULT 'eu')",
+    "p_moved": "CREATE TABLE p_moved (id int PRIMARY KEY, a int)",
+}
+ROWS = e2e.ROWS  # each table's rows before the load (e2e.streaming)
+RATE = 60  # load transactions per second, over all tables
+
+
+class Load(e2e.Load):
+    """An insert and an update (of ``id``, ``a`` only) per transaction on the
+    tables in ``tables``, round robin at ``RATE`` per second (pausing as the
+    consumer's module's load does)."""
+
+    def __init__(self, dsn: str):
+        super().__init__(dsn)
+        self.tables = list(TABLES)
+
+    def _run(self) -> None:
+        next_id = ROWS + 1
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                while not self.stop.wait(1 / RATE):
+                    if not self.running.is_set():
+                        self.idle.set()
+                        continue
+                    self.idle.clear()
+                    table = self.tables[next_id % len(self.tables)]
+                    with conn.transaction():
+                        conn.execute(f"INSERT INTO {table} (id, a) VALUES (%s, %s)", (next_id, next_id % 50))
+                        conn.execute(f"UPDATE {table} SET a = a + 1 WHERE id = %s", (next_id % ROWS + 1,))
+                    next_id += 1
+                    self.transactions += 1
+        except BaseException as e:  # surfaced by the tests
+            self.errors.append(e)
+
+
+@pytest.fixture(scope="module")
+def pipeline(pg_cluster, kafka_broker, tmp_path_factory):
+    shapes = [{"table": f"public.{t}"} for t in TABLES]
+    shapes.append({"table": "public.p_where", "name": "p_where_eu", "where": "region = 'eu'"})
+    with e2e.streaming(pg_cluster, kafka_broker, tmp_path_factory.mktemp("schema-changes-producer"), "ddlp", TABLES,
+                       shapes, Load) as state:
+        yield state
+
+
+def ddl(state, *statements: str) -> None:
+    with psycopg.connect(state["source"], autocommit=True) as conn:
+        for statement in statements:
+            conn.execute(statement)
+    settle(state)
+
+
+def producer_said(state, text: str, timeout: float = 60) -> str:
+    """The producer's first log line containing ``text``, once there is one."""
+    def line():
+        return next((ln for ln in state["producer_log"].read_text().splitlines() if text in ln), None)
+    try:
+        return wait_for(line, timeout=timeout, what=f"the producer logging {text!r}")
+    except AssertionError as e:
+        tail = [ln for ln in state["producer_log"].read_text().splitlines() if "librdkafka" not in ln][-15:]
+        with psycopg.connect(state["source"]) as conn:
+            cols = conn.execute("SELECT c.relname, array_agg(a.attname ORDER BY a.attnum) FROM pg_class c JOIN "
+                                "pg_attribute a ON a.attrelid = c.oid WHERE c.relname LIKE 'p\\_%%' AND a.attnum > 0 "
+                                "AND NOT a.attisdropped GROUP BY 1").fetchall()
+            activity = conn.execute("SELECT application_name, state, wait_event_type, left(query, 80) FROM "
+                                    "pg_stat_activity WHERE backend_type IN ('client backend', 'walsender')").fetchall()
+        raise AssertionError(f"{e}; the producer's log ends with:\n" + "\n".join(tail)
+                             + f"\nsource tables: {cols}\nactivity: {activity}") from None
+
+
+def converged(state, table: str) -> None:
+    wait_equal(state, table, timeout=120)
+    assert_alive(state)
+    assert_no_query_restart(state)
+
+
+def test_add_column_with_a_constant_or_volatile_default_fills_existing_rows(pipeline):
+    ddl(pipeline, "ALTER TABLE p_default ADD COLUMN d int DEFAULT 7")
+    producer_said(pipeline, "column added with a constant default d (integer): backfill")
+    ddl(pipeline, "ALTER TABLE p_default ADD COLUMN e timestamptz DEFAULT clock_timestamp()")
+    producer_said(pipeline, "column added with a volatile default (table rewritten) e")
+    converged(pipeline, "p_default")
+    with psycopg.connect(pipeline["target"]) as t:
+        assert t.execute("SELECT count(*) FROM p_default WHERE id <= %s AND d = 7 AND e IS NOT NULL",
+                         (ROWS,)).fetchone()[0] == ROWS
