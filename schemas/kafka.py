@@ -40,6 +40,8 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from schemas.wire import commit_topic_id
+
 log = logging.getLogger("walbridge.kafka")
 
 Writer = tuple[str, int]
@@ -219,11 +221,15 @@ class GroupOffsets:
     request to a group coordinator that times out (a broker frozen for longer
     than the request timeout) can abort the whole process on the assertion
     ``rd_kafka_enq_once_del_source_return: eonce->refcnt > 0`` once the broker
-    answers again (librdkafka issue #4605, open)."""
+    answers again (librdkafka issue #4605, open).
+
+    A commit whose metadata names a topic id (:func:`schemas.wire.commit_metadata`)
+    counts only while the topic still has that id (:func:`trusted_offsets`)."""
 
     def __init__(self, conf: dict[str, Any]):
         self._conf = conf
         self._consumers: dict[str, Consumer] = {}
+        self._admin: AdminClient | None = None
 
     def read(self, groups: Iterable[str], writers: list[Writer],
              timeout: float = 10.0) -> dict[str, dict[Writer, int]]:
@@ -239,13 +245,51 @@ class GroupOffsets:
                     {**self._conf, "group.id": group, "enable.auto.commit": False})
             consumer.poll(0)  # serves the client's log records
             tps = consumer.committed([TopicPartition(t, p) for t, p in writers], timeout=timeout)
-            result[group] = {(tp.topic, tp.partition): max(tp.offset, 0) for tp in tps}
+            commits = {(tp.topic, tp.partition): (tp.offset, commit_topic_id(tp.metadata)) for tp in tps}
+            ids = self._topic_ids({t for (t, _), (_, tid) in commits.items() if tid}, timeout)
+            result[group] = trusted_offsets(group, commits, ids)
         return result
+
+    def _topic_ids(self, topics: set[str], timeout: float) -> dict[str, str | None]:
+        """The current ids of the topics commits named an id for (none asked
+        where no commit carries one: a broker that keeps no metadata)."""
+        if not topics:
+            return {}
+        if self._admin is None:
+            self._admin = AdminClient(self._conf)
+        ids = {}
+        for topic in topics:
+            try:
+                ids[topic] = topic_id(self._admin, topic, timeout)
+            except LookupError:
+                ids[topic] = None  # missing: no commit on it is progress
+        return ids
 
     def close(self) -> None:
         consumers, self._consumers = list(self._consumers.values()), {}
         for consumer in consumers:
             consumer.close()
+        self._admin = None
+
+
+def trusted_offsets(group: str, commits: dict[Writer, tuple[int, str | None]],
+                    current_ids: dict[str, str | None]) -> dict[Writer, int]:
+    """Each writer's committed offset (0 where none) from ``commits`` (offset,
+    topic id its metadata names), counting as 0 an offset committed for
+    another incarnation of the topic than ``current_ids`` names: a commit made
+    before the topic was re-created (a retry, or one in flight) is not
+    progress on the new topic, and trusting it would release WAL no consumer
+    applied. Logged as an error, naming the group and partition."""
+    out = {}
+    for (topic, partition), (offset, committed_id) in commits.items():
+        current = current_ids.get(topic)
+        if committed_id is not None and committed_id != current and offset > 0:
+            log.error("consumer group %s committed offset %d on %s[%d] for topic id %s, but the topic's id is "
+                      "now %s (re-created since): not counting it as read", group, offset, topic, partition,
+                      committed_id, current)
+            offset = 0
+        out[(topic, partition)] = max(offset, 0)
+    return out
 
 
 def group_offsets(conf: dict[str, Any], groups: Iterable[str], writers: list[Writer],

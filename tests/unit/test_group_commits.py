@@ -1,0 +1,40 @@
+"""Offset commits tagged with their topic incarnation: the metadata format,
+the producer's reading of it and the committer's retry queue (issue 16)."""
+
+import logging
+
+from schemas.kafka import trusted_offsets
+from schemas.wire import commit_metadata, commit_topic_id
+from spark_consumer.group_commits import retry_queue
+
+
+def test_commit_metadata_round_trips_and_ignores_foreign_metadata():
+    assert commit_topic_id(commit_metadata("AaINNHIIdbC+pfPTCpORwA")) == "AaINNHIIdbC+pfPTCpORwA"
+    assert commit_metadata(None) == ""
+    assert commit_topic_id("") is None
+    assert commit_topic_id(None) is None
+    assert commit_topic_id("some other tool's note") is None
+
+
+def test_a_commit_for_another_incarnation_counts_as_nothing_read(caplog):
+    commits = {("t", 0): (500, "old"), ("t", 1): (7, "new"), ("u", 0): (9, None), ("v", 0): (-1001, None)}
+    with caplog.at_level(logging.ERROR, "walbridge.kafka"):
+        got = trusted_offsets("g", commits, {"t": "new", "u": "x"})
+    assert got == {("t", 0): 0, ("t", 1): 7, ("u", 0): 9, ("v", 0): 0}
+    assert "t[0]" in caplog.text and "old" in caplog.text and "re-created" in caplog.text
+
+
+def test_a_commit_on_a_missing_topic_is_not_trusted():
+    assert trusted_offsets("g", {("t", 0): (5, "old")}, {"t": None}) == {("t", 0): 0}
+
+
+def test_retry_queue_drops_commits_read_from_an_earlier_incarnation():
+    failed = {("t", 0): (500, "old"), ("u", 0): (3, "u1"), ("w", 0): (4, None)}
+    keep, drop = retry_queue(failed, {"t": "new", "u": "u1", "w": None})
+    assert keep == {("u", 0): (3, "u1"), ("w", 0): (4, None)}
+    assert drop == {("t", 0): (500, "old")}
+
+
+def test_retry_queue_drops_an_untagged_commit_once_the_topic_has_an_id():
+    keep, drop = retry_queue({("t", 0): (5, None)}, {"t": "new"})
+    assert keep == {} and drop == {("t", 0): (5, None)}
