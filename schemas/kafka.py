@@ -247,8 +247,26 @@ class GroupOffsets:
             tps = consumer.committed([TopicPartition(t, p) for t, p in writers], timeout=timeout)
             commits = {(tp.topic, tp.partition): (tp.offset, commit_topic_id(tp.metadata)) for tp in tps}
             ids = self._topic_ids({t for (t, _), (_, tid) in commits.items() if tid}, timeout)
-            result[group] = trusted_offsets(group, commits, ids)
+            ends = self._ends(consumer, {w: o for w, (o, _) in commits.items() if o > 0}, timeout)
+            result[group] = trusted_offsets(group, commits, ids, ends)
         return result
+
+    def _ends(self, consumer: Consumer, offsets: dict[Writer, int], timeout: float) -> dict[Writer, int]:
+        """The end offset of each partition an offset was committed on, as far
+        as needed to tell whether the offset lies beyond it: ListOffsets' end,
+        and, where the offset exceeds that, the end a Fetch reports (Tansu's
+        ListOffsets answers the last batch's base offset + 1)."""
+        ends = {w: consumer.get_watermark_offsets(TopicPartition(*w), timeout=timeout)[1] for w in offsets}
+        beyond = {w: (max(end - 1, 0), None) for w, end in ends.items() if offsets[w] > end}
+        if beyond:
+            scanner = scan_consumer(self._conf, "ends")
+            try:
+                for msg in scan(scanner, beyond, timeout):
+                    w = (msg.topic(), msg.partition())
+                    ends[w] = max(ends[w], msg.offset() + 1)
+            finally:
+                scanner.close()
+        return ends
 
     def _topic_ids(self, topics: set[str], timeout: float) -> dict[str, str | None]:
         """The current ids of the topics commits named an id for (none asked
@@ -273,20 +291,27 @@ class GroupOffsets:
 
 
 def trusted_offsets(group: str, commits: dict[Writer, tuple[int, str | None]],
-                    current_ids: dict[str, str | None]) -> dict[Writer, int]:
+                    current_ids: dict[str, str | None], ends: dict[Writer, int]) -> dict[Writer, int]:
     """Each writer's committed offset (0 where none) from ``commits`` (offset,
     topic id its metadata names), counting as 0 an offset committed for
-    another incarnation of the topic than ``current_ids`` names: a commit made
-    before the topic was re-created (a retry, or one in flight) is not
-    progress on the new topic, and trusting it would release WAL no consumer
-    applied. Logged as an error, naming the group and partition."""
+    another incarnation of the topic than ``current_ids`` names, or one beyond
+    the partition's end (``ends``; a broker that keeps no commit metadata
+    leaves only this sign): a commit made before the topic was re-created (a
+    retry, or one in flight) is not progress on the new topic, and trusting
+    it would release WAL no consumer applied. Logged as an error, naming the
+    group and partition."""
     out = {}
     for (topic, partition), (offset, committed_id) in commits.items():
-        current = current_ids.get(topic)
+        current, end = current_ids.get(topic), ends.get((topic, partition))
         if committed_id is not None and committed_id != current and offset > 0:
             log.error("consumer group %s committed offset %d on %s[%d] for topic id %s, but the topic's id is "
                       "now %s (re-created since): not counting it as read", group, offset, topic, partition,
                       committed_id, current)
+            offset = 0
+        elif end is not None and offset > end:
+            log.error("consumer group %s committed offset %d on %s[%d], beyond the partition's end %d (a commit "
+                      "made before the topic was re-created?): not counting it as read", group, offset, topic,
+                      partition, end)
             offset = 0
         out[(topic, partition)] = max(offset, 0)
     return out

@@ -19,13 +19,21 @@ def test_commit_metadata_round_trips_and_ignores_foreign_metadata():
 def test_a_commit_for_another_incarnation_counts_as_nothing_read(caplog):
     commits = {("t", 0): (500, "old"), ("t", 1): (7, "new"), ("u", 0): (9, None), ("v", 0): (-1001, None)}
     with caplog.at_level(logging.ERROR, "walbridge.kafka"):
-        got = trusted_offsets("g", commits, {"t": "new", "u": "x"})
+        got = trusted_offsets("g", commits, {"t": "new", "u": "x"}, {("t", 0): 900, ("u", 0): 9})
     assert got == {("t", 0): 0, ("t", 1): 7, ("u", 0): 9, ("v", 0): 0}
     assert "t[0]" in caplog.text and "old" in caplog.text and "re-created" in caplog.text
 
 
 def test_a_commit_on_a_missing_topic_is_not_trusted():
-    assert trusted_offsets("g", {("t", 0): (5, "old")}, {"t": None}) == {("t", 0): 0}
+    assert trusted_offsets("g", {("t", 0): (5, "old")}, {"t": None}, {}) == {("t", 0): 0}
+
+
+def test_a_commit_beyond_the_partitions_end_counts_as_nothing_read(caplog):
+    commits = {("t", 0): (500, None), ("t", 1): (40, None), ("t", 2): (41, None)}
+    with caplog.at_level(logging.ERROR, "walbridge.kafka"):
+        got = trusted_offsets("g", commits, {}, {("t", 0): 40, ("t", 1): 40, ("t", 2): 40})
+    assert got == {("t", 0): 0, ("t", 1): 40, ("t", 2): 0}
+    assert "beyond the partition's end 40" in caplog.text and "t[0]" in caplog.text
 
 
 def test_retry_queue_drops_commits_read_from_an_earlier_incarnation():
