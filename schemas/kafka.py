@@ -230,6 +230,7 @@ class GroupOffsets:
         self._conf = conf
         self._consumers: dict[str, Consumer] = {}
         self._admin: AdminClient | None = None
+        self._reported: set[str] = set()
 
     def read(self, groups: Iterable[str], writers: list[Writer],
              timeout: float = 10.0) -> dict[str, dict[Writer, int]]:
@@ -248,7 +249,11 @@ class GroupOffsets:
             commits = {(tp.topic, tp.partition): (tp.offset, commit_topic_id(tp.metadata)) for tp in tps}
             ids = self._topic_ids({t for (t, _), (_, tid) in commits.items() if tid}, timeout)
             ends = self._ends(consumer, {w: o for w, (o, _) in commits.items() if o > 0}, timeout)
-            result[group] = trusted_offsets(group, commits, ids, ends)
+            result[group], untrusted = trusted_offsets(group, commits, ids, ends)
+            for line in untrusted:
+                if line not in self._reported:  # once, not at every ack poll
+                    self._reported.add(line)
+                    log.error("%s", line)
         return result
 
     def _ends(self, consumer: Consumer, offsets: dict[Writer, int], timeout: float) -> dict[Writer, int]:
@@ -291,30 +296,30 @@ class GroupOffsets:
 
 
 def trusted_offsets(group: str, commits: dict[Writer, tuple[int, str | None]],
-                    current_ids: dict[str, str | None], ends: dict[Writer, int]) -> dict[Writer, int]:
+                    current_ids: dict[str, str | None], ends: dict[Writer, int]) -> tuple[dict[Writer, int], list[str]]:
     """Each writer's committed offset (0 where none) from ``commits`` (offset,
     topic id its metadata names), counting as 0 an offset committed for
     another incarnation of the topic than ``current_ids`` names, or one beyond
     the partition's end (``ends``; a broker that keeps no commit metadata
     leaves only this sign): a commit made before the topic was re-created (a
     retry, or one in flight) is not progress on the new topic, and trusting
-    it would release WAL no consumer applied. Logged as an error, naming the
-    group and partition."""
-    out = {}
+    it would release WAL no consumer applied. Also returns what was not
+    trusted, one line per partition naming the group."""
+    out, untrusted = {}, []
     for (topic, partition), (offset, committed_id) in commits.items():
         current, end = current_ids.get(topic), ends.get((topic, partition))
         if committed_id is not None and committed_id != current and offset > 0:
-            log.error("consumer group %s committed offset %d on %s[%d] for topic id %s, but the topic's id is "
-                      "now %s (re-created since): not counting it as read", group, offset, topic, partition,
-                      committed_id, current)
+            untrusted.append(f"consumer group {group} committed offset {offset} on {topic}[{partition}] for "
+                             f"topic id {committed_id}, but the topic's id is now {current} (re-created since): "
+                             "not counting it as read")
             offset = 0
         elif end is not None and offset > end:
-            log.error("consumer group %s committed offset %d on %s[%d], beyond the partition's end %d (a commit "
-                      "made before the topic was re-created?): not counting it as read", group, offset, topic,
-                      partition, end)
+            untrusted.append(f"consumer group {group} committed offset {offset} on {topic}[{partition}], beyond "
+                             f"the partition's end {end} (a commit made before the topic was re-created?): not "
+                             "counting it as read")
             offset = 0
         out[(topic, partition)] = max(offset, 0)
-    return out
+    return out, untrusted
 
 
 def group_offsets(conf: dict[str, Any], groups: Iterable[str], writers: list[Writer],

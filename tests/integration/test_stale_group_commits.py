@@ -47,8 +47,7 @@ def test_old_offsets_committed_on_a_recreated_topic_release_nothing(source_db, p
         old.close()
 
         broker.restart()  # the topic is lost; the producer re-creates it and redoes the snapshot
-        second = wait_for(lambda: (snapshot_ids() - first) or None, timeout=120, what="snapshot redone")
-        (new_snapshot,) = second
+        wait_for(lambda: snapshot_ids() - first, timeout=120, what="snapshot redone")
         stale = GroupStandIn(broker.bootstrap, group, topic)
         stale.commit(old_ends)  # the old incarnation's offsets, landing on the new topic
         stale.close()
@@ -56,7 +55,7 @@ def test_old_offsets_committed_on_a_recreated_topic_release_nothing(source_db, p
         change = current_lsn(conn)
         time.sleep(7.0)  # > [ack] interval and the checkpoint's 5 s look at the groups
         assert slot_lsns(source_db, slot)[0] < change, "WAL confirmed on the strength of a stale commit"
-        assert f"every consumer group has read snapshot {new_snapshot}" not in caplog.text
+        assert "every consumer group has read snapshot" not in caplog.text  # nor the first: nothing was committed
         assert "beyond the partition's end" in caplog.text
 
         # What the group really reads of the new topic is trusted as before.
@@ -66,5 +65,5 @@ def test_old_offsets_committed_on_a_recreated_topic_release_nothing(source_db, p
         real.commit()
         real.close()
         wait_for(lambda: slot_lsns(source_db, slot)[0] >= change, timeout=30, what="confirmed after a real commit")
-        wait_for(lambda: f"every consumer group has read snapshot {new_snapshot}" in caplog.text, timeout=30,
+        wait_for(lambda: "every consumer group has read snapshot" in caplog.text, timeout=30,
                  what="the snapshot marked read after a real commit")
