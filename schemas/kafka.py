@@ -41,6 +41,8 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from schemas.wire import commit_topic_id
+
 log = logging.getLogger("walbridge.kafka")
 
 Writer = tuple[str, int]
@@ -233,11 +235,16 @@ class GroupOffsets:
     request to a group coordinator that times out (a broker frozen for longer
     than the request timeout) can abort the whole process on the assertion
     ``rd_kafka_enq_once_del_source_return: eonce->refcnt > 0`` once the broker
-    answers again (librdkafka issue #4605, open)."""
+    answers again (librdkafka issue #4605, open).
+
+    A commit whose metadata names a topic id (:func:`schemas.wire.commit_metadata`)
+    counts only while the topic still has that id (:func:`trusted_offsets`)."""
 
     def __init__(self, conf: dict[str, Any]):
         self._conf = conf
         self._consumers: dict[str, Consumer] = {}
+        self._admin: AdminClient | None = None
+        self._reported: set[str] = set()
 
     def read(self, groups: Iterable[str], writers: list[Writer],
              timeout: float = 10.0) -> dict[str, dict[Writer, int]]:
@@ -253,13 +260,80 @@ class GroupOffsets:
                     {**self._conf, "group.id": group, "enable.auto.commit": False})
             consumer.poll(0)  # serves the client's log records
             tps = consumer.committed([TopicPartition(t, p) for t, p in writers], timeout=timeout)
-            result[group] = {(tp.topic, tp.partition): max(tp.offset, 0) for tp in tps}
+            commits = {(tp.topic, tp.partition): (tp.offset, commit_topic_id(tp.metadata)) for tp in tps}
+            ids = self._topic_ids({t for (t, _), (_, tid) in commits.items() if tid}, timeout)
+            ends = self._ends(consumer, {w: o for w, (o, _) in commits.items() if o > 0}, timeout)
+            result[group], untrusted = trusted_offsets(group, commits, ids, ends)
+            for line in untrusted:
+                if line not in self._reported:  # once, not at every ack poll
+                    self._reported.add(line)
+                    log.error("%s", line)
         return result
+
+    def _ends(self, consumer: Consumer, offsets: dict[Writer, int], timeout: float) -> dict[Writer, int]:
+        """The end offset of each partition an offset was committed on, as far
+        as needed to tell whether the offset lies beyond it: ListOffsets' end,
+        and, where the offset exceeds that, the end a Fetch reports (Tansu's
+        ListOffsets answers the last batch's base offset + 1)."""
+        ends = {w: consumer.get_watermark_offsets(TopicPartition(*w), timeout=timeout)[1] for w in offsets}
+        beyond = {w: (max(end - 1, 0), None) for w, end in ends.items() if offsets[w] > end}
+        if beyond:
+            scanner = scan_consumer(self._conf, "ends")
+            try:
+                for msg in scan(scanner, beyond, timeout):
+                    w = (msg.topic(), msg.partition())
+                    ends[w] = max(ends[w], msg.offset() + 1)
+            finally:
+                scanner.close()
+        return ends
+
+    def _topic_ids(self, topics: set[str], timeout: float) -> dict[str, str | None]:
+        """The current ids of the topics commits named an id for (none asked
+        where no commit carries one: a broker that keeps no metadata)."""
+        if not topics:
+            return {}
+        if self._admin is None:
+            self._admin = AdminClient(self._conf)
+        ids = {}
+        for topic in topics:
+            try:
+                ids[topic] = topic_id(self._admin, topic, timeout)
+            except LookupError:
+                ids[topic] = None  # missing: no commit on it is progress
+        return ids
 
     def close(self) -> None:
         consumers, self._consumers = list(self._consumers.values()), {}
         for consumer in consumers:
             consumer.close()
+        self._admin = None
+
+
+def trusted_offsets(group: str, commits: dict[Writer, tuple[int, str | None]],
+                    current_ids: dict[str, str | None], ends: dict[Writer, int]) -> tuple[dict[Writer, int], list[str]]:
+    """Each writer's committed offset (0 where none) from ``commits`` (offset,
+    topic id its metadata names), counting as 0 an offset committed for
+    another incarnation of the topic than ``current_ids`` names, or one beyond
+    the partition's end (``ends``; a broker that keeps no commit metadata
+    leaves only this sign): a commit made before the topic was re-created (a
+    retry, or one in flight) is not progress on the new topic, and trusting
+    it would release WAL no consumer applied. Also returns what was not
+    trusted, one line per partition naming the group."""
+    out, untrusted = {}, []
+    for (topic, partition), (offset, committed_id) in commits.items():
+        current, end = current_ids.get(topic), ends.get((topic, partition))
+        if committed_id is not None and committed_id != current and offset > 0:
+            untrusted.append(f"consumer group {group} committed offset {offset} on {topic}[{partition}] for "
+                             f"topic id {committed_id}, but the topic's id is now {current} (re-created since): "
+                             "not counting it as read")
+            offset = 0
+        elif end is not None and offset > end:
+            untrusted.append(f"consumer group {group} committed offset {offset} on {topic}[{partition}], beyond "
+                             f"the partition's end {end} (a commit made before the topic was re-created?): not "
+                             "counting it as read")
+            offset = 0
+        out[(topic, partition)] = max(offset, 0)
+    return out, untrusted
 
 
 def group_offsets(conf: dict[str, Any], groups: Iterable[str], writers: list[Writer],

@@ -34,6 +34,10 @@ Invariants:
 - Avro record names follow the topic: a data topic's records are
   ``<namespace>.Envelope`` and ``<namespace>.Key``, the namespace being the
   topic name with every character Avro does not allow replaced by ``_``.
+- A consumer group's offset commit carries, as its per-partition metadata,
+  ``wb.topic_id=<id>``: the id of the topic incarnation the offset was read
+  from. An offset whose metadata names another id is not progress on the
+  topic as it is now (the topic was re-created since).
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ STATUS_TOPIC_SUFFIX = "._status"  # the producer's own view, for ``walbridge sta
 BACKFILLS_TOPIC_SUFFIX = "._backfills"  # backfill requests and their state
 CHECKPOINT_TOPIC_SUFFIX = "._checkpoint"  # the producer's recovery checkpoint (snapshot, coverage)
 DLQ_SUFFIX = ".dlq"  # after a data topic's name: its undecodable messages
+
+COMMIT_TOPIC_ID = "wb.topic_id="  # an offset commit's metadata: the incarnation it was read from
 
 # Topic settings. The internal topics hold keyed records of which the latest per
 # key counts, needed for as long as the deployment lives: compacted, no time limit.
@@ -215,4 +221,17 @@ def header(headers: list[tuple[str, Any]] | None, name: str) -> bytes | None:
     for key, value in headers or ():
         if key == name:
             return value
+    return None
+
+
+def commit_metadata(topic_id: str | None) -> str:
+    """An offset commit's metadata for the topic incarnation ``topic_id``."""
+    return f"{COMMIT_TOPIC_ID}{topic_id}" if topic_id else ""
+
+
+def commit_topic_id(metadata: str | None) -> str | None:
+    """The topic id an offset commit's metadata names; None if it names none
+    (a commit by another tool, or a broker that keeps no metadata)."""
+    if metadata and metadata.startswith(COMMIT_TOPIC_ID):
+        return metadata[len(COMMIT_TOPIC_ID):] or None
     return None

@@ -71,7 +71,6 @@ from typing import Any, Callable
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
-from confluent_kafka import Consumer, KafkaException, TopicPartition
 from pyspark.errors import StreamingQueryException
 
 from schemas import wire
@@ -86,6 +85,7 @@ from spark_consumer.apply_staged import commit_batch, stage_part
 from spark_consumer.batch import Part, parts_from_rows
 from spark_consumer.checkpoint import replay_unapplied
 from spark_consumer.decode import arrow_rows
+from spark_consumer.group_commits import OffsetCommitter
 from spark_consumer.kafka_source import (
     ShapeSchemas,
     SourceOptions,
@@ -98,35 +98,6 @@ from spark_consumer.session import spark_session
 from spark_consumer.target_layout import ShapeCannotFollow, ensure_table
 
 log = logging.getLogger("walbridge.consumer")
-
-
-class OffsetCommitter:
-    """Commits offsets for the consumer group without joining it as a member."""
-
-    def __init__(self, kafka_conf: dict[str, Any], group: str):
-
-        self._consumer = Consumer({**kafka_conf, "group.id": group, "enable.auto.commit": False})
-        self._failed: dict[tuple[str, int], int] = {}
-
-    def commit(self, offsets: dict[tuple[str, int], int]) -> None:
-        """Commit; a failure is logged, not raised: the target's progress table,
-        not the group, decides what is applied, and the next batch commits
-        again (meanwhile the producer holds the WAL those offsets would release)."""
-
-        offsets = {**self._failed, **offsets}
-        self._consumer.poll(0)  # serves the client's log records (schemas.kafka)
-        if offsets:
-            try:
-                self._consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
-                                      asynchronous=False)
-                self._failed = {}
-            except KafkaException as e:
-                self._failed = offsets
-                log.warning("committing offsets to the consumer group failed (retried with the next batch): %s",
-                            e.args[0].str() if e.args else e)
-
-    def close(self) -> None:
-        self._consumer.close()
 
 
 def retry_policy(config: Config) -> RetryPolicy:

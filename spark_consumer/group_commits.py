@@ -1,0 +1,87 @@
+"""Committing applied offsets to the consumer group, tagged with the topic
+incarnation they were read from.
+
+Invariants:
+- Every committed offset carries the id of the topic it was read from in its
+  metadata (:func:`schemas.wire.commit_metadata`), so the producer can tell a
+  commit for an earlier incarnation of a re-created topic from progress on the
+  current one.
+- A commit that failed is retried with the next batch's, but never for a topic
+  whose id changed since it was queued (:func:`retry_queue`): old offsets on a
+  re-created topic would point into data no consumer applied.
+- Failures are logged, not raised: the target's progress table, not the
+  group, decides what is applied; meanwhile the producer holds the WAL those
+  offsets would release.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from schemas.kafka import Writer, topic_id
+from schemas.wire import commit_metadata
+
+log = logging.getLogger("walbridge.consumer")
+
+Queued = dict[Writer, tuple[int, str | None]]  # offset, topic id it was read from
+
+
+def retry_queue(failed: Queued, current_ids: dict[str, str | None]) -> tuple[Queued, Queued]:
+    """(the failed commits still worth retrying, those to drop): a commit
+    queued for another topic id than the topic's current one is dropped; one
+    queued without a known id is kept only while the topic's id is unknown too."""
+    keep, drop = {}, {}
+    for w, (offset, tid) in failed.items():
+        (keep if tid == current_ids.get(w[0]) else drop)[w] = (offset, tid)
+    return keep, drop
+
+
+class OffsetCommitter:
+    """Commits offsets for the consumer group without joining it as a member."""
+
+    def __init__(self, kafka_conf: dict[str, Any], group: str, timeout: float = 10.0):
+        self._consumer = Consumer({**kafka_conf, "group.id": group, "enable.auto.commit": False})
+        self._admin = AdminClient(kafka_conf)
+        self._timeout = timeout
+        self._ids: dict[str, str | None] = {}  # the last id seen per topic
+        self._failed: Queued = {}
+
+    def _current_ids(self, topics: set[str]) -> dict[str, str | None]:
+        """Each topic's id now; the last one seen where the broker does not answer."""
+        for topic in topics:
+            try:
+                self._ids[topic] = topic_id(self._admin, topic, self._timeout)
+            except LookupError:
+                self._ids[topic] = None
+            except KafkaException as e:
+                log.warning("reading the id of topic %s failed (using the last seen): %s", topic,
+                            e.args[0].str() if e.args else e)
+        return self._ids
+
+    def commit(self, offsets: dict[Writer, int]) -> None:
+        """Commit ``offsets`` (and the failed commits still worth retrying);
+        a failure is logged and the commit queued for the next call."""
+        self._consumer.poll(0)  # serves the client's log records (schemas.kafka)
+        if not offsets and not self._failed:
+            return
+        ids = self._current_ids({t for t, _ in (*offsets, *self._failed)})
+        retry, dropped = retry_queue(self._failed, ids)
+        for (t, p), (o, tid) in dropped.items():
+            log.warning("not retrying the commit of offset %d on %s[%d]: it was read from topic id %s, the "
+                        "topic's id is now %s (re-created)", o, t, p, tid, ids.get(t))
+        queue = {**retry, **{w: (o, ids.get(w[0])) for w, o in offsets.items()}}
+        try:
+            self._consumer.commit(offsets=[TopicPartition(t, p, o, metadata=commit_metadata(tid))
+                                           for (t, p), (o, tid) in queue.items()], asynchronous=False)
+            self._failed = {}
+        except KafkaException as e:
+            self._failed = queue
+            log.warning("committing offsets to the consumer group failed (retried with the next batch): %s",
+                        e.args[0].str() if e.args else e)
+
+    def close(self) -> None:
+        self._consumer.close()
