@@ -338,6 +338,13 @@ class Chaos:
             return False
         return row is not None and row[0] is not None and lsn_to_int(row[0]) >= lsn_to_int(row[1])
 
+    def _log_tails(self, lines: int = 25) -> str:
+        tails = []
+        for proc in (self.producer, self.consumer):
+            text = proc.log_path.read_text(errors="replace").splitlines() if proc.log_path.exists() else []
+            tails.append(f"--- {proc.log_path.name}\n" + "\n".join(line[:300] for line in text[-lines:]))
+        return "\n".join(tails)
+
     def _settle(self) -> None:
         """After the last fault: the target converges and the slot catches up
         by themselves; then every process must still be the one last started."""
@@ -345,7 +352,7 @@ class Chaos:
             try:
                 wait_for(check, timeout=self.settle_timeout, interval=3, what=what)
             except AssertionError as e:
-                self.result.problems.append(str(e))
+                self.result.problems.append(f"{e}; the logs end with:\n{self._log_tails()}")
         for d in self.result.diffs:
             if d.ok:
                 continue

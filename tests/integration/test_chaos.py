@@ -10,13 +10,17 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
+
 from tests.chaos import FAULTS, Chaos
 
 
+@pytest.mark.timeout(900)  # the run (~3 min) and two settle waits, each reported if it runs out
 def test_faults_in_series_lose_nothing_and_need_no_repair(pg_base_dir):
     seed = int(os.environ.get("WALBRIDGE_CHAOS_SEED") or random.randrange(1 << 31))
     print(f"chaos seed {seed} (replay: WALBRIDGE_CHAOS_SEED={seed})")
-    result = Chaos(pg_base_dir, seed, rounds=3, gap=(2.0, 5.0), rate=20, message_timeout_s=10.0).run()
+    result = Chaos(pg_base_dir, seed, rounds=3, gap=(2.0, 5.0), rate=20, message_timeout_s=10.0,
+                   settle_timeout=240.0).run()
     print(result.table())
     injected = {k: sum(i.kind == k for i in result.injections) for k in FAULTS}
     assert all(n >= 3 for n in injected.values()), injected
