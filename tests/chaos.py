@@ -4,7 +4,9 @@ schedule injects faults, many times each, then proves nothing was lost.
 Used by ``tests/integration/test_chaos.py`` (short, in CI) and
 ``bench/chaos.py`` (long). Everything runs on servers of its own, under one
 base dir: a source and a target PostgreSQL cluster and a Tansu broker (memory
-storage: a restart loses every topic, record and committed offset). The
+storage: a restart loses every topic, record and committed offset); both
+clusters are durable (fsync and synchronous commit on), as production
+databases are. The
 producer and the consumer run as real ``walbridge`` processes; the harness
 restarts the ones it killed, as a supervisor would.
 
@@ -169,8 +171,11 @@ class Chaos:
 
     # -- set-up
     def _start_servers(self) -> None:
-        self.source = PostgresCluster(self.base / "source").start()
-        self.target = PostgresCluster(self.base / "target").start()
+        # Durable, as production databases are: without synchronous_commit an
+        # immediate stop loses commits the apply was told were made, and the
+        # consumer then (rightly) stops at the gap in the target's progress.
+        self.source = PostgresCluster(self.base / "source", durable=True).start()
+        self.target = PostgresCluster(self.base / "target", durable=True).start()
         self.broker = TansuBroker(self.base / "kafka").start()
         self.source_dsn = self.source.create_database("chaos")
         self.target_dsn = self.target.create_database("warehouse")
