@@ -6,9 +6,13 @@ Invariants:
   metadata (:func:`schemas.wire.commit_metadata`), so the producer can tell a
   commit for an earlier incarnation of a re-created topic from progress on the
   current one.
-- A commit that failed is retried with the next batch's, but never for a topic
-  whose id changed since it was queued (:func:`retry_queue`): old offsets on a
-  re-created topic would point into data no consumer applied.
+- A commit that failed is retried with the next batch's, or on its own when
+  no batch follows (:meth:`OffsetCommitter.retry`, from the driver's loop: the
+  producer holds the partition's WAL until the commit lands), but never for a
+  topic whose id changed since it was queued (:func:`retry_queue`): old
+  offsets on a re-created topic would point into data no consumer applied.
+- One commit at a time per committer (a lock): the batch's thread and the
+  driver's retry never interleave their queues.
 - Failures are logged, not raised: the target's progress table, not the
   group, decides what is applied; meanwhile the producer holds the WAL those
   offsets would release.
@@ -17,6 +21,8 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
@@ -28,6 +34,7 @@ from schemas.wire import commit_metadata
 log = logging.getLogger("walbridge.consumer")
 
 Queued = dict[Writer, tuple[int, str | None]]  # offset, topic id it was read from
+COMMIT_RETRY_S = 5.0  # seconds after a failed commit before it is retried without a new batch
 
 
 def retry_queue(failed: Queued, current_ids: dict[str, str | None]) -> tuple[Queued, Queued]:
@@ -49,6 +56,8 @@ class OffsetCommitter:
         self._timeout = timeout
         self._ids: dict[str, str | None] = {}  # the last id seen per topic
         self._failed: Queued = {}
+        self._failed_at = 0.0  # monotonic time of the last failed commit
+        self._lock = threading.Lock()
 
     def _current_ids(self, topics: set[str]) -> dict[str, str | None]:
         """Each topic's id now; the last one seen where the broker does not answer."""
@@ -65,6 +74,17 @@ class OffsetCommitter:
     def commit(self, offsets: dict[Writer, int]) -> None:
         """Commit ``offsets`` (and the failed commits still worth retrying);
         a failure is logged and the commit queued for the next call."""
+        with self._lock:
+            self._commit(offsets)
+
+    def retry(self, after: float) -> None:
+        """Retry the queued failed commits, if the last failure is ``after``
+        seconds old (a shape whose partitions get no new batch)."""
+        with self._lock:
+            if self._failed and time.monotonic() - self._failed_at >= after:
+                self._commit({})
+
+    def _commit(self, offsets: dict[Writer, int]) -> None:
         self._consumer.poll(0)  # serves the client's log records (schemas.kafka)
         if not offsets and not self._failed:
             return
@@ -77,11 +97,14 @@ class OffsetCommitter:
         try:
             self._consumer.commit(offsets=[TopicPartition(t, p, o, metadata=commit_metadata(tid))
                                            for (t, p), (o, tid) in queue.items()], asynchronous=False)
+            if self._failed and not offsets:
+                log.info("committed the offsets of an earlier failed commit: %s",
+                         ", ".join(f"{t}[{p}]@{o}" for (t, p), (o, _) in sorted(queue.items())))
             self._failed = {}
         except KafkaException as e:
-            self._failed = queue
-            log.warning("committing offsets to the consumer group failed (retried with the next batch): %s",
-                        e.args[0].str() if e.args else e)
+            self._failed, self._failed_at = queue, time.monotonic()
+            log.warning("committing offsets to the consumer group failed (retried with the next batch, or "
+                        "alone in %.0fs): %s", COMMIT_RETRY_S, e.args[0].str() if e.args else e)
 
     def close(self) -> None:
         self._consumer.close()

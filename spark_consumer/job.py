@@ -85,7 +85,7 @@ from spark_consumer.apply_staged import commit_batch, stage_part
 from spark_consumer.batch import Part, parts_from_rows
 from spark_consumer.checkpoint import replay_unapplied
 from spark_consumer.decode import arrow_rows
-from spark_consumer.group_commits import OffsetCommitter
+from spark_consumer.group_commits import COMMIT_RETRY_S, OffsetCommitter
 from spark_consumer.kafka_source import (
     ShapeSchemas,
     SourceOptions,
@@ -210,6 +210,13 @@ class ShapeApplier:
         if batch is not None:
             log.warning("shape %s: Spark's checkpoint has batch %d as done but the target never committed it; "
                         "it is read and applied again", self.shape.shape_name, batch)
+
+    def retry_commits(self) -> None:
+        """Driver loop: hand a failed group commit that no batch retried to
+        the apply thread (after the batch being applied, never beside it)."""
+        committer, pending = self._committer, self._pending
+        if committer is not None and (pending is None or pending.done()):
+            self._apply_thread.submit(committer.retry, COMMIT_RETRY_S)
 
     def _finish_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -542,6 +549,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                     if failure is None:
                         if outages[i] and q.lastProgress is not None:
                             outages[i] = []  # batches flow again
+                        started[i].retry_commits()
                         continue
                     if not started[i].quiesce():
                         continue  # the batch being read raises the error and ends the query
