@@ -5,12 +5,18 @@ Invariants:
 - Every committed offset carries the id of the topic it was read from in its
   metadata (:func:`schemas.wire.commit_metadata`), so the producer can tell a
   commit for an earlier incarnation of a re-created topic from progress on the
-  current one.
+  current one. A batch's offsets name the id its batch was planned on (in
+  Spark's checkpoint, ``offsets/<batch>``); if the topic's id is another by
+  commit time, they are not committed at all.
 - A commit that failed is retried with the next batch's, or on its own when
   no batch follows (:meth:`OffsetCommitter.retry`, from the driver's loop: the
   producer holds the partition's WAL until the commit lands), but never for a
   topic whose id changed since it was queued (:func:`retry_queue`): old
   offsets on a re-created topic would point into data no consumer applied.
+- At a query's start the target's progress is committed for the topic
+  incarnation its checkpoint's newest batch was read from (a consumer killed
+  between the target's commit and the group's leaves partitions that get no
+  new batch behind, and their WAL held).
 - One commit at a time per committer (a lock): the batch's thread and the
   driver's retry never interleave their queues.
 - Failures are logged, not raised: the target's progress table, not the
@@ -71,11 +77,13 @@ class OffsetCommitter:
                             e.args[0].str() if e.args else e)
         return self._ids
 
-    def commit(self, offsets: dict[Writer, int]) -> None:
+    def commit(self, offsets: dict[Writer, int], read_from: str | None = None) -> None:
         """Commit ``offsets`` (and the failed commits still worth retrying);
-        a failure is logged and the commit queued for the next call."""
+        a failure is logged and the commit queued for the next call. With
+        ``read_from`` (the topic id the offsets were read from), nothing is
+        committed for a topic whose id is another by now."""
         with self._lock:
-            self._commit(offsets)
+            self._commit(offsets, read_from)
 
     def retry(self, after: float) -> None:
         """Retry the queued failed commits, if the last failure is ``after``
@@ -84,16 +92,24 @@ class OffsetCommitter:
             if self._failed and time.monotonic() - self._failed_at >= after:
                 self._commit({})
 
-    def _commit(self, offsets: dict[Writer, int]) -> None:
+    def _commit(self, offsets: dict[Writer, int], read_from: str | None = None) -> None:
         self._consumer.poll(0)  # serves the client's log records (schemas.kafka)
         if not offsets and not self._failed:
             return
         ids = self._current_ids({t for t, _ in (*offsets, *self._failed)})
+        if read_from is not None:
+            for t, p in sorted(w for w in offsets if ids.get(w[0]) != read_from):
+                log.warning("not committing offset %d on %s[%d]: it was read from topic id %s, the topic's "
+                            "id is now %s (re-created)", offsets[(t, p)], t, p, read_from, ids.get(t))
+            offsets = {w: o for w, o in offsets.items() if ids.get(w[0]) == read_from}
         retry, dropped = retry_queue(self._failed, ids)
         for (t, p), (o, tid) in dropped.items():
             log.warning("not retrying the commit of offset %d on %s[%d]: it was read from topic id %s, the "
                         "topic's id is now %s (re-created)", o, t, p, tid, ids.get(t))
         queue = {**retry, **{w: (o, ids.get(w[0])) for w, o in offsets.items()}}
+        if not queue:
+            self._failed = {}
+            return
         try:
             self._consumer.commit(offsets=[TopicPartition(t, p, o, metadata=commit_metadata(tid))
                                            for (t, p), (o, tid) in queue.items()], asynchronous=False)

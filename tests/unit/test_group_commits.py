@@ -75,3 +75,14 @@ def test_a_failed_commit_is_retried_alone_once_due_when_no_batch_follows(monkeyp
     assert group.commits == [[("t", 0, 7)]]
     committer.retry(after=0)  # nothing queued any more
     assert group.commits == [[("t", 0, 7)]]
+
+
+def test_offsets_read_from_an_earlier_incarnation_are_not_committed(monkeypatch):
+    committer = OffsetCommitter({"bootstrap.servers": "127.0.0.1:9"}, "g")
+    group = committer._consumer = _FlakyGroup()
+    group.fail = False
+    monkeypatch.setattr(committer, "_current_ids", lambda topics: {"t": "new", "u": "u1"})
+    committer.commit({("t", 0): 500, ("u", 0): 3}, read_from="old")
+    assert group.commits == []  # neither topic has the id "old" now
+    committer.commit({("t", 0): 9}, read_from="new")
+    assert group.commits == [[("t", 0, 9)]]
