@@ -38,7 +38,7 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
-from spark_consumer.kafka_source import offsets_from_json, recreated
+from spark_consumer.kafka_source import TOPIC_ID, offsets_from_json, recreated
 
 log = logging.getLogger("walbridge.consumer")
 
@@ -88,6 +88,30 @@ def newest_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int |
                                                             next_offsets):
         return None
     return newest
+
+
+def batch_topic_id(checkpoint: Path, batch_id: int) -> str | None:
+    """The id of the topic incarnation batch ``batch_id`` was planned on (in
+    its end offsets; None where not recorded)."""
+    return (_source_offsets(checkpoint, batch_id) or {}).get(TOPIC_ID)
+
+
+def newest_moved(checkpoint: Path, next_offsets: Mapping[int, int]) -> tuple[str | None, dict[int, int]]:
+    """The topic id the newest committed batch was read from, and the target's
+    next offset of each partition that batch moved (``start < next <= end``):
+    what its group commit was to say. (None, {}) without such a batch."""
+    committed = _batch_ids(checkpoint / "commits")
+    if not committed:
+        return None, {}
+    newest = committed[-1]
+    start = _source_offsets(checkpoint, newest - 1) if newest > 0 else None
+    end = _source_offsets(checkpoint, newest)
+    if end is None or (newest > 0 and start is None) or recreated(start, end):
+        return None, {}
+    begin = offsets_from_json(start)
+    moved = {p: next_offsets[p] for p, stop in offsets_from_json(end).items()
+             if begin.get(p, 0) < next_offsets.get(p, -1) <= stop}
+    return end.get(TOPIC_ID), moved
 
 
 def replay_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:

@@ -5,10 +5,20 @@ Invariants:
 - Every committed offset carries the id of the topic it was read from in its
   metadata (:func:`schemas.wire.commit_metadata`), so the producer can tell a
   commit for an earlier incarnation of a re-created topic from progress on the
-  current one.
-- A commit that failed is retried with the next batch's, but never for a topic
-  whose id changed since it was queued (:func:`retry_queue`): old offsets on a
-  re-created topic would point into data no consumer applied.
+  current one. A batch's offsets name the id its batch was planned on (in
+  Spark's checkpoint, ``offsets/<batch>``); if the topic's id is another by
+  commit time, they are not committed at all.
+- A commit that failed is retried with the next batch's, or on its own when
+  no batch follows (:meth:`OffsetCommitter.retry`, from the driver's loop: the
+  producer holds the partition's WAL until the commit lands), but never for a
+  topic whose id changed since it was queued (:func:`retry_queue`): old
+  offsets on a re-created topic would point into data no consumer applied.
+- At a query's start the target's progress is committed for the topic
+  incarnation its checkpoint's newest batch was read from (a consumer killed
+  between the target's commit and the group's leaves partitions that get no
+  new batch behind, and their WAL held).
+- One commit at a time per committer (a lock): the batch's thread and the
+  driver's retry never interleave their queues.
 - Failures are logged, not raised: the target's progress table, not the
   group, decides what is applied; meanwhile the producer holds the WAL those
   offsets would release.
@@ -17,6 +27,8 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
@@ -28,6 +40,7 @@ from schemas.wire import commit_metadata
 log = logging.getLogger("walbridge.consumer")
 
 Queued = dict[Writer, tuple[int, str | None]]  # offset, topic id it was read from
+COMMIT_RETRY_S = 5.0  # seconds after a failed commit before it is retried without a new batch
 
 
 def retry_queue(failed: Queued, current_ids: dict[str, str | None]) -> tuple[Queued, Queued]:
@@ -49,6 +62,8 @@ class OffsetCommitter:
         self._timeout = timeout
         self._ids: dict[str, str | None] = {}  # the last id seen per topic
         self._failed: Queued = {}
+        self._failed_at = 0.0  # monotonic time of the last failed commit
+        self._lock = threading.Lock()
 
     def _current_ids(self, topics: set[str]) -> dict[str, str | None]:
         """Each topic's id now; the last one seen where the broker does not answer."""
@@ -62,26 +77,50 @@ class OffsetCommitter:
                             e.args[0].str() if e.args else e)
         return self._ids
 
-    def commit(self, offsets: dict[Writer, int]) -> None:
+    def commit(self, offsets: dict[Writer, int], read_from: str | None = None) -> None:
         """Commit ``offsets`` (and the failed commits still worth retrying);
-        a failure is logged and the commit queued for the next call."""
+        a failure is logged and the commit queued for the next call. With
+        ``read_from`` (the topic id the offsets were read from), nothing is
+        committed for a topic whose id is another by now."""
+        with self._lock:
+            self._commit(offsets, read_from)
+
+    def retry(self, after: float) -> None:
+        """Retry the queued failed commits, if the last failure is ``after``
+        seconds old (a shape whose partitions get no new batch)."""
+        with self._lock:
+            if self._failed and time.monotonic() - self._failed_at >= after:
+                self._commit({})
+
+    def _commit(self, offsets: dict[Writer, int], read_from: str | None = None) -> None:
         self._consumer.poll(0)  # serves the client's log records (schemas.kafka)
         if not offsets and not self._failed:
             return
         ids = self._current_ids({t for t, _ in (*offsets, *self._failed)})
+        if read_from is not None:
+            for t, p in sorted(w for w in offsets if ids.get(w[0]) != read_from):
+                log.warning("not committing offset %d on %s[%d]: it was read from topic id %s, the topic's "
+                            "id is now %s (re-created)", offsets[(t, p)], t, p, read_from, ids.get(t))
+            offsets = {w: o for w, o in offsets.items() if ids.get(w[0]) == read_from}
         retry, dropped = retry_queue(self._failed, ids)
         for (t, p), (o, tid) in dropped.items():
             log.warning("not retrying the commit of offset %d on %s[%d]: it was read from topic id %s, the "
                         "topic's id is now %s (re-created)", o, t, p, tid, ids.get(t))
         queue = {**retry, **{w: (o, ids.get(w[0])) for w, o in offsets.items()}}
+        if not queue:
+            self._failed = {}
+            return
         try:
             self._consumer.commit(offsets=[TopicPartition(t, p, o, metadata=commit_metadata(tid))
                                            for (t, p), (o, tid) in queue.items()], asynchronous=False)
+            if self._failed and not offsets:
+                log.info("committed the offsets of an earlier failed commit: %s",
+                         ", ".join(f"{t}[{p}]@{o}" for (t, p), (o, _) in sorted(queue.items())))
             self._failed = {}
         except KafkaException as e:
-            self._failed = queue
-            log.warning("committing offsets to the consumer group failed (retried with the next batch): %s",
-                        e.args[0].str() if e.args else e)
+            self._failed, self._failed_at = queue, time.monotonic()
+            log.warning("committing offsets to the consumer group failed (retried with the next batch, or "
+                        "alone in %.0fs): %s", COMMIT_RETRY_S, e.args[0].str() if e.args else e)
 
     def close(self) -> None:
         self._consumer.close()

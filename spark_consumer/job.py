@@ -83,9 +83,9 @@ from spark_consumer.apply_driver import apply_batch
 from spark_consumer.apply_plan import ShapeTarget
 from spark_consumer.apply_staged import commit_batch, stage_part
 from spark_consumer.batch import Part, parts_from_rows
-from spark_consumer.checkpoint import replay_unapplied
+from spark_consumer.checkpoint import batch_topic_id, newest_moved, replay_unapplied
 from spark_consumer.decode import arrow_rows
-from spark_consumer.group_commits import OffsetCommitter
+from spark_consumer.group_commits import COMMIT_RETRY_S, OffsetCommitter
 from spark_consumer.kafka_source import (
     ShapeSchemas,
     SourceOptions,
@@ -145,6 +145,7 @@ class ShapeApplier:
         self._batch_target = target  # the target of self.schemas
         self._conn = None
         self._committer: OffsetCommitter | None = None
+        self._checkpoint: Path | None = None  # the query's (set by recover)
         self._apply_thread = ThreadPoolExecutor(1, thread_name_prefix=f"apply-{shape.shape_name}")
         self._pending = None  # the Future of the batch being applied
         # A query must not be stopped while its foreachBatch is inside a Spark
@@ -200,16 +201,37 @@ class ShapeApplier:
         batch if the target does not hold it (:mod:`spark_consumer.checkpoint`).
         An unreachable target is waited for (:mod:`schemas.retry`)."""
 
+        self._checkpoint = checkpoint
         progress = None
         for attempt in Outage(retry_policy(self.config), stop, log):
             with attempt, attributed(database=(TARGET, self.config.consumer.target_dsn)):
                 progress = read_progress(self._connection(), self.config.consumer.group, topic)
         if progress is None:
             raise Stopped()
-        batch = replay_unapplied(checkpoint, {p: prog.next_offset for (_, p), prog in progress.items()})
+        next_offsets = {p: prog.next_offset for (_, p), prog in progress.items()}
+        batch = replay_unapplied(checkpoint, next_offsets)
         if batch is not None:
             log.warning("shape %s: Spark's checkpoint has batch %d as done but the target never committed it; "
                         "it is read and applied again", self.shape.shape_name, batch)
+            return
+        # The newest batch is applied; its group commit may not be (killed in
+        # between): commit what the target holds, for the incarnation it was
+        # read from, on the apply thread (a broker that is down holds it there).
+        read_from, moved = newest_moved(checkpoint, next_offsets)
+        if read_from and moved:
+            self._apply_thread.submit(self._group().commit, {(topic, p): o for p, o in moved.items()}, read_from)
+
+    def _group(self) -> OffsetCommitter:
+        if self._committer is None:
+            self._committer = OffsetCommitter(self.kafka_conf, self.config.consumer.group)
+        return self._committer
+
+    def retry_commits(self) -> None:
+        """Driver loop: hand a failed group commit that no batch retried to
+        the apply thread (after the batch being applied, never beside it)."""
+        committer, pending = self._committer, self._pending
+        if committer is not None and (pending is None or pending.done()):
+            self._apply_thread.submit(committer.retry, COMMIT_RETRY_S)
 
     def _finish_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -342,9 +364,10 @@ class ShapeApplier:
     def _applied(self, batch_id: int, result, n_rows: int, newest: int | None, started: float,
                  timings: str = "") -> None:
         """After the target committed: the group's offsets, counters, metrics, log."""
-        if self._committer is None:
-            self._committer = OffsetCommitter(self.kafka_conf, self.config.consumer.group)
-        self._committer.commit(result.offsets)
+        # Tagged with the incarnation the batch was planned on: if the topic
+        # was re-created since, these offsets mean nothing on the new one.
+        read_from = batch_topic_id(self._checkpoint, batch_id) if self._checkpoint else None
+        self._group().commit(result.offsets, read_from)
         for b in result.backfills_completed:
             log.info("backfill %s of shape %s complete: GC deleted %d rows, %d tombstones",
                      b.backfill_id, b.shape, b.gc_deleted, b.gc_tombstones)
@@ -542,6 +565,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                     if failure is None:
                         if outages[i] and q.lastProgress is not None:
                             outages[i] = []  # batches flow again
+                        started[i].retry_commits()
                         continue
                     if not started[i].quiesce():
                         continue  # the batch being read raises the error and ends the query

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from spark_consumer.checkpoint import batch_applied, replay_unapplied
+from spark_consumer.checkpoint import batch_applied, newest_moved, replay_unapplied
 
 META = '{"batchWatermarkMs":0,"batchTimestampMs":1795361932090,"conf":{}}'
 
@@ -87,3 +87,19 @@ def test_empty_or_missing_checkpoint(tmp_path):
     write_batches(tmp_path, [{"0": 5}], committed=-1)  # planned, never committed: Spark re-runs it anyway
     assert replay_unapplied(tmp_path, {}) is None
     assert names(tmp_path / "offsets") == [".0.crc", "0"]
+
+
+def test_newest_moved_names_the_partitions_the_newest_batch_moved_and_its_topic_id(tmp_path):
+    write_batches(tmp_path, [{"0": 5, "1": 3, "topic_id": "a"}, {"0": 9, "1": 3, "2": 4, "topic_id": "a"}],
+                  committed=1)
+    # partition 1 did not move in batch 1 (its commit was batch 0's); 2 moved from 0
+    assert newest_moved(tmp_path, {0: 9, 1: 3, 2: 4}) == ("a", {0: 9, 2: 4})
+    assert newest_moved(tmp_path, {0: 7, 1: 3, 2: 4}) == ("a", {0: 7, 2: 4})  # offsets without rows at the end
+    assert newest_moved(tmp_path, {0: 5, 1: 3}) == ("a", {})  # not applied: nothing to commit
+
+
+def test_newest_moved_says_nothing_across_a_recreated_topic_or_without_batches(tmp_path):
+    write_batches(tmp_path / "recreated", [{"0": 5, "topic_id": "a"}, {"0": 2, "topic_id": "b"}], committed=1)
+    assert newest_moved(tmp_path / "recreated", {0: 2}) == (None, {})
+    (tmp_path / "empty").mkdir()
+    assert newest_moved(tmp_path / "empty", {0: 2}) == (None, {})
