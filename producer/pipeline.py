@@ -96,7 +96,7 @@ from producer.topics import prepare_topics
 from schemas import wire
 from schemas.config import Config
 from schemas.failures import SOURCE, Failure, attributed
-from schemas.kafka import Writer, client_config, cluster_metadata, topic_id
+from schemas.kafka import METADATA_TIMEOUT, Writer, client_config, cluster_metadata, topic_id
 from schemas.publisher import SchemaPublisher, SchemaRegistrationError
 from schemas.retry import Outage, RetryPolicy
 from schemas.shape_filter import compile_filter
@@ -172,7 +172,7 @@ class Pipeline:
         self.catalog_conn = connect(cfg.source.dsn)
         self.db_name = self.catalog_conn.info.dbname
         self.tables = catalog.check_source(self.catalog_conn, cfg)
-        self._cluster_id = cluster_metadata(self.admin, 30, self._stop).cluster_id
+        self._cluster_id = cluster_metadata(self.admin, METADATA_TIMEOUT, self._stop).cluster_id
         self._slot = catalog.slot_state(self.catalog_conn, cfg.source.slot)
         if self._slot is not None:
             self._bind = check_binding(cfg.source.slot, slot_binding.read(self.catalog_conn, cfg.source.slot),
