@@ -203,6 +203,7 @@ class Acks:
             if c > 0:
                 flushed = self.alignments[writer].aligned(c - 1)
                 if flushed is not None:
+                    log.debug("%s[%d]: the groups committed offset %d: flushed to %s", *writer, c, flushed)
                     self.tracker.handle_flush_notification(writer, flushed, now)
         self._check_stalls(now, per_group)
 

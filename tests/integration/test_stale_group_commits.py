@@ -21,6 +21,7 @@ from tests.integration.test_ack_loop import GroupStandIn, current_lsn, slot_lsns
 def test_old_offsets_committed_on_a_recreated_topic_release_nothing(source_db, private_kafka_broker, topic_prefix,
                                                                     caplog):
     caplog.set_level(logging.INFO)
+    caplog.set_level(logging.DEBUG, logger="walbridge.producer")  # the acks' decisions, if it fails
     broker = private_kafka_broker
     with psycopg.connect(source_db, autocommit=True) as conn:
         conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int)")
