@@ -89,6 +89,12 @@ Invariants:
   again and decodes the batch with the new layout; otherwise one that adds or
   retypes a column (a stream with a fixed layout must stop, never drop data
   silently), while one that only lacks columns is read (they are null).
+- A decimal of an older writer whose (precision, scale) the layout's column
+  no longer holds (a narrowing retype) is cast as PostgreSQL casts it (rounded
+  half away from zero to the new scale; more integer digits than the new
+  precision allows: null, as the target's cast-or-NULL rule), never a failed
+  batch: the producer re-reads a shape after a narrowing retype, so the re-read
+  brings the source's values (:func:`fit_decimal`).
 - A message whose bytes cannot be decoded (no walbridge wire prefix, a schema
   that cannot be found, a corrupt Avro body, a schema of another shape)
   raises :class:`UndecodableMessage`; the source sends it to the DLQ. Infrastructure failures (broker, registry unreachable)
@@ -110,7 +116,7 @@ import datetime
 import io
 import json
 from dataclasses import dataclass, field
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Context, Decimal
 from typing import Any, Callable
 
 import pyarrow as pa
@@ -190,6 +196,18 @@ def format_time_micros(micros: int) -> str:
     if frac:
         return f"{hours:02d}:{minute:02d}:{sec:02d}.{frac:06d}"
     return f"{hours:02d}:{minute:02d}:{sec:02d}"
+
+
+# Wide enough for any quantize of a numeric(38, s) value: never an InvalidOperation.
+_FIT_CONTEXT = Context(prec=80, rounding=ROUND_HALF_UP)
+
+
+def fit_decimal(value: Decimal, precision: int, scale: int) -> Decimal | None:
+    """``value`` as PostgreSQL's cast to numeric(precision, scale) makes it
+    (rounded half away from zero), or None where it has more integer digits
+    than ``precision - scale``."""
+    fitted = value.quantize(Decimal(1).scaleb(-scale), context=_FIT_CONTEXT)
+    return fitted if not fitted or fitted.adjusted() < precision - scale else None
 
 
 def format_decimal(value: Decimal) -> str:
@@ -368,6 +386,24 @@ class ShapeLayout:
                 if isinstance(c.type.spark_type, DecimalType)
                 and c.type.spark_type.precision <= fastdecode.MAX_UNSCALED_PRECISION}
 
+    def narrowed_decimals(self, writer_schema: dict) -> tuple[tuple[int, int, int], ...]:
+        """(column index, precision, scale) of the layout's decimal columns
+        whose values ``writer_schema`` (fields named as the layout's) may hold
+        with more places or integer digits than they take: :func:`fit_decimal`
+        casts them."""
+        writer = {f["name"]: f["type"] for f in row_record(writer_schema)["fields"]}
+        narrowed = []
+        for i, c in enumerate(self.columns):
+            if not isinstance(c.type.spark_type, DecimalType) or c.avro_field not in writer:
+                continue
+            precision, scale = c.type.spark_type.precision, c.type.spark_type.scale
+            for b in _non_null_branches(writer[c.avro_field]):
+                if isinstance(b, dict) and b.get("logicalType") == "decimal":
+                    p, s = int(b["precision"]), int(b.get("scale", 0))
+                    if s > scale or p - s > precision - scale:
+                        narrowed.append((i, precision, scale))
+        return tuple(narrowed)
+
     def check_writer(self, writer_schema: dict, known: bool) -> None:
         """Raise if a message written with ``writer_schema`` cannot be read into
         this layout: :class:`UndecodableMessage` for a schema of another shape
@@ -463,6 +499,8 @@ class WriterSchemas:
     compiled: bool = True
     _parsed: dict[tuple, Any] = field(default_factory=dict)
     _readers: dict[tuple, Any] = field(default_factory=dict)
+    # Value schemas with narrowed decimals (ShapeLayout.narrowed_decimals): fastavro reads them.
+    _narrowed: dict[tuple, tuple] = field(default_factory=dict)
     # Refs found not to exist (or not to fit): the producer publishes a schema
     # before its first message, so a failed lookup is final; asking again for
     # each message of a poison burst would only hammer the registry/topic.
@@ -485,7 +523,10 @@ class WriterSchemas:
             self._undecodable[key] = str(e)
             raise
         stripped = with_renamed_fields(strip_logical_types(raw), self.layout.renamed_fields(), check)
-        if check and self.compiled:
+        narrowed = self.layout.narrowed_decimals(stripped) if check else ()
+        if narrowed:
+            self._narrowed[key] = narrowed
+        elif check and self.compiled:
             self._readers[key] = fastdecode.envelope_reader(
                 stripped, self.layout.row_fields(), self.layout.unscaled_decimals())
         parsed = self._parsed[key] = parse_schema(stripped)
@@ -499,6 +540,10 @@ class WriterSchemas:
         """The compiled envelope reader of a value schema :meth:`parsed` returned,
         or None (fastavro reads its messages)."""
         return self._readers.get((ref.kind, ref.ref))
+
+    def narrowed(self, ref: wire.SchemaRef) -> tuple[tuple[int, int, int], ...]:
+        """The narrowed decimals of a value schema :meth:`parsed` returned."""
+        return self._narrowed.get((ref.kind, ref.ref), ())
 
     def parsed_key(self, ref: wire.SchemaRef, data: bytes) -> Any:
         return self._get(("key", ref.kind, ref.ref), ref, data, False)
@@ -553,9 +598,9 @@ class BatchBuilder:
         self._column_names = frozenset(self._names)
         self._struct_converters = [(c.name, c.type.convert) for c in layout.columns if c.type.convert is not None]
         self._empty_row = [None] * len(self._fields)
-        # wire prefix bytes -> (parsed writer schema, body offset, compiled reader or None),
-        # for schemas that decoded
-        self._by_prefix: dict[bytes, tuple[Any, int, Any]] = {}
+        # wire prefix bytes -> (parsed writer schema, body offset, compiled reader or None,
+        # narrowed decimals), for schemas that decoded
+        self._by_prefix: dict[bytes, tuple[Any, int, Any, tuple]] = {}
         self._records: list[list] = []
         compiled = schemas.compiled and fastdecode.AVAILABLE
         unscaled = layout.unscaled_decimals()
@@ -572,12 +617,13 @@ class BatchBuilder:
     def count(self) -> int:
         return len(self._records)
 
-    def _writer(self, value: bytes) -> tuple[Any, int, Any]:
+    def _writer(self, value: bytes) -> tuple[Any, int, Any, tuple]:
         head = value[:10] if value[:1] == b"\xc3" else value[:5]
         found = self._by_prefix.get(head)
         if found is None:
             ref = parse_prefix(value)
-            found = (self.schemas.parsed(ref, value), ref.body_offset, self.schemas.reader(ref))
+            found = (self.schemas.parsed(ref, value), ref.body_offset, self.schemas.reader(ref),
+                     self.schemas.narrowed(ref))
             if len(head) == ref.body_offset:
                 self._by_prefix[head] = found
         return found
@@ -587,7 +633,7 @@ class BatchBuilder:
         [before, after, source, op, ts_ms, unchanged_toast], rows as lists in
         the layout's column order followed by the side field, source as [lsn,
         op_index, snapshot_id, commit_lsn]."""
-        parsed, body_offset, reader = self._writer(value)
+        parsed, body_offset, reader, narrowed = self._writer(value)
         if reader is not None:
             try:
                 return reader.read(value, body_offset)
@@ -596,8 +642,12 @@ class BatchBuilder:
         env = decode_body(value, body_offset, parsed)
         fields = self._row_fields
         before, after, source = env.get("before"), env.get("after"), env.get("source") or {}
-        return [None if before is None else [before.get(f) for f in fields],
-                None if after is None else [after.get(f) for f in fields],
+        rows = [None if row is None else [row.get(f) for f in fields] for row in (before, after)]
+        for i, precision, scale in narrowed:
+            for row in rows:
+                if row is not None and row[i].__class__ is Decimal:  # not a special value's text
+                    row[i] = fit_decimal(row[i], precision, scale)
+        return [*rows,
                 [source.get("lsn"), source.get("op_index"), source.get("snapshot_id"), source.get("commit_lsn")],
                 env.get("op"), env.get("ts_ms"), env.get("unchanged_toast")]
 

@@ -521,6 +521,31 @@ def test_writer_schema_evolution():
     assert [(r["id"], r["v"]) for r in b.rows()] == [(5, None)]
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "fastavro"])
+def test_rows_of_a_writer_before_a_narrowing_numeric_retype_decode_into_the_new_type(compiled):
+    """numeric(10,2) → numeric(6,0), numeric(30,4) → numeric(30,0): the older
+    writer's rows still decode (by their own schema), their values cast as
+    PostgreSQL casts them (rounded half away from zero; too many digits:
+    NULL, which the producer's re-read of the shape fills)."""
+    old = Shape([_col("id", 20, "bigint", key=True), _col("n", 1700, "numeric(10,2)", _numeric(10, 2)),
+                 _col("w", 1700, "numeric(30,4)", _numeric(30, 4))])
+    new = Shape([_col("id", 20, "bigint", key=True), _col("n", 1700, "numeric(6,0)", _numeric(6, 0)),
+                 _col("w", 1700, "numeric(30,0)", _numeric(30, 0))])
+    assert old.value_prefix != new.value_prefix  # each message names its writer schema, scale included
+    new.schemas.update(old.schemas)
+    b = BatchBuilder(new.layout, WriterSchemas(new.layout, new.lookup, new.known(), compiled=compiled))
+    values = [("12.45", "1.5000"), ("12.50", "-2.5000"), ("-0.50", "0.4999"), ("1234567.89", "12.0000"), (None, None)]
+    for i, (n, w) in enumerate(values):
+        row = (i, None if n is None else Decimal(n), None if w is None else Decimal(w))
+        b.add(TOPIC, 0, 2 * i, None, old.value("u", before=row, after=row), pos(10 + i))
+    b.add(TOPIC, 0, 99, None, new.value("c", after=(9, Decimal("7"), Decimal("8"))), pos(20))
+    rows = b.rows()
+    want = [(Decimal(12), Decimal(2)), (Decimal(13), Decimal(-3)), (Decimal(-1), Decimal(0)),
+            (None, Decimal(12)), (None, None), (Decimal(7), Decimal(8))]
+    assert [(r["n"], r["w"]) for r in rows] == want
+    assert [(r["_wb_before"]["n"], r["_wb_before"]["w"]) for r in rows[:5]] == want[:5]
+
+
 def test_registry_framed_messages_decode_through_the_registry_client():
     """A mock:// registry lives in one process: here (in-process) the lookup
     used by the executors resolves ids through the same client the producer
