@@ -30,7 +30,8 @@ from tests.integration.test_e2e_schema_changes import (
 
 TABLES = {
     "p_default": "CREATE TABLE p_default (id int PRIMARY KEY, a int)",
-    "p_narrow": "CREATE TABLE p_narrow (id int PRIMARY KEY, a bigint, n numeric(10,2) DEFAULT 0.45)",
+    "p_narrow": "CREATE TABLE p_narrow (id int PRIMARY KEY, a bigint, n numeric(10,2) DEFAULT 0.45, "
+                "t text DEFAULT ' 12 ')",
     "p_rename": "CREATE TABLE p_rename (id int PRIMARY KEY, a int, note text DEFAULT 'n')",
     "p_key": "CREATE TABLE p_key (id int PRIMARY KEY, a int, code int NOT NULL DEFAULT 1)",
     "p_trunc": "CREATE TABLE p_trunc (id int PRIMARY KEY, a int)",
@@ -122,11 +123,15 @@ def test_add_column_with_a_constant_or_volatile_default_fills_existing_rows(pipe
 
 def test_narrowing_retypes_converge_by_a_re_read(pipeline):
     ddl(pipeline, "UPDATE p_narrow SET n = id + 0.45 WHERE id <= 50")
-    ddl(pipeline, "ALTER TABLE p_narrow ALTER COLUMN a TYPE int, ALTER COLUMN n TYPE numeric(10,0)")
+    # Values of the old types that the new ones cannot hold, in flight when the types change (and the
+    # load's rows of the old writer, n = 0.45, t = ' 12 '): the consumer reads them into the new types.
+    ddl(pipeline, "UPDATE p_narrow SET a = 3000000000 + id WHERE id <= 5", "UPDATE p_narrow SET a = id WHERE id <= 5",
+        "ALTER TABLE p_narrow ALTER COLUMN a TYPE int, ALTER COLUMN n TYPE numeric(10,0), "
+        "ALTER COLUMN t DROP DEFAULT, ALTER COLUMN t TYPE int USING t::int, ALTER COLUMN t SET DEFAULT 12")
     producer_said(pipeline, "schema change of public.p_narrow, shape public.p_narrow: column retyped a (bigint → integer)")
     converged(pipeline, "p_narrow")
     cols = target_columns(pipeline["target"], "p_narrow")
-    assert (cols["a"][0], cols["n"][0]) == ("integer", "numeric(10,0)")
+    assert (cols["a"][0], cols["n"][0], cols["t"][0]) == ("integer", "numeric(10,0)", "integer")
 
 
 def test_rename_column_renames_the_target_column(pipeline):
