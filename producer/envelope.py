@@ -25,9 +25,9 @@ Invariants:
 - Avro names are derived from PostgreSQL names by replacing characters Avro does
   not allow with ``_``; the original name is kept in ``"pg.column"``.
 - A renamed column's field carries its former names in Avro's ``"aliases"``
-  (a reader schema with the old name resolves to it). Avro's parsing canonical
-  form, hence the single-object fingerprint, ignores aliases: the field's new
-  name is what makes the schema new.
+  (a reader schema with the old name resolves to it). The field's new name
+  alone makes the schema new (Avro's parsing canonical form ignores aliases);
+  the single-object fingerprint, of the whole schema text, differs too.
 """
 
 from __future__ import annotations

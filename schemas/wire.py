@@ -8,7 +8,10 @@ Invariants:
   * Avro single-object encoding, without a registry: ``0xC3 0x01`` + the 8-byte
     little-endian CRC-64-AVRO fingerprint of the writer schema + Avro body. The
     schema itself is published, keyed by its fingerprint (hex), to the topic
-    ``<topic_prefix>._schemas`` before any message uses it.
+    ``<topic_prefix>._schemas`` before any message uses it. The fingerprint is
+    of the schema's whole JSON text: two writer schemas that differ only in a
+    logical type (numeric(10,2) → numeric(10,0), timestamp → timestamptz)
+    never share one, so each message names the schema it was written with.
 - Every message carries the header ``wb.pos``: its position as two big-endian
   unsigned 64-bit integers (commit LSN, op index). Within a partition the
   positions of streamed changes never decrease. Snapshot and backfill reads
@@ -47,8 +50,7 @@ import re
 import struct
 from typing import Any, NamedTuple
 
-from fastavro import parse_schema
-from fastavro.schema import fingerprint, to_parsing_canonical_form
+from fastavro.schema import fingerprint
 
 CONFLUENT_MAGIC = 0x00
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
@@ -175,9 +177,12 @@ def target_table(shape_name: str) -> tuple[str, str]:
 
 
 def schema_fingerprint(schema: dict | list | str) -> bytes:
-    """CRC-64-AVRO fingerprint (8 bytes, little-endian as single-object encoding wants)."""
-    canonical = to_parsing_canonical_form(parse_schema(schema, _write_hint=False))
-    return bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
+    """CRC-64-AVRO fingerprint (8 bytes, little-endian as single-object encoding
+    wants) of the schema's JSON text. Not of its Parsing Canonical Form alone:
+    that drops ``logicalType``, ``precision`` and ``scale``, so the writers
+    before and after a numeric retype would share a fingerprint and the rows of
+    one be decoded with the other's scale."""
+    return bytes.fromhex(fingerprint(canonical_json(schema), "CRC-64-AVRO"))
 
 
 def canonical_json(schema: dict | list | str) -> str:

@@ -89,6 +89,14 @@ Invariants:
   again and decodes the batch with the new layout; otherwise one that adds or
   retypes a column (a stream with a fixed layout must stop, never drop data
   silently), while one that only lacks columns is read (they are null).
+- A value of an older writer in a column retyped since (numeric(10,2) →
+  numeric(10,0), bigint → integer, text → integer, integer → text ...) is
+  cast as PostgreSQL casts it (:func:`cast_value`: numerics rounded half away
+  from zero, text parsed); where that cast fails (out of range, not a number)
+  it is null, as the target's cast-or-NULL rule: never a failed batch. The
+  producer re-reads a shape after a retype that is not a widening, so the
+  re-read brings the source's values. Messages of such writers are read by
+  fastavro.
 - A message whose bytes cannot be decoded (no walbridge wire prefix, a schema
   that cannot be found, a corrupt Avro body, a schema of another shape)
   raises :class:`UndecodableMessage`; the source sends it to the DLQ. Infrastructure failures (broker, registry unreachable)
@@ -109,8 +117,9 @@ import copy
 import datetime
 import io
 import json
+import re
 from dataclasses import dataclass, field
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Context, Decimal
 from typing import Any, Callable
 
 import pyarrow as pa
@@ -190,6 +199,70 @@ def format_time_micros(micros: int) -> str:
     if frac:
         return f"{hours:02d}:{minute:02d}:{sec:02d}.{frac:06d}"
     return f"{hours:02d}:{minute:02d}:{sec:02d}"
+
+
+# Wide enough for any quantize of a numeric(38, s) value: never an InvalidOperation.
+_FIT_CONTEXT = Context(prec=80, rounding=ROUND_HALF_UP)
+
+
+def fit_decimal(value: Decimal, precision: int, scale: int) -> Decimal | None:
+    """``value`` as PostgreSQL's cast to numeric(precision, scale) makes it
+    (rounded half away from zero), or None where it has more integer digits
+    than ``precision - scale``."""
+    fitted = value.quantize(Decimal(1).scaleb(-scale), context=_FIT_CONTEXT)
+    return fitted if not fitted or fitted.adjusted() < precision - scale else None
+
+
+_INT_RANGES = {IntegerType(): (-2**31, 2**31 - 1), LongType(): (-2**63, 2**63 - 1)}
+
+
+def cast_value(value: Any, spark_type: DataType) -> Any:
+    """A value an older writer wrote in another type, as PostgreSQL's cast to
+    the column's type now makes it (integers and numerics rounded half away
+    from zero, text parsed, numbers printed), or None where that cast fails
+    (out of range, not a number, a type with no cast here): the target's
+    cast-or-NULL rule, which the producer's re-read of the shape fills."""
+    try:
+        if isinstance(spark_type, DecimalType):
+            number = value if value.__class__ is Decimal else Decimal(str(value).strip())
+            return None if not number.is_finite() else fit_decimal(number, spark_type.precision, spark_type.scale)
+        if isinstance(spark_type, StringType):
+            return format_decimal(value) if value.__class__ is Decimal else (
+                str(value) if value.__class__ in (int, str) else None)
+        low, high = _INT_RANGES[spark_type]
+        if value.__class__ is int:
+            number = value
+        elif value.__class__ is Decimal:
+            number = int(value.quantize(Decimal(1), context=_FIT_CONTEXT))
+        elif value.__class__ is str and _INTEGER_TEXT.fullmatch(value):
+            number = int(value)
+        else:
+            return None
+        return number if low <= number <= high else None
+    except (ArithmeticError, ValueError):
+        return None
+
+
+_INTEGER_TEXT = re.compile(r"\s*[+-]?\d+\s*")
+
+
+def _caster(spark_type: DataType, has_special: bool) -> Callable[[Any], Any]:
+    def cast(value: Any) -> Any:
+        if has_special and value.__class__ is str:
+            return value  # a special value's text (a union writer's string branch)
+        return cast_value(value, spark_type)
+    return cast
+
+
+def _value_kinds(avro_type: Any) -> list:
+    """What values a field's non-null branches hold, as decoding reads them
+    (decimals with their precision and scale; logical types decoding strips as
+    their primitive)."""
+    branches = _non_null_branches(avro_type)
+    if len(branches) > 1:  # a union layout's string branch holds special values only
+        branches = [b for b in branches if b != "string"]
+    return [b if isinstance(b, str) else b.get("type") if b.get("logicalType") in _STRIPPED_LOGICAL else
+            _canonical_type(b) for b in branches]
 
 
 def format_decimal(value: Decimal) -> str:
@@ -368,6 +441,22 @@ class ShapeLayout:
                 if isinstance(c.type.spark_type, DecimalType)
                 and c.type.spark_type.precision <= fastdecode.MAX_UNSCALED_PRECISION}
 
+    def retyped_columns(self, writer_schema: dict) -> tuple[tuple[int, Callable[[Any], Any]], ...]:
+        """(column index, cast) of the layout's columns whose values
+        ``writer_schema`` (an older writer, fields named as the layout's) has
+        in another type than the column takes now, for the types a cast is
+        defined for (:func:`cast_value`): a retype at the source."""
+        writer = {f["name"]: f["type"] for f in row_record(writer_schema)["fields"]}
+        out = []
+        for i, c in enumerate(self.columns):
+            spark = c.type.spark_type
+            if c.avro_field not in writer or c.type.convert is not None or not isinstance(
+                    spark, (DecimalType, IntegerType, LongType, StringType)):
+                continue  # (a converted column is no plain text: time, numeric beyond Spark's precision)
+            if _value_kinds(writer[c.avro_field]) != _value_kinds(c.avro_type):
+                out.append((i, _caster(spark, c.type.has_special)))
+        return tuple(out)
+
     def check_writer(self, writer_schema: dict, known: bool) -> None:
         """Raise if a message written with ``writer_schema`` cannot be read into
         this layout: :class:`UndecodableMessage` for a schema of another shape
@@ -463,6 +552,8 @@ class WriterSchemas:
     compiled: bool = True
     _parsed: dict[tuple, Any] = field(default_factory=dict)
     _readers: dict[tuple, Any] = field(default_factory=dict)
+    # Value schemas of older writers with retyped columns (ShapeLayout.retyped_columns): fastavro reads them.
+    _retyped: dict[tuple, tuple] = field(default_factory=dict)
     # Refs found not to exist (or not to fit): the producer publishes a schema
     # before its first message, so a failed lookup is final; asking again for
     # each message of a poison burst would only hammer the registry/topic.
@@ -485,7 +576,10 @@ class WriterSchemas:
             self._undecodable[key] = str(e)
             raise
         stripped = with_renamed_fields(strip_logical_types(raw), self.layout.renamed_fields(), check)
-        if check and self.compiled:
+        retyped = self.layout.retyped_columns(stripped) if check else ()
+        if retyped:
+            self._retyped[key] = retyped
+        elif check and self.compiled:
             self._readers[key] = fastdecode.envelope_reader(
                 stripped, self.layout.row_fields(), self.layout.unscaled_decimals())
         parsed = self._parsed[key] = parse_schema(stripped)
@@ -499,6 +593,10 @@ class WriterSchemas:
         """The compiled envelope reader of a value schema :meth:`parsed` returned,
         or None (fastavro reads its messages)."""
         return self._readers.get((ref.kind, ref.ref))
+
+    def retyped(self, ref: wire.SchemaRef) -> tuple[tuple[int, Callable[[Any], Any]], ...]:
+        """The retyped columns of a value schema :meth:`parsed` returned."""
+        return self._retyped.get((ref.kind, ref.ref), ())
 
     def parsed_key(self, ref: wire.SchemaRef, data: bytes) -> Any:
         return self._get(("key", ref.kind, ref.ref), ref, data, False)
@@ -553,9 +651,9 @@ class BatchBuilder:
         self._column_names = frozenset(self._names)
         self._struct_converters = [(c.name, c.type.convert) for c in layout.columns if c.type.convert is not None]
         self._empty_row = [None] * len(self._fields)
-        # wire prefix bytes -> (parsed writer schema, body offset, compiled reader or None),
-        # for schemas that decoded
-        self._by_prefix: dict[bytes, tuple[Any, int, Any]] = {}
+        # wire prefix bytes -> (parsed writer schema, body offset, compiled reader or None,
+        # retyped columns), for schemas that decoded
+        self._by_prefix: dict[bytes, tuple[Any, int, Any, tuple]] = {}
         self._records: list[list] = []
         compiled = schemas.compiled and fastdecode.AVAILABLE
         unscaled = layout.unscaled_decimals()
@@ -572,12 +670,13 @@ class BatchBuilder:
     def count(self) -> int:
         return len(self._records)
 
-    def _writer(self, value: bytes) -> tuple[Any, int, Any]:
+    def _writer(self, value: bytes) -> tuple[Any, int, Any, tuple]:
         head = value[:10] if value[:1] == b"\xc3" else value[:5]
         found = self._by_prefix.get(head)
         if found is None:
             ref = parse_prefix(value)
-            found = (self.schemas.parsed(ref, value), ref.body_offset, self.schemas.reader(ref))
+            found = (self.schemas.parsed(ref, value), ref.body_offset, self.schemas.reader(ref),
+                     self.schemas.retyped(ref))
             if len(head) == ref.body_offset:
                 self._by_prefix[head] = found
         return found
@@ -587,7 +686,7 @@ class BatchBuilder:
         [before, after, source, op, ts_ms, unchanged_toast], rows as lists in
         the layout's column order followed by the side field, source as [lsn,
         op_index, snapshot_id, commit_lsn]."""
-        parsed, body_offset, reader = self._writer(value)
+        parsed, body_offset, reader, retyped = self._writer(value)
         if reader is not None:
             try:
                 return reader.read(value, body_offset)
@@ -596,8 +695,12 @@ class BatchBuilder:
         env = decode_body(value, body_offset, parsed)
         fields = self._row_fields
         before, after, source = env.get("before"), env.get("after"), env.get("source") or {}
-        return [None if before is None else [before.get(f) for f in fields],
-                None if after is None else [after.get(f) for f in fields],
+        rows = [None if row is None else [row.get(f) for f in fields] for row in (before, after)]
+        for i, cast in retyped:
+            for row in rows:
+                if row is not None and row[i] is not None:
+                    row[i] = cast(row[i])
+        return [*rows,
                 [source.get("lsn"), source.get("op_index"), source.get("snapshot_id"), source.get("commit_lsn")],
                 env.get("op"), env.get("ts_ms"), env.get("unchanged_toast")]
 

@@ -7,31 +7,31 @@ command, both processes alive, and no Spark query restarted. Values the WAL
 did not carry (a default, a narrowing retype, a key change) arrive through the
 backfill the producer asks for itself.
 
-One producer/consumer pair serves the whole module (a table per test). The
-load starts writing once every table converged, so the first DDL of a table
-reaches the stream before any change of it since the snapshot (issue 12).
-The tests of the other tables (narrowing retype, renames, key change,
-truncate, stopped shapes) are in commit 3620eee: they wait for the consumer
-to decode a numeric whose scale narrowed (it exits with pyarrow's "Rescaling
-Decimal value would cause data loss")."""
+One producer/consumer pair serves the whole module (a table per test); the
+tests that stop a shape (its WAL then stays held) come last."""
 
 from __future__ import annotations
+
+import re
 
 import psycopg
 import pytest
 
+from producer.pgoutput import lsn_to_int
 from tests.helpers import wait_for
 from tests.integration import test_e2e_schema_changes as e2e
 from tests.integration.test_e2e_schema_changes import (
     assert_alive,
     assert_no_query_restart,
     settle,
+    target_columns,
     wait_equal,
 )
 
 TABLES = {
     "p_default": "CREATE TABLE p_default (id int PRIMARY KEY, a int)",
-    "p_narrow": "CREATE TABLE p_narrow (id int PRIMARY KEY, a bigint, n numeric(10,2) DEFAULT 0.45)",
+    "p_narrow": "CREATE TABLE p_narrow (id int PRIMARY KEY, a bigint, n numeric(10,2) DEFAULT 0.45, "
+                "t text DEFAULT ' 12 ')",
     "p_rename": "CREATE TABLE p_rename (id int PRIMARY KEY, a int, note text DEFAULT 'n')",
     "p_key": "CREATE TABLE p_key (id int PRIMARY KEY, a int, code int NOT NULL DEFAULT 1)",
     "p_trunc": "CREATE TABLE p_trunc (id int PRIMARY KEY, a int)",
@@ -119,3 +119,74 @@ def test_add_column_with_a_constant_or_volatile_default_fills_existing_rows(pipe
     with psycopg.connect(pipeline["target"]) as t:
         assert t.execute("SELECT count(*) FROM p_default WHERE id <= %s AND d = 7 AND e IS NOT NULL",
                          (ROWS,)).fetchone()[0] == ROWS
+
+
+def test_narrowing_retypes_converge_by_a_re_read(pipeline):
+    ddl(pipeline, "UPDATE p_narrow SET n = id + 0.45 WHERE id <= 50")
+    # Values of the old types that the new ones cannot hold, in flight when the types change (and the
+    # load's rows of the old writer, n = 0.45, t = ' 12 '): the consumer reads them into the new types.
+    ddl(pipeline, "UPDATE p_narrow SET a = 3000000000 + id WHERE id <= 5", "UPDATE p_narrow SET a = id WHERE id <= 5",
+        "ALTER TABLE p_narrow ALTER COLUMN a TYPE int, ALTER COLUMN n TYPE numeric(10,0), "
+        "ALTER COLUMN t DROP DEFAULT, ALTER COLUMN t TYPE int USING t::int, ALTER COLUMN t SET DEFAULT 12")
+    producer_said(pipeline, "schema change of public.p_narrow, shape public.p_narrow: column retyped a (bigint → integer)")
+    converged(pipeline, "p_narrow")
+    cols = target_columns(pipeline["target"], "p_narrow")
+    assert (cols["a"][0], cols["n"][0], cols["t"][0]) == ("integer", "numeric(10,0)", "integer")
+
+
+def test_rename_column_renames_the_target_column(pipeline):
+    ddl(pipeline, "UPDATE p_rename SET note = 'before ' || id WHERE id <= 20")
+    ddl(pipeline, "ALTER TABLE p_rename RENAME COLUMN note TO remark")
+    producer_said(pipeline, "column renamed remark (note → remark)")
+    converged(pipeline, "p_rename")
+    cols = target_columns(pipeline["target"], "p_rename")
+    assert "remark" in cols and "note" not in cols  # renamed, not a stale column that looks current
+    with psycopg.connect(pipeline["target"]) as t:
+        assert t.execute("SELECT count(*) FROM p_rename WHERE remark LIKE 'before %'").fetchone()[0] == 20
+
+
+def test_a_primary_key_change_re_keys_the_shape(pipeline):
+    ddl(pipeline, "ALTER TABLE p_key DROP CONSTRAINT p_key_pkey, ADD PRIMARY KEY (id, code)")
+    producer_said(pipeline, "schema change of public.p_key, shape public.p_key: key changed (id → id, code)")
+    with psycopg.connect(pipeline["source"], autocommit=True) as conn:
+        conn.execute("UPDATE p_key SET code = 2 WHERE id <= 10")  # the new key of these rows changes
+    converged(pipeline, "p_key")
+
+
+def test_truncate_empties_the_target_in_the_stream(pipeline):
+    ddl(pipeline, "TRUNCATE p_trunc")
+    converged(pipeline, "p_trunc")
+    with psycopg.connect(pipeline["target"]) as t:
+        assert t.execute("SELECT count(*) FROM p_trunc WHERE id <= %s", (ROWS,)).fetchone()[0] == 0
+
+
+def _held(state, text: str) -> int:
+    line = producer_said(state, text)
+    return lsn_to_int(re.search(r"WAL is held from (\S+)", line).group(1))
+
+
+def _confirmed(state) -> int:
+    with psycopg.connect(state["source"]) as conn:
+        return lsn_to_int(conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                                       "WHERE slot_name = %s", (state["slot"],)).fetchone()[0])
+
+
+def test_a_shape_whose_where_column_is_dropped_stops_alone_and_holds_wal(pipeline):
+    ddl(pipeline, "ALTER TABLE p_where DROP COLUMN region")
+    held = _held(pipeline, "shape p_where_eu: column region of public.p_where was dropped, and the shape's where "
+                           "names it")
+    converged(pipeline, "p_where")  # the other shape of the table keeps flowing
+    converged(pipeline, "p_default")  # and so do the other tables
+    assert _confirmed(pipeline) <= held
+
+
+def test_rename_table_stops_its_shape_and_holds_wal(pipeline):
+    pipeline["load"].pause()
+    pipeline["load"].tables.remove("p_moved")
+    pipeline["load"].resume()
+    ddl(pipeline, "ALTER TABLE p_moved RENAME TO p_moved2", "INSERT INTO p_moved2 VALUES (-1, -1)")
+    held = _held(pipeline, "shape public.p_moved: table public.p_moved was renamed to public.p_moved2")
+    converged(pipeline, "p_default")
+    assert _confirmed(pipeline) <= held
+    with psycopg.connect(pipeline["target"]) as t:  # nothing of the renamed table lost or half-applied
+        assert t.execute("SELECT count(*) FROM p_moved WHERE id = -1").fetchone()[0] == 0

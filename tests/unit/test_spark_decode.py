@@ -49,6 +49,7 @@ from spark_consumer.decode import (
     UnsupportedSchema,
     WriterSchemas,
     arrow_rows,
+    cast_value,
     column_type,
     format_time_micros,
     strip_logical_types,
@@ -519,6 +520,59 @@ def test_writer_schema_evolution():
     current.schemas.update(narrower.schemas)
     b.add(TOPIC, 0, 4, None, narrower.value("c", after=(5,)), pos(5))
     assert [(r["id"], r["v"]) for r in b.rows()] == [(5, None)]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "fastavro"])
+def test_rows_of_a_writer_before_a_narrowing_numeric_retype_decode_into_the_new_type(compiled):
+    """numeric(10,2) → numeric(6,0), numeric(30,4) → numeric(30,0): the older
+    writer's rows still decode (by their own schema), their values cast as
+    PostgreSQL casts them (rounded half away from zero; too many digits:
+    NULL, which the producer's re-read of the shape fills)."""
+    old = Shape([_col("id", 20, "bigint", key=True), _col("n", 1700, "numeric(10,2)", _numeric(10, 2)),
+                 _col("w", 1700, "numeric(30,4)", _numeric(30, 4))])
+    new = Shape([_col("id", 20, "bigint", key=True), _col("n", 1700, "numeric(6,0)", _numeric(6, 0)),
+                 _col("w", 1700, "numeric(30,0)", _numeric(30, 0))])
+    assert old.value_prefix != new.value_prefix  # each message names its writer schema, scale included
+    new.schemas.update(old.schemas)
+    b = BatchBuilder(new.layout, WriterSchemas(new.layout, new.lookup, new.known(), compiled=compiled))
+    values = [("12.45", "1.5000"), ("12.50", "-2.5000"), ("-0.50", "0.4999"), ("1234567.89", "12.0000"), (None, None)]
+    for i, (n, w) in enumerate(values):
+        row = (i, None if n is None else Decimal(n), None if w is None else Decimal(w))
+        b.add(TOPIC, 0, 2 * i, None, old.value("u", before=row, after=row), pos(10 + i))
+    b.add(TOPIC, 0, 99, None, new.value("c", after=(9, Decimal("7"), Decimal("8"))), pos(20))
+    rows = b.rows()
+    want = [(Decimal(12), Decimal(2)), (Decimal(13), Decimal(-3)), (Decimal(-1), Decimal(0)),
+            (None, Decimal(12)), (None, None), (Decimal(7), Decimal(8))]
+    assert [(r["n"], r["w"]) for r in rows] == want
+    assert [(r["_wb_before"]["n"], r["_wb_before"]["w"]) for r in rows[:5]] == want[:5]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "fastavro"])
+def test_rows_of_a_writer_before_other_retypes_decode_as_postgresql_casts_them(compiled):
+    """bigint → integer, text → integer, integer → text, numeric → bigint:
+    values that cast keep their value, the others are null (the re-read)."""
+    old = Shape([_col("id", 20, "bigint", key=True), _col("a", 20, "bigint"), _col("t", 25, "text"),
+                 _col("i", 23, "integer"), _col("n", 1700, "numeric(10,2)", _numeric(10, 2))])
+    new = Shape([_col("id", 20, "bigint", key=True), _col("a", 23, "integer"), _col("t", 23, "integer"),
+                 _col("i", 25, "text"), _col("n", 20, "bigint")])
+    new.schemas.update(old.schemas)
+    b = BatchBuilder(new.layout, WriterSchemas(new.layout, new.lookup, new.known(), compiled=compiled))
+    b.add(TOPIC, 0, 0, None, old.value("c", after=(1, 5, " 12 ", -3, Decimal("2.50"))), pos(1))
+    b.add(TOPIC, 0, 1, None, old.value("c", after=(2, 3_000_000_000, "x", 0, Decimal("-2.49"))), pos(2))
+    b.add(TOPIC, 0, 2, None, new.value("c", after=(3, 7, 8, "9", 10)), pos(3))
+    assert [(r["a"], r["t"], r["i"], r["n"]) for r in b.rows()] == [
+        (5, 12, "-3", 3), (None, None, "0", -2), (7, 8, "9", 10)]
+
+
+def test_cast_value_follows_postgresql_casts():
+    assert cast_value(Decimal("0.5"), DecimalType(1, 0)) == Decimal(1)
+    assert cast_value(Decimal("-0.5"), DecimalType(1, 0)) == Decimal(-1)
+    assert cast_value(Decimal("10"), DecimalType(1, 0)) is None  # more digits than numeric(1,0) holds
+    assert cast_value("1e2", DecimalType(5, 1)) == Decimal("100.0")
+    assert cast_value("NaN", DecimalType(5, 1)) is None and cast_value("abc", DecimalType(5, 1)) is None
+    assert cast_value(2**31, IntegerType()) is None and cast_value(2**31, LongType()) == 2**31
+    assert cast_value("1.5", IntegerType()) is None and cast_value(Decimal("1.5"), IntegerType()) == 2
+    assert cast_value(Decimal("1.50"), StringType()) == "1.50" and cast_value(b"x", StringType()) is None
 
 
 def test_registry_framed_messages_decode_through_the_registry_client():
