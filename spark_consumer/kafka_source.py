@@ -469,15 +469,19 @@ class PartitionEnds:
             pending = set(probe)
             deadline = time.monotonic() + self._timeout
             while pending and time.monotonic() < deadline:
-                for msg in c.consume(num_messages=1000, timeout=0.5):
-                    err = msg.error()
-                    if err is not None and err.code() != KafkaError._PARTITION_EOF:
-                        if err.fatal():
-                            raise KafkaException(err)
-                        log.warning("probing the end of %s[%s]: %s", topic, msg.partition(), err)
-                        if msg.partition() is None or msg.topic() != topic:
-                            continue  # a client-level event, not this partition's answer
-                    pending.discard(msg.partition())
+                # poll, not consume(n): consume waits for n messages or its whole
+                # timeout, 0.5 s of every trigger (bench/RESULTS.md, "End-to-end latency").
+                msg = c.poll(0.5)
+                if msg is None:
+                    continue
+                err = msg.error()
+                if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                    if err.fatal():
+                        raise KafkaException(err)
+                    log.warning("probing the end of %s[%s]: %s", topic, msg.partition(), err)
+                    if msg.partition() is None or msg.topic() != topic:
+                        continue  # a client-level event, not this partition's answer
+                pending.discard(msg.partition())
             for p in probe:
                 if p in pending:
                     log.warning("probing the end of %s[%d] timed out; using the reported end %d", topic, p, ends[p])
