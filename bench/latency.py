@@ -307,9 +307,10 @@ def main() -> None:
     logged = [b for b in batch_log.batches if b["at"] >= measure_from]
     per_batch["apply_thread"] = {k: summary([b[k] for b in logged]) for k in ("read_s", "apply_s", "total_s")}
     results["tick_batches"] = per_batch
+    text = json.dumps(results, indent=2)
+    print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    args.out.write_text(text)
     shutil.rmtree(base, ignore_errors=True)
 
 
