@@ -32,7 +32,8 @@ settings, credentials among them: Spark redacts options so named),
 ``latest``, or JSON ``{"<partition>": next offset}``, unlisted partitions earliest;
 an offset outside [earliest, end] is an error, never silently moved),
 ``max_offsets_per_task`` (cut a partition's range into tasks of at most this
-many offsets; default one task per partition and batch), ``read_idle_timeout_s``
+many offsets; default one task per partition and batch, and one task for
+the whole batch when it holds at most ``SMALL_BATCH_OFFSETS``), ``read_idle_timeout_s``
 (default 120: a task that gets no message for that long fails), ``on_data_loss``
 (``fail`` (default) or ``follow``, see below).
 
@@ -99,6 +100,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import time
@@ -146,6 +148,11 @@ RANGE_CONSUME_WAIT_S = 1.0  # one consume() call of a range read
 RANGE_FETCH_QUEUE_BACKOFF_MS = 10  # librdkafka fetch.queue.backoff.ms of the range consumers (see _range_consumer)
 RANGE_FETCH_WAIT_MS = 50  # librdkafka fetch.wait.max.ms of the executors' range consumers (10 ms livelocked on Tansu)
 LOST_DATA_RETRIES = 3
+# A batch of at most this many offsets is read by one task (its partitions one
+# after the other): each task's fixed cost (a Python worker's turn, the topic-id
+# looks, a fetch round trip) dominates small batches, and every shape's query
+# shares the same few cores (bench/RESULTS.md, "End-to-end latency").
+SMALL_BATCH_OFFSETS = 10_000
 
 # What the source yields: one row per message, as it is on the wire. Decoding
 # happens per micro-batch (decode_batches), so a new writer schema never
@@ -344,6 +351,24 @@ class OffsetRange(InputPartition):
         InputPartition.__init__(self, (self.topic, self.partition, self.start, self.end, self.topic_id))
 
 
+@dataclass
+class OffsetRanges(InputPartition):
+    """One Spark task reading several :class:`OffsetRange` in turn (a small batch)."""
+
+    ranges: tuple[OffsetRange, ...]
+
+    def __post_init__(self) -> None:
+        InputPartition.__init__(self, tuple(r.value for r in self.ranges))
+
+
+def bundle_small(ranges: list[OffsetRange], max_offsets: int = SMALL_BATCH_OFFSETS) -> list:
+    """The batch's tasks: all of ``ranges`` in one task when they hold at most
+    ``max_offsets`` offsets together, else one task each."""
+    if len(ranges) > 1 and sum(r.end - r.start for r in ranges) <= max_offsets:
+        return [OffsetRanges(tuple(ranges))]
+    return list(ranges)
+
+
 def plan_ranges(topic: str, start: Offsets, end: Offsets, max_per_task: int | None = None,
                 topic_id: str | None = None) -> list[OffsetRange]:
     """The tasks of a batch: each partition's non-empty range, cut into
@@ -444,15 +469,19 @@ class PartitionEnds:
             pending = set(probe)
             deadline = time.monotonic() + self._timeout
             while pending and time.monotonic() < deadline:
-                for msg in c.consume(num_messages=1000, timeout=0.5):
-                    err = msg.error()
-                    if err is not None and err.code() != KafkaError._PARTITION_EOF:
-                        if err.fatal():
-                            raise KafkaException(err)
-                        log.warning("probing the end of %s[%s]: %s", topic, msg.partition(), err)
-                        if msg.partition() is None or msg.topic() != topic:
-                            continue  # a client-level event, not this partition's answer
-                    pending.discard(msg.partition())
+                # poll, not consume(n): consume waits for n messages or its whole
+                # timeout, 0.5 s of every trigger (bench/RESULTS.md, "End-to-end latency").
+                msg = c.poll(0.5)
+                if msg is None:
+                    continue
+                err = msg.error()
+                if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                    if err.fatal():
+                        raise KafkaException(err)
+                    log.warning("probing the end of %s[%s]: %s", topic, msg.partition(), err)
+                    if msg.partition() is None or msg.topic() != topic:
+                        continue  # a client-level event, not this partition's answer
+                pending.discard(msg.partition())
             for p in probe:
                 if p in pending:
                     log.warning("probing the end of %s[%d] timed out; using the reported end %d", topic, p, ends[p])
@@ -589,8 +618,9 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         begin = offsets_from_json(start)
         if recreated(start, end):
             begin = {p: 0 for p in begin}
-        return plan_ranges(self._opts.topic, begin, offsets_from_json(end), self._opts.max_offsets_per_task,
-                           (end or {}).get(TOPIC_ID))
+        ranges = plan_ranges(self._opts.topic, begin, offsets_from_json(end), self._opts.max_offsets_per_task,
+                             (end or {}).get(TOPIC_ID))
+        return ranges if self._opts.max_offsets_per_task else bundle_small(ranges)
 
     def commit(self, end: dict) -> None:
         """Nothing to do: the apply step commits group offsets after its target commits."""
@@ -600,7 +630,9 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._ends.close()
 
     # -- executors
-    def read(self, partition: OffsetRange) -> Iterator[Any]:
+    def read(self, partition: OffsetRange | OffsetRanges) -> Iterator[Any]:
+        if isinstance(partition, OffsetRanges):
+            return itertools.chain.from_iterable(read_offset_range(self._opts, r) for r in partition.ranges)
         return read_offset_range(self._opts, partition)
 
 

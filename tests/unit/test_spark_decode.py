@@ -56,8 +56,10 @@ from spark_consumer.decode import (
 )
 from spark_consumer.kafka_source import (
     OffsetRange,
+    OffsetRanges,
     ShapeStreamReader,
     SourceOptions,
+    bundle_small,
     plan_end_offsets,
     plan_ranges,
     schema_lookup,
@@ -804,6 +806,35 @@ def test_plan_ranges_cuts_long_ranges_into_tasks():
         assert all(a.end == b.start for a, b in zip(cut, cut[1:]))
 
 
+def test_small_batches_are_read_by_one_task_large_ones_per_partition():
+    small = plan_ranges(TOPIC, {0: 0, 1: 5, 2: 9}, {0: 4, 1: 5, 2: 12})
+    [task] = bundle_small(small, max_offsets=7)
+    assert task == OffsetRanges((OffsetRange(TOPIC, 0, 0, 4), OffsetRange(TOPIC, 2, 9, 12)))
+    assert pickle.loads(pickle.dumps(task)) == task
+    assert bundle_small(small, max_offsets=6) == small  # 7 offsets: one task per partition
+    assert bundle_small(small[:1], max_offsets=100) == small[:1]  # one range stays as it is
+    assert bundle_small([]) == []
+
+
+def test_reader_bundles_only_without_a_per_task_cut():
+    r = _reader(ends={0: 100, 1: 50})
+    assert r.partitions({"0": 0, "1": 0}, {"0": 100, "1": 50}) == [
+        OffsetRanges((OffsetRange(TOPIC, 0, 0, 100), OffsetRange(TOPIC, 1, 0, 50)))]
+    r = ShapeStreamReader(SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb",
+                                        max_offsets_per_task=60))
+    assert [(t.partition, t.start, t.end) for t in r.partitions({"0": 0, "1": 0}, {"0": 100, "1": 50})] == [
+        (0, 0, 50), (0, 50, 100), (1, 0, 50)]
+
+
+def test_a_bundled_task_reads_its_ranges_in_turn(monkeypatch):
+    read = []
+    monkeypatch.setattr("spark_consumer.kafka_source.read_offset_range",
+                        lambda opts, r: iter([read.append((r.partition, r.start)) or r.partition]))
+    r = _reader()
+    task = OffsetRanges((OffsetRange(TOPIC, 0, 0, 4), OffsetRange(TOPIC, 1, 2, 3)))
+    assert list(r.read(task)) == [0, 1] and read == [(0, 0), (1, 2)]
+
+
 class FakeEnds:
     def __init__(self, lows, ends, topic_id=None):
         self.lows, self.ends, self.closed, self.id = lows, ends, False, topic_id
@@ -906,8 +937,8 @@ def test_reader_follows_a_recreated_topic_from_offset_zero(monkeypatch):
     start = {"0": 500, "1": 40, "topic_id": "old-id"}
     end = r.latestOffset(start, ReadAllAvailable())
     assert end == {"0": 900, "1": 50, "topic_id": "new-id"}
-    assert r.partitions(start, end) == [OffsetRange(TOPIC, 0, 0, 900, "new-id"),
-                                        OffsetRange(TOPIC, 1, 0, 50, "new-id")]
+    assert r.partitions(start, end) == [OffsetRanges((OffsetRange(TOPIC, 0, 0, 900, "new-id"),
+                                                      OffsetRange(TOPIC, 1, 0, 50, "new-id")))]
     assert r.partitions(end, {**end, "0": 901}) == [OffsetRange(TOPIC, 0, 900, 901, "new-id")]  # then as usual
     # Without ids: an end below the start is the sign; read from 0 up to it.
     r._ends.id = None
