@@ -853,6 +853,7 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
     try:
         next_offset = task.start
         eof_at = None
+        eof_checked = False  # an end-of-partition before any message of the range was looked at again
         idle_since = time.monotonic()
         while next_offset < end:
             msgs = consumer.consume(num_messages=min(CONSUME_BATCH, end - next_offset), timeout=RANGE_CONSUME_WAIT_S)
@@ -863,10 +864,23 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
                     f"{topic}[{partition}]: {READ_GAP} {next_offset} for {opts.read_idle_timeout_s}s "
                     f"(batch range ends at {end}; broker end of partition {eof_at}): the broker lost data?")
             for msg in msgs:
+                if msg.partition() != partition or msg.topic() != topic:
+                    continue  # left over from the consumer's previous range (it is reused)
                 err = msg.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
                         eof_at = msg.offset()
+                        if eof_at >= end and next_offset == task.start and not eof_checked:
+                            # Nothing of the range seen yet: this end may be a previous
+                            # read's of the same partition (a replayed range). Taken as
+                            # the range's, it would hand over nothing for offsets never
+                            # applied; a seek fetches again, and a true end comes back.
+                            eof_checked = True
+                            try:
+                                consumer.seek(TopicPartition(topic, partition, next_offset))
+                                continue
+                            except KafkaException:
+                                pass  # not seekable yet: the end stands
                         if eof_at >= end:  # the rest of the range holds no visible message
                             next_offset = end
                             break
