@@ -10,9 +10,16 @@ apply) in that window leaves ``commits/N`` without N in the target, and Spark
 alone would resume after N.
 
 Invariants:
-- Only the newest committed batch can be unapplied: foreachBatch N+1 waits
-  for N's apply before it returns, and Spark writes ``commits/N+1`` only after
-  that. So :func:`replay_unapplied` looks at that one batch.
+- The pipelining leaves only the newest committed batch unapplied:
+  foreachBatch N+1 waits for N's apply before it returns, and Spark writes
+  ``commits/N+1`` only after that. An older batch is unapplied only when its
+  read handed over none of a partition's messages (a source fault): the
+  target's progress on that partition is still at or below the batch's
+  start, and every later batch that moved it starts above that progress, so
+  it fails with a progress gap. :func:`replay_unapplied` replays from the
+  earliest such batch of the newest batch's topic incarnation (the log Spark
+  retains), else from the newest batch if that one is unapplied: the target's
+  progress, not Spark's log, says what was applied.
 - A batch counts as applied only when every partition its offset range moved
   shows target progress inside that range (``start < next_offset <= end``):
   one target transaction applies all of a batch's parts, so its progress moves
@@ -21,9 +28,10 @@ Invariants:
   unreadable log entry) counts as unapplied: replaying an applied batch is
   harmless (progress skips it part by part), skipping an unapplied one is not.
 - The repair is what Spark does for a batch it had not committed: with
-  ``commits/N`` and every later ``offsets/`` entry removed (with Hadoop's
-  ``.crc`` side files), the restarted query re-runs batch N over the same
-  offset range ``[offsets/N-1, offsets/N)``.
+  ``commits/N`` and every later ``commits/`` and ``offsets/`` entry removed
+  (with Hadoop's ``.crc`` side files), the restarted query re-runs batch N
+  over the same offset range ``[offsets/N-1, offsets/N)`` and plans the
+  batches after it anew.
 
 Layout read here (Spark's HDFSMetadataLog, format ``v1``): ``offsets/<id>``
 is a version line, a metadata line, then one line per source (this query has
@@ -76,6 +84,31 @@ def _remove(log_dir: Path, batch_id: int) -> None:
         (log_dir / name).unlink(missing_ok=True)
 
 
+def _skipped_partitions(start: dict | None, end: dict | None, next_offsets: Mapping[int, int]) -> list[int]:
+    """The partitions a batch moved of which the target applied nothing, not
+    even later: its progress there is still at or below the batch's start."""
+    begin = offsets_from_json(start)
+    return [p for p, stop in offsets_from_json(end).items()
+            if stop > begin.get(p, 0) and next_offsets.get(p, 0) <= begin.get(p, 0)]
+
+
+def earliest_skipped(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
+    """The earliest committed batch before the newest, of the newest batch's
+    topic incarnation, that moved a partition the target never applied."""
+    committed = _batch_ids(checkpoint / "commits")
+    if len(committed) < 2:
+        return None
+    incarnation = (_source_offsets(checkpoint, committed[-1]) or {}).get(TOPIC_ID)
+    for batch in committed[:-1]:
+        start = _source_offsets(checkpoint, batch - 1) if batch > 0 else None
+        end = _source_offsets(checkpoint, batch)
+        if end is None or (batch > 0 and start is None) or recreated(start, end) or end.get(TOPIC_ID) != incarnation:
+            continue  # purged by Spark, unreadable, or of an earlier incarnation: nothing to say
+        if _skipped_partitions(start, end, next_offsets):
+            return batch
+    return None
+
+
 def newest_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
     """The newest batch the query's ``checkpoint`` has as committed, if the
     target has not applied it (see the module's invariants); else None."""
@@ -115,14 +148,19 @@ def newest_moved(checkpoint: Path, next_offsets: Mapping[int, int]) -> tuple[str
 
 
 def replay_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
-    """Un-commit :func:`newest_unapplied`'s batch, so that Spark re-runs it;
-    returns its id, or None when there was nothing to repair. Call it only
-    while the query is stopped."""
-    newest = newest_unapplied(checkpoint, next_offsets)
-    if newest is None:
+    """Un-commit :func:`earliest_skipped`'s batch, or else
+    :func:`newest_unapplied`'s, and every batch after it, so that Spark
+    re-runs it; returns its id, or None when there was nothing to repair.
+    Call it only while the query is stopped."""
+    first = earliest_skipped(checkpoint, next_offsets)
+    if first is None:
+        first = newest_unapplied(checkpoint, next_offsets)
+    if first is None:
         return None
     for later in _batch_ids(checkpoint / "offsets"):
-        if later > newest:
+        if later > first:
             _remove(checkpoint / "offsets", later)
-    _remove(checkpoint / "commits", newest)
-    return newest
+    for batch in _batch_ids(checkpoint / "commits"):
+        if batch >= first:
+            _remove(checkpoint / "commits", batch)
+    return first

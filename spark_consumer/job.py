@@ -62,8 +62,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -123,8 +125,8 @@ class ShapeApplier:
     the apply thread and returns, so Spark plans and reads batch N+1 while N
     is applied. Spark therefore logs batch N as committed before the target
     has it; :func:`spark_consumer.checkpoint.replay_unapplied` repairs that at
-    every query start (a crash, a failed apply): at most the last committed
-    batch can be unapplied, and it is replayed. An apply error surfaces at
+    every query start (a crash, a failed apply, a progress gap): the batches
+    from the first the target lacks are replayed. An apply error surfaces at
     the next ``__call__`` or through :attr:`error` (the run loop restarts the
     query)."""
 
@@ -211,8 +213,9 @@ class ShapeApplier:
         next_offsets = {p: prog.next_offset for (_, p), prog in progress.items()}
         batch = replay_unapplied(checkpoint, next_offsets)
         if batch is not None:
-            log.warning("shape %s: Spark's checkpoint has batch %d as done but the target never committed it; "
-                        "it is read and applied again", self.shape.shape_name, batch)
+            log.warning("shape %s: Spark's checkpoint has batch %d as done but the target never committed all of "
+                        "it (target progress %s); it and every later batch are read and applied again",
+                        self.shape.shape_name, batch, dict(sorted(next_offsets.items())))
             return
         # The newest batch is applied; its group commit may not be (killed in
         # between): commit what the target holds, for the incarnation it was
@@ -458,7 +461,8 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
                          subject_name_strategy=config.kafka.subject_name_strategy,
                          kafka_client=dict(config.kafka.client),
                          max_offsets_per_trigger=config.consumer.max_offsets_per_trigger,
-                         on_data_loss=_SOURCE_ON_DATA_LOSS[config.consumer.on_data_loss])
+                         on_data_loss=_SOURCE_ON_DATA_LOSS[config.consumer.on_data_loss],
+                         run=uuid.uuid4().hex)
     schemas = _wait_for_schemas(opts, discover_schemas, retry_policy(config), stop)
     target = ShapeTarget.from_avro(shape.shape_name, schemas.value_schema, schemas.key_schema)
     applier = ShapeApplier(config, shape, target, kafka_conf, opts, schemas)
@@ -505,9 +509,21 @@ def _wait_for_schemas(opts, discover, policy: RetryPolicy, stop: threading.Event
     raise Stopped()
 
 
-def _first_line(error: BaseException) -> str:
-    """An error's first line, for a log line (Spark's and libpq's run long)."""
-    return (str(error).strip().splitlines() or ["?"])[0][:300]
+def _headline(error: BaseException) -> str:
+    """The line of an error that says what went wrong, for a log line
+    (Spark's and libpq's run long): the raised exception of a Python
+    traceback Spark wraps, else the first line."""
+    lines = str(error).strip().splitlines() or ["?"]
+    if "Traceback (most recent call last)" in lines[0]:
+        raised = [line for line in lines if _RAISED.match(line)]
+        if raised:
+            return raised[-1][:300]
+    return lines[0][:300]
+
+
+# A Python traceback's last line: "module.Name: message" or "SomeError: message"
+# (not the "Identifier: ..." lines Spark appends about the query).
+_RAISED = re.compile(r"(?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*: |[A-Za-z_]\w*(?:Error|Exception|Exit): ")
 
 
 QUERY_RESTARTS = 5  # failures of one query tolerated within QUERY_FAILURE_WINDOW (transient ones aside)
@@ -575,7 +591,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                 failure = failure or q.exception()
                 if cannot_follow(failure):
                     log.error("query %s stopped: %s. The other shapes go on; this one's WAL is held (or dropped "
-                              "per [ack] on_stall)", q.name, _first_line(failure).split("ShapeCannotFollow: ")[-1])
+                              "per [ack] on_stall)", q.name, _headline(failure).split("ShapeCannotFollow: ")[-1])
                     given_up.add(i)
                     continue
                 # A failed query restarts from its checkpoint: the target's
@@ -610,7 +626,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                                            f"{QUERY_FAILURE_WINDOW:.0f}s; last: {failure}")
                     delay = min(2.0 ** len(failures[i]), 30.0)
                     log.error("query %s failed (%s); restarting it from its checkpoint in %.0fs", q.name,
-                              _first_line(failure), delay)
+                              _headline(failure), delay)
                 if _pause(stop, delay):
                     return
                 started[i].close()

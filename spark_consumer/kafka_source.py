@@ -146,6 +146,7 @@ ARROW_BATCH_ROWS = 8192
 CONSUME_BATCH = 5000
 RANGE_CONSUME_WAIT_S = 1.0  # one consume() call of a range read
 RANGE_FETCH_QUEUE_BACKOFF_MS = 10  # librdkafka fetch.queue.backoff.ms of the range consumers (see _range_consumer)
+RANGE_CONSUMERS_KEPT = 8  # per Python worker: one per query run and client config
 RANGE_FETCH_WAIT_MS = 50  # librdkafka fetch.wait.max.ms of the executors' range consumers (10 ms livelocked on Tansu)
 LOST_DATA_RETRIES = 3
 # A batch of at most this many offsets is read by one task (its partitions one
@@ -184,6 +185,10 @@ class SourceOptions:
     max_offsets_per_task: int | None = None
     read_idle_timeout_s: float = 120.0
     on_data_loss: str = "fail"  # or "follow"
+    # The query run this source serves: a restarted query reads its ranges
+    # (a replay among them) with range consumers of its own, never with a
+    # consumer whose state an interrupted run left behind.
+    run: str = ""
 
     @classmethod
     def from_options(cls, options: dict[str, str]) -> SourceOptions:
@@ -205,7 +210,7 @@ class SourceOptions:
                    starting_offsets=o.get("starting_offsets") or "earliest",
                    max_offsets_per_task=int(o["max_offsets_per_task"]) if o.get("max_offsets_per_task") else None,
                    read_idle_timeout_s=float(o.get("read_idle_timeout_s") or 120.0),
-                   on_data_loss=o.get("on_data_loss") or "fail")
+                   on_data_loss=o.get("on_data_loss") or "fail", run=o.get("run") or "")
         if opts.on_data_loss not in ("fail", "follow"):
             raise ValueError(f"{SOURCE_NAME}: on_data_loss must be 'fail' or 'follow', not {opts.on_data_loss!r}")
         if opts.subject_name_strategy not in STRATEGIES:
@@ -233,6 +238,8 @@ class SourceOptions:
             out["max_offsets_per_trigger"] = str(self.max_offsets_per_trigger)
         if self.max_offsets_per_task is not None:
             out["max_offsets_per_task"] = str(self.max_offsets_per_task)
+        if self.run:
+            out["run"] = self.run
         return out
 
     def client_conf(self) -> dict[str, Any]:
@@ -732,10 +739,12 @@ def _incarnation_gone(opts: SourceOptions, task: OffsetRange) -> bool:
 
 def _range_consumer(opts: SourceOptions):
     conf = opts.client_conf()
-    key = _conf_key(conf)
-    consumer = _consumers.get(key)
+    key = f"{opts.run}/{_conf_key(conf)}"
+    consumer = _consumers.pop(key, None)
     if consumer is None:
-        consumer = _consumers[key] = Consumer({
+        while len(_consumers) >= RANGE_CONSUMERS_KEPT:  # runs of restarted queries: the least recently used
+            _consumers.pop(next(iter(_consumers))).close()
+        consumer = Consumer({
             # A range's messages are all there (its end is a high watermark): a
             # fetch has no reason to wait for data, which would delay each task.
             "fetch.wait.max.ms": RANGE_FETCH_WAIT_MS,
@@ -746,6 +755,7 @@ def _range_consumer(opts: SourceOptions):
             "enable.auto.offset.store": False, "enable.partition.eof": True,
             # An offset that is no longer there is data loss: fail, never skip.
             "auto.offset.reset": "error"})
+    _consumers[key] = consumer  # the most recently used last
     return consumer
 
 
