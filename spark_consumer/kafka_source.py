@@ -863,7 +863,12 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
     try:
         next_offset = task.start
         eof_at = None
-        eof_checked = False  # an end-of-partition before any message of the range was looked at again
+        # The next offset at which the read was fetched again: a read that would
+        # skip offsets (a message beyond the next offset, an end-of-partition
+        # past it) fetches once more from the next offset first. What a reused
+        # consumer still held from an earlier read cannot skip a message so; a
+        # skip that comes back is the log's own (compaction, deleted records).
+        refetched_at = None
         idle_since = time.monotonic()
         while next_offset < end:
             msgs = consumer.consume(num_messages=min(CONSUME_BATCH, end - next_offset), timeout=RANGE_CONSUME_WAIT_S)
@@ -880,21 +885,13 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
                         eof_at = msg.offset()
-                        if eof_at >= end and next_offset == task.start and not eof_checked:
-                            # Nothing of the range seen yet: this end may be a previous
-                            # read's of the same partition (a replayed range). Taken as
-                            # the range's, it would hand over nothing for offsets never
-                            # applied; a seek fetches again, and a true end comes back.
-                            eof_checked = True
-                            try:
-                                consumer.seek(TopicPartition(topic, partition, next_offset))
-                                continue
-                            except KafkaException:
-                                pass  # not seekable yet: the end stands
-                        if eof_at >= end:  # the rest of the range holds no visible message
-                            next_offset = end
+                        if eof_at < end:
+                            continue
+                        if refetched_at != next_offset and _refetch(consumer, topic, partition, next_offset):
+                            refetched_at = next_offset
                             break
-                        continue
+                        next_offset = end  # the rest of the range holds no visible message
+                        break
                     if not err.fatal() and err.code() in _TRANSIENT:
                         log.warning("%s[%d]: %s (retrying)", topic, partition, err.str())
                         continue
@@ -903,11 +900,15 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
                         break
                     raise KafkaException(err)
                 offset = msg.offset()
+                if offset < next_offset:
+                    continue
+                if offset > next_offset and refetched_at != next_offset and _refetch(
+                        consumer, topic, partition, next_offset):
+                    refetched_at = next_offset
+                    break
                 if offset >= end:
                     next_offset = end
                     break
-                if offset < next_offset:
-                    continue
                 rows.add(offset, msg.key(), msg.value(), msg.headers())
                 next_offset = offset + 1
             idle_since = time.monotonic() if msgs else idle_since
@@ -926,6 +927,16 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
             yield rows.to_record_batch()
     finally:
         consumer.unassign()
+
+
+def _refetch(consumer, topic: str, partition: int, offset: int) -> bool:
+    """Fetch ``partition`` again from ``offset`` (what the consumer held is
+    dropped); False when it cannot seek now (the skip then stands)."""
+    try:
+        consumer.seek(TopicPartition(topic, partition, offset))
+        return True
+    except KafkaException:
+        return False
 
 
 class RawRows:
