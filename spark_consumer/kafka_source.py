@@ -577,6 +577,13 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         begin = offsets_from_json(start)
         try:
             topic_id = self._probe().topic_id()
+            if start.get(TOPIC_ID) and not topic_id:
+                # The topic had an id and now shows none (a broker still making
+                # it): planned without one, a new incarnation would be read on
+                # from the old one's offsets, never from its first.
+                log.warning("%s shows no topic id (it had %s): no new data this time", self._opts.topic,
+                            start[TOPIC_ID])
+                return start
             if recreated(start, {TOPIC_ID: topic_id}):
                 if self._opts.on_data_loss != "follow":
                     raise RuntimeError(f"{self._opts.topic} was recreated (topic id {start[TOPIC_ID]} is now "
