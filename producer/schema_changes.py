@@ -402,8 +402,17 @@ def resumed(seed: RelationShape, new: RelationShape, catalog: CatalogFacts | Non
     ``carried`` (None: every column) and filter on ``filtered``. A column the
     shapes do not carry is not compared; one they only filter on was never
     published, so its history is unknown: in doubt (the shapes filtering on
-    it are re-read), never taken for unchanged."""
+    it are re-read), never taken for unchanged. A Relation older than the
+    seed (a column the seed has is missing, but the catalog still has it with
+    the seed's attnum) is not compared: the later ones are."""
     known = {c.name for c in seed.columns}
+    now = {c.name: c.attnum for c in (catalog.columns if catalog else ())}
+    names = {c.name for c in new.columns}
+    if any(c.name not in names and c.attnum is not None and now.get(c.name) == c.attnum for c in seed.columns):
+        # WAL from before a change the last run already published (it resumes
+        # from the confirmed position): not compared; the relation's later
+        # Relation messages are compared with this one as usual.
+        return []
     compared = replace(new, columns=tuple(c for c in new.columns if c.name in known or carried is None
                                           or c.name in carried or c.name in filtered))
     changes = classify(replace(seed, schema=new.schema, name=new.name), compared, catalog)

@@ -151,3 +151,10 @@ def test_shapes_published_later_win_per_column():
     older, newer = published(BASE), published(catalog(col(1, "id"), col(2, "a", sc.INT8), col(3, "b", sc.TEXT)))
     seed = sc.from_published([older, newer], type_name, "d")
     assert {c.name: c.type_oid for c in seed.columns} == {"id": sc.INT4, "a": sc.INT8, "b": sc.TEXT}
+
+
+def test_a_relation_older_than_what_was_published_is_not_taken_for_a_drop():
+    """The last run published the added column, but the slot resumes before the
+    ADD COLUMN: the replayed Relation lacks it while the catalog still has it."""
+    now = catalog(*BASE.columns, col(4, "c"))
+    assert resumed(now, now, message=[("id", sc.INT4, -1), ("a", sc.INT4, -1), ("b", sc.TEXT, -1)]) == []
