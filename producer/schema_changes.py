@@ -9,7 +9,9 @@ each shape of the table must do about it.
 Path: previous ``RelationShape`` + new Relation (WAL truth: names, types) +
 ``CatalogFacts`` (attnum, atthasmissing, atthasdef, key, replica identity) →
 :func:`shape_of` → :func:`classify` → ``Change``s → :func:`consequences` →
-per shape: re-read (backfill), stop, and the aliases of renamed columns.
+per shape: re-read (backfill), stop, and the aliases of renamed columns. A
+run resumed from its slot compares the table's first Relation with what its
+shapes last published: :func:`from_published` → :func:`resumed`.
 
 Invariants:
 - Pure: no I/O, no clock.

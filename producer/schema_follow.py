@@ -5,8 +5,10 @@ The path: a shape table's Relation message (``SchemaFollower.relation``, before
 the stream plans the relation again) → the catalog's facts read now
 (``catalog.relation_facts``) → ``classify`` against the relation as the stream
 last planned it — or, before the table's first change in the stream, as the
-run's initial snapshot read it (``start_from``); ``first_sight`` when neither
-is known (a run resumed from its slot) → ``consequences`` → one
+run's initial snapshot read it (``start_from``), or, in a run resumed from
+its slot, as the table's shapes last published it (``resume_from``,
+``schema_changes.resumed``); only the table's name (``first_sight``) when
+none is known → ``consequences`` → one
 INFO line per shape, a backfill of each shape whose rows changed without a
 change in the WAL, the aliases of renamed columns for the next plan, and
 ``stop`` for a shape that cannot follow. Between bursts, ``poll`` notices a
@@ -28,7 +30,12 @@ Invariants:
 - After an initial snapshot, a table's first Relation in the stream is compared
   with the columns the snapshot read: DDL between the snapshot and the table's
   first change (a table nobody wrote since) is a change like any other, never
-  a first sight whose missing default would go unnoticed.
+  a first sight whose missing default would go unnoticed. Likewise, in a run
+  resumed from its slot, with what the shapes last published: DDL made while
+  the producer was stopped is a change like any other; what the published
+  schemas cannot confirm is re-read.
+- Writer schemas carry each column's attnum as the follower last knew it
+  (``attnums``), so the next run's comparison is exact.
 """
 
 from __future__ import annotations
