@@ -1,10 +1,13 @@
 """A restarted producer's schema comparison (producer.schema_changes.from_published / resumed):
 the table's first Relation of a run resumed from its slot against what its shapes last published."""
 
+import uuid
+
 from producer import schema_changes as sc
 from producer.envelope import ShapeColumn, key_schema, value_schema
 from producer.pgtypes import ColumnCodec
 from producer.schema_changes import CatalogFacts, ColumnFacts, ShapeRef
+from schemas.publisher import SchemaPublisher
 
 TYPES = {sc.INT2: "smallint", sc.INT4: "integer", sc.INT8: "bigint", sc.TEXT: "text", sc.NUMERIC: "numeric"}
 CODECS = {sc.INT2: ColumnCodec("int", False, int, "smallint"), sc.INT4: ColumnCodec("int", False, int, "integer"),
@@ -158,3 +161,19 @@ def test_a_relation_older_than_what_was_published_is_not_taken_for_a_drop():
     ADD COLUMN: the replayed Relation lacks it while the catalog still has it."""
     now = catalog(*BASE.columns, col(4, "c"))
     assert resumed(now, now, message=[("id", sc.INT4, -1), ("a", sc.INT4, -1), ("b", sc.TEXT, -1)]) == []
+
+
+def test_latest_published_schemas_from_the_registry():
+    """``SchemaPublisher.latest`` with a (mock) registry: each topic's newest value and key schemas, in
+    registration order; a topic that never published is absent."""
+    publisher = SchemaPublisher(None, "wb", {"url": f"mock://resume-{uuid.uuid4().hex[:8]}"})
+    first, key = published(BASE)
+    wider, _ = published(catalog(col(1, "id"), col(2, "a", sc.INT8), col(3, "b", sc.TEXT)))
+    publisher.prefix("wb.t", first)
+    publisher.prefix("wb.t", key, is_key=True)
+    publisher.prefix("wb.t", wider)
+    publisher.prefix("wb.u", first)
+    found = publisher.latest({}, ["wb.t", "wb.u", "wb.none"])
+    assert set(found) == {"wb.t", "wb.u"}
+    assert found["wb.t"][1:] == (wider, key) and found["wb.u"][2] is None
+    assert found["wb.t"][0] < found["wb.u"][0]
