@@ -176,12 +176,12 @@ class SchemaFollower:
 
     def attnums(self, oid: int) -> dict[str, int]:
         """Each column's attnum (name → attnum) as the stream last planned the
-        relation, else as the catalog has it now: what its writer schemas carry."""
-        shape = self._relations.get(oid)
-        if shape is not None:
-            return {c.name: c.attnum for c in shape.columns if c.attnum is not None}
+        relation, else (a column the stream has not seen: a read of the whole
+        table) as the catalog has it now: what its writer schemas carry."""
         facts = catalog.relation_facts(self._conn, oid)
-        return {c.name: c.attnum for c in facts.columns} if facts is not None else {}
+        shape = self._relations.get(oid)
+        return {**{c.name: c.attnum for c in (facts.columns if facts else ())},
+                **{c.name: c.attnum for c in (shape.columns if shape else ()) if c.attnum is not None}}
 
     def _published_columns(self, shapes: list[str]) -> tuple[frozenset[str] | None, frozenset[str]]:
         """The columns ``shapes`` carry (None: every column) and those they filter on."""
