@@ -180,8 +180,9 @@ class SchemaFollower:
         table) as the catalog has it now: what its writer schemas carry."""
         facts = catalog.relation_facts(self._conn, oid)
         shape = self._relations.get(oid)
-        return {**{c.name: c.attnum for c in (facts.columns if facts else ())},
-                **{c.name: c.attnum for c in (shape.columns if shape else ()) if c.attnum is not None}}
+        planned = {c.name: c.attnum for c in (shape.columns if shape else ())}
+        merged = {**{c.name: c.attnum for c in (facts.columns if facts else ())}, **planned}
+        return {name: n for name, n in merged.items() if n is not None}  # None: in doubt, published without
 
     def _published_columns(self, shapes: list[str]) -> tuple[frozenset[str] | None, frozenset[str]]:
         """The columns ``shapes`` carry (None: every column) and those they filter on."""
