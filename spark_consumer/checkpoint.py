@@ -104,9 +104,27 @@ def earliest_skipped(checkpoint: Path, next_offsets: Mapping[int, int]) -> int |
         end = _source_offsets(checkpoint, batch)
         if end is None or (batch > 0 and start is None) or recreated(start, end) or end.get(TOPIC_ID) != incarnation:
             continue  # purged by Spark, unreadable, or of an earlier incarnation: nothing to say
-        if _skipped_partitions(start, end, next_offsets):
+        if _starts_incarnation(checkpoint, batch):
+            # The target's progress may still be the earlier incarnation's (it
+            # keeps no topic id): only progress at or past its end on every
+            # partition it moved says it was applied (a doubt replays it,
+            # which is harmless).
+            begin = offsets_from_json(start)
+            if any(stop > begin.get(p, 0) and next_offsets.get(p, 0) < stop
+                   for p, stop in offsets_from_json(end).items()):
+                return batch
+        elif _skipped_partitions(start, end, next_offsets):
             return batch
     return None
+
+
+def _starts_incarnation(checkpoint: Path, batch: int) -> bool:
+    """Does ``batch`` read the first offsets of a topic incarnation (the batch
+    before it is the one that found the topic recreated)?"""
+    if batch < 2:
+        return False
+    before, at = _source_offsets(checkpoint, batch - 2), _source_offsets(checkpoint, batch - 1)
+    return before is not None and at is not None and recreated(before, at)
 
 
 def newest_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
