@@ -27,6 +27,12 @@ Invariants:
   beyond the batch's end after an offset reset, a recreated topic, an
   unreadable log entry) counts as unapplied: replaying an applied batch is
   harmless (progress skips it part by part), skipping an unapplied one is not.
+- Progress is compared in one topic incarnation: the caller passes the
+  target's next offsets as the newest batch's incarnation sees them (progress
+  recorded for another reads as 0, :meth:`spark_consumer.apply_plan.Progress.for_incarnation`).
+  Progress written before the target recorded incarnations cannot be told
+  apart, so the first batch of an incarnation counts as applied only with
+  progress at or past its end on every partition it moved.
 - The repair is what Spark does for a batch it had not committed: with
   ``commits/N`` and every later ``commits/`` and ``offsets/`` entry removed
   (with Hadoop's ``.crc`` side files), the restarted query re-runs batch N
@@ -98,7 +104,7 @@ def earliest_skipped(checkpoint: Path, next_offsets: Mapping[int, int]) -> int |
     committed = _batch_ids(checkpoint / "commits")
     if len(committed) < 2:
         return None
-    incarnation = (_source_offsets(checkpoint, committed[-1]) or {}).get(TOPIC_ID)
+    incarnation = batch_topic_id(checkpoint, committed[-1])
     for batch in committed[:-1]:
         start = _source_offsets(checkpoint, batch - 1) if batch > 0 else None
         end = _source_offsets(checkpoint, batch)
@@ -145,6 +151,13 @@ def batch_topic_id(checkpoint: Path, batch_id: int) -> str | None:
     """The id of the topic incarnation batch ``batch_id`` was planned on (in
     its end offsets; None where not recorded)."""
     return (_source_offsets(checkpoint, batch_id) or {}).get(TOPIC_ID)
+
+
+def newest_topic_id(checkpoint: Path) -> str | None:
+    """The topic incarnation the newest committed batch was planned on (None:
+    no batch, or not recorded)."""
+    committed = _batch_ids(checkpoint / "commits")
+    return batch_topic_id(checkpoint, committed[-1]) if committed else None
 
 
 def newest_moved(checkpoint: Path, next_offsets: Mapping[int, int]) -> tuple[str | None, dict[int, int]]:

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from spark_consumer.apply_plan import Progress
 from spark_consumer.checkpoint import batch_applied, newest_moved, replay_unapplied
 
 META = '{"batchWatermarkMs":0,"batchTimestampMs":1795361932090,"conf":{}}'
@@ -154,3 +155,10 @@ def test_newest_moved_says_nothing_across_a_recreated_topic_or_without_batches(t
     assert newest_moved(tmp_path / "recreated", {0: 2}) == (None, {})
     (tmp_path / "empty").mkdir()
     assert newest_moved(tmp_path / "empty", {0: 2}) == (None, {})
+
+
+def test_progress_of_another_incarnation_reads_as_nothing_applied():
+    prog = Progress(667, (10, 0), (5, 0), "old")
+    assert prog.for_incarnation("old") is prog and prog.for_incarnation(None) is prog
+    assert Progress(667).for_incarnation("new").next_offset == 667  # not recorded: taken as is
+    assert prog.for_incarnation("new") == Progress(0, (10, 0), (5, 0), "old")  # positions and floor hold
