@@ -60,7 +60,6 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import re
@@ -342,7 +341,7 @@ class ShapeApplier:
                 self.schemas.layout().spark_schema())
             staged = decoded.mapInArrow(
                 functools.partial(_stage_partitions, self.config.consumer.target_dsn, group, target,
-                                  _OFFSET_RESET[self.config.consumer.on_data_loss], self._read_from(batch_id)),
+                                  _OFFSET_RESET[self.config.consumer.on_data_loss], self._topic_ids(batch_id)),
                 _STAGED_SCHEMA).collect()
             if all(r.rows >= 0 for r in staged):
                 return staged
@@ -392,6 +391,7 @@ class ShapeApplier:
         return batch_topic_id(self._checkpoint, batch_id) if self._checkpoint else None
 
     def _topic_ids(self, batch_id: int) -> dict[str, str | None]:
+        """The incarnation of each topic batch ``batch_id`` reads."""
         return {self.config.topic(self.shape): self._read_from(batch_id)}
 
     def _metrics(self, newest: int | None, result) -> None:
@@ -422,9 +422,10 @@ _STAGED_ARROW_SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32
 _stage_connections: dict[str, Any] = {}  # per Python worker process, reused across tasks
 
 
-def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, topic_id: str | None, batches):
+def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, topic_ids: dict[str, str | None],
+                      batches):
     """Executor side: stage this task's rows, one part per Kafka partition
-    of the topic incarnation ``topic_id``."""
+    (``topic_ids``: the incarnation each topic was read from)."""
 
     fields, rows = arrow_rows(batches)
     if not rows:
@@ -441,8 +442,7 @@ def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, topic_
         conn = _stage_connections[dsn] = psycopg.connect(dsn, autocommit=True)
         ensure_progress(conn)
     out = {k: [] for k in ("topic", "partition", "start", "end", "rows", "newest_ts_ms")}
-    for part in parts_from_rows(rows, fields=fields):
-        part = dataclasses.replace(part, topic_id=topic_id)  # a task reads one topic
+    for part in parts_from_rows(rows, fields=fields, topic_ids=topic_ids):
         stage_part(conn, group, target, part, on_offset_reset=on_offset_reset)
         for k, v in (("topic", part.topic), ("partition", part.partition), ("start", part.start),
                      ("end", part.end), ("rows", len(part.rows)),
