@@ -25,6 +25,13 @@ Invariants:
   ``.crc`` side files), the restarted query re-runs batch N over the same
   offset range ``[offsets/N-1, offsets/N)``.
 
+One query over many topics (:mod:`spark_consumer.topics_source`, offsets
+``{"<topic>": <that topic's offsets>}``) is reasoned about per topic, with
+the same rules (the ``topics_*`` functions): its newest batch is applied only
+when every topic of the query it moved is; a topic that joined in that batch
+moved nothing; and the first batch starts where the source was told to start
+(the target's progress when the query started), not at offset 0.
+
 Layout read here (Spark's HDFSMetadataLog, format ``v1``): ``offsets/<id>``
 is a version line, a metadata line, then one line per source (this query has
 one: the source's offset JSON, see :mod:`spark_consumer.kafka_source`);
@@ -37,6 +44,7 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Iterator
 
 from spark_consumer.kafka_source import TOPIC_ID, offsets_from_json, recreated
 
@@ -119,10 +127,86 @@ def replay_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int |
     returns its id, or None when there was nothing to repair. Call it only
     while the query is stopped."""
     newest = newest_unapplied(checkpoint, next_offsets)
-    if newest is None:
-        return None
+    if newest is not None:
+        _uncommit(checkpoint, newest)
+    return newest
+
+
+def _uncommit(checkpoint: Path, newest: int) -> None:
+    """Make Spark re-run batch ``newest``: its commit and every later offsets entry go."""
     for later in _batch_ids(checkpoint / "offsets"):
         if later > newest:
             _remove(checkpoint / "offsets", later)
     _remove(checkpoint / "commits", newest)
+
+
+Progress = Mapping[str, Mapping[int, int]]  # topic -> partition -> the target's next offset
+
+
+def _topics_of_newest(checkpoint: Path, initial: Mapping[str, dict]
+                      ) -> tuple[int | None, list[tuple[str, dict | None, dict | None]]]:
+    """The newest committed batch of a many-topic query and, for each of the
+    query's topics (``initial``'s: where the source was told to start each)
+    that the batch read, (topic, its start offsets, its end offsets); an
+    unreadable entry gives (topic, None, None)."""
+    committed = _batch_ids(checkpoint / "commits")
+    if not committed:
+        return None, []
+    newest = committed[-1]
+    start = _source_offsets(checkpoint, newest - 1) if newest > 0 else None
+    end = _source_offsets(checkpoint, newest)
+    if end is None or (newest > 0 and start is None):
+        return newest, [(t, None, None) for t in initial]
+    return newest, list(_topic_ranges(start, end, initial))
+
+
+def _topic_ranges(start: dict | None, end: dict, initial: Mapping[str, dict]
+                  ) -> Iterator[tuple[str, dict | None, dict | None]]:
+    for topic, first in initial.items():
+        if topic not in end:
+            continue  # not read by this batch (not yet, or no longer, the query's)
+        if start is None:
+            yield topic, first, end[topic]
+        elif topic in start:
+            yield topic, start[topic], end[topic]
+        # else: it joined in this batch, with an empty range
+
+
+def topics_batch_unapplied(checkpoint: Path, progress: Progress, initial: Mapping[str, dict]) -> int | None:
+    """:func:`newest_unapplied` for a many-topic query: the newest committed
+    batch if any of the query's topics it moved lacks its target progress."""
+    newest, ranges = _topics_of_newest(checkpoint, initial)
+    for topic, start, end in ranges:
+        if end is None or not batch_applied(start, end, progress.get(topic, {})):
+            return newest
+    return None
+
+
+def topics_replay_unapplied(checkpoint: Path, progress: Progress, initial: Mapping[str, dict]) -> int | None:
+    """:func:`replay_unapplied` for a many-topic query."""
+    newest = topics_batch_unapplied(checkpoint, progress, initial)
+    if newest is not None:
+        _uncommit(checkpoint, newest)
     return newest
+
+
+def topics_newest_moved(checkpoint: Path, progress: Progress, initial: Mapping[str, dict]
+                        ) -> dict[str, tuple[str | None, dict[int, int]]]:
+    """:func:`newest_moved` per topic of a many-topic query: topic -> (the
+    topic id its part of the newest batch was read from, the target's next
+    offset of each partition that batch moved)."""
+    _, ranges = _topics_of_newest(checkpoint, initial)
+    out = {}
+    for topic, start, end in ranges:
+        if end is None or recreated(start, end):
+            continue
+        begin, nxt = offsets_from_json(start), progress.get(topic, {})
+        moved = {p: nxt[p] for p, stop in offsets_from_json(end).items() if begin.get(p, 0) < nxt.get(p, -1) <= stop}
+        if moved:
+            out[topic] = (end.get(TOPIC_ID), moved)
+    return out
+
+
+def topics_batch_topic_id(checkpoint: Path, batch_id: int, topic: str) -> str | None:
+    """:func:`batch_topic_id` of one topic of a many-topic query's batch."""
+    return ((_source_offsets(checkpoint, batch_id) or {}).get(topic) or {}).get(TOPIC_ID)

@@ -391,26 +391,28 @@ def plan_ranges(topic: str, start: Offsets, end: Offsets, max_per_task: int | No
 
 
 # ------------------------------------------------------------- driver side
-class PartitionEnds:
-    """The driver's view of the topic: partitions, earliest offsets and true end
-    offsets (see the module invariants on Tansu). One consumer, created on first
-    use, never committing."""
+class ProbeClients:
+    """The driver's Kafka clients for probing ends and topic ids, created on
+    first use: one pair per topic's probe, or one pair shared by the probes
+    of many topics (used one after the other, never at once)."""
 
-    def __init__(self, opts: SourceOptions, timeout: float = 30.0):
-        self._opts = opts
-        self._timeout = timeout
+    def __init__(self, conf: dict[str, Any]):
+        self._conf = conf
         self._consumer = None
         self._admin = None
-        # partition -> (reported end, true end) of its last successful probe
-        self._probed: dict[int, tuple[int, int]] = {}
 
-    def _client(self):
+    def consumer(self):
         if self._consumer is None:
             self._consumer = Consumer({
-                **self._opts.client_conf(), "group.id": f"walbridge-probe-{uuid.uuid4().hex}",
+                **self._conf, "group.id": f"walbridge-probe-{uuid.uuid4().hex}",
                 "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "latest",
                 "max.partition.fetch.bytes": 65536, "queued.max.messages.kbytes": 4096})
         return self._consumer
+
+    def admin(self):
+        if self._admin is None:
+            self._admin = AdminClient(self._conf)
+        return self._admin
 
     def close(self) -> None:
         if self._consumer is not None:
@@ -418,14 +420,33 @@ class PartitionEnds:
             self._consumer = None
         self._admin = None
 
+
+class PartitionEnds:
+    """The driver's view of the topic: partitions, earliest offsets and true end
+    offsets (see the module invariants on Tansu). One consumer, created on first
+    use, never committing."""
+
+    def __init__(self, opts: SourceOptions, timeout: float = 30.0, clients: ProbeClients | None = None):
+        self._opts = opts
+        self._timeout = timeout
+        self._own = clients is None  # closed with this probe; shared ones by their owner
+        self._clients = clients if clients is not None else ProbeClients(opts.client_conf())
+        # partition -> (reported end, true end) of its last successful probe
+        self._probed: dict[int, tuple[int, int]] = {}
+
+    def _client(self):
+        return self._clients.consumer()
+
+    def close(self) -> None:
+        if self._own:
+            self._clients.close()
+
     def forget(self) -> None:
         """Drop remembered probes (the topic was recreated)."""
         self._probed.clear()
 
     def topic_id(self) -> str | None:
-        if self._admin is None:
-            self._admin = AdminClient(self._opts.client_conf())
-        return describe_topic_id(self._admin, self._opts.topic, self._timeout)
+        return describe_topic_id(self._clients.admin(), self._opts.topic, self._timeout)
 
     def partitions(self) -> list[int]:
         topic = self._opts.topic
@@ -481,6 +502,8 @@ class PartitionEnds:
                     log.warning("probing the end of %s[%s]: %s", topic, msg.partition(), err)
                     if msg.partition() is None or msg.topic() != topic:
                         continue  # a client-level event, not this partition's answer
+                if msg.topic() != topic:
+                    continue  # a late answer to a shared consumer's probe of another topic
                 pending.discard(msg.partition())
             for p in probe:
                 if p in pending:
@@ -499,18 +522,19 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """See the module docstring. Driver-side state (probe, availableNow target)
     lives only in Spark's long-lived source process; executors only ``read``."""
 
-    def __init__(self, opts: SourceOptions):
+    def __init__(self, opts: SourceOptions, clients: ProbeClients | None = None):
         self._opts = opts
+        self._clients = clients  # shared probe clients (one query over many topics), or None: its own
         self._ends: PartitionEnds | None = None
         self._target: Offsets | None = None
         self._last_ends: Offsets | None = None
 
     def __getstate__(self) -> dict:
-        return {"_opts": self._opts, "_ends": None, "_target": None, "_last_ends": None}
+        return {"_opts": self._opts, "_clients": None, "_ends": None, "_target": None, "_last_ends": None}
 
     def _probe(self) -> PartitionEnds:
         if self._ends is None:
-            self._ends = PartitionEnds(self._opts)
+            self._ends = PartitionEnds(self._opts, clients=self._clients)
         return self._ends
 
     # -- driver
@@ -614,12 +638,16 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def reportLatestOffset(self) -> dict | None:
         return offsets_to_json(self._last_ends) if self._last_ends is not None else None
 
-    def partitions(self, start: dict, end: dict) -> list[OffsetRange]:
+    def ranges(self, start: dict | None, end: dict) -> list[OffsetRange]:
+        """The batch's offset ranges, before small ones are bundled into one task."""
         begin = offsets_from_json(start)
         if recreated(start, end):
             begin = {p: 0 for p in begin}
-        ranges = plan_ranges(self._opts.topic, begin, offsets_from_json(end), self._opts.max_offsets_per_task,
-                             (end or {}).get(TOPIC_ID))
+        return plan_ranges(self._opts.topic, begin, offsets_from_json(end), self._opts.max_offsets_per_task,
+                           (end or {}).get(TOPIC_ID))
+
+    def partitions(self, start: dict, end: dict) -> list[OffsetRange]:
+        ranges = self.ranges(start, end)
         return ranges if self._opts.max_offsets_per_task else bundle_small(ranges)
 
     def commit(self, end: dict) -> None:
