@@ -77,7 +77,7 @@ from schemas import wire
 from schemas.config import Config, ConfigError, ShapeConfig
 from schemas.failures import TARGET, Failure, attributed, classify, classify_text
 from schemas.kafka import client_config
-from schemas.retry import Outage, RetryPolicy
+from schemas.retry import Outage
 from spark_consumer import metrics
 from spark_consumer.apply_driver import apply_batch
 from spark_consumer.apply_plan import ShapeTarget
@@ -95,13 +95,18 @@ from spark_consumer.kafka_source import (
 )
 from spark_consumer.progress import ensure_progress, read_progress
 from spark_consumer.session import spark_session
+from spark_consumer.starting import (
+    NEW_SCHEMA_ROUNDS,
+    OFFSET_RESET,
+    Stopped,
+    pause,
+    retry_policy,
+    source_options,
+    wait_for_schemas,
+)
 from spark_consumer.target_layout import ShapeCannotFollow, ensure_table
 
 log = logging.getLogger("walbridge.consumer")
-
-
-def retry_policy(config: Config) -> RetryPolicy:
-    return RetryPolicy(config.consumer.reconnect_max_backoff, config.consumer.reconnect_max_elapsed)
 
 
 def reach_target(config: Config, stop: threading.Event | None = None) -> None:
@@ -267,7 +272,7 @@ class ShapeApplier:
         """Read the shape's schemas again (the batch carries a new one) and
         derive the target the next decode of the batch goes to."""
         log.info("shape %s batch %d: %s; learning the shape's schemas again", self.shape.shape_name, batch_id, why)
-        self.schemas = _wait_for_schemas(self.source, discover_schemas, retry_policy(self.config))
+        self.schemas = wait_for_schemas(self.source, discover_schemas, retry_policy(self.config))
         self._batch_target = ShapeTarget.from_avro(self.shape.shape_name, self.schemas.value_schema,
                                                    self.schemas.key_schema)
 
@@ -334,7 +339,7 @@ class ShapeApplier:
                 self.schemas.layout().spark_schema())
             staged = decoded.mapInArrow(
                 functools.partial(_stage_partitions, self.config.consumer.target_dsn, group, target,
-                                  _OFFSET_RESET[self.config.consumer.on_data_loss]),
+                                  OFFSET_RESET[self.config.consumer.on_data_loss]),
                 _STAGED_SCHEMA).collect()
             if all(r.rows >= 0 for r in staged):
                 return staged
@@ -350,7 +355,7 @@ class ShapeApplier:
         fields, rows = arrow_rows(table)
         conn = self._connection()
         parts = parts_from_rows(rows, fields=fields)
-        on_reset = _OFFSET_RESET[self.config.consumer.on_data_loss]
+        on_reset = OFFSET_RESET[self.config.consumer.on_data_loss]
         if self._follow_target(target):
             with conn.transaction():
                 ensure_table(conn, target, self.config.consumer.on_dropped_column)
@@ -397,9 +402,6 @@ def _newest_ts_ms(table) -> int | None:
     return pc.max(table.column("_wb_ts_ms")).as_py()
 
 
-_OFFSET_RESET = {"follow": "follow", "stop": "raise"}  # [consumer] on_data_loss -> apply's on_offset_reset
-_SOURCE_ON_DATA_LOSS = {"follow": "follow", "stop": "fail"}  # ... -> the source's on_data_loss
-NEW_SCHEMA_ROUNDS = 3  # lookups of the schemas for one batch (the producer publishes before it writes)
 # rows = -1: the task met a new writer schema and staged nothing (the batch is decoded again).
 _STAGED_SCHEMA = "topic string, partition int, start long, end long, rows long, newest_ts_ms long"
 _STAGED_ARROW_SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32()), ("start", pa.int64()),
@@ -450,16 +452,8 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
     """One shape's streaming query (from its checkpoint) and its applier."""
 
     topic = config.topic(shape)
-    registry_client = {k: v for k, v in config.kafka.registry_client_config().items() if k != "url"}
-    opts = SourceOptions(topic=topic, bootstrap_servers=config.kafka.bootstrap_servers,
-                         topic_prefix=config.kafka.topic_prefix,
-                         schema_registry_url=config.kafka.schema_registry_url,
-                         schema_registry_client=registry_client,
-                         subject_name_strategy=config.kafka.subject_name_strategy,
-                         kafka_client=dict(config.kafka.client),
-                         max_offsets_per_trigger=config.consumer.max_offsets_per_trigger,
-                         on_data_loss=_SOURCE_ON_DATA_LOSS[config.consumer.on_data_loss])
-    schemas = _wait_for_schemas(opts, discover_schemas, retry_policy(config), stop)
+    opts = source_options(config, shape)
+    schemas = wait_for_schemas(opts, discover_schemas, retry_policy(config), stop)
     target = ShapeTarget.from_avro(shape.shape_name, schemas.value_schema, schemas.key_schema)
     applier = ShapeApplier(config, shape, target, kafka_conf, opts, schemas)
     df = read_raw_stream(spark, opts)
@@ -471,38 +465,6 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
     log.info("consuming %s into %s.%s (checkpoint %s, %s apply)", topic, target.schema, target.table, checkpoint,
              "staged" if config.consumer.staged_apply else "driver")
     return query, applier
-
-
-class Stopped(Exception):
-    """``stop`` was set while a start waited."""
-
-
-def _pause(stop: threading.Event | None, seconds: float) -> bool:
-    """Sleep; True when ``stop`` was set meanwhile."""
-    if stop is None:
-        time.sleep(seconds)
-        return False
-    return stop.wait(seconds)
-
-
-def _wait_for_schemas(opts, discover, policy: RetryPolicy, stop: threading.Event | None = None,
-                      timeout: float = 600.0):
-    """The producer publishes a shape's schema before its first message; a
-    consumer started first waits for it (up to ``timeout``), and for an
-    unreachable broker or registry as long as ``policy`` says."""
-    deadline = time.monotonic() + timeout
-    for attempt in Outage(policy, stop, log):
-        with attempt, attributed(kafka=opts.bootstrap_servers, registry=opts.schema_registry_url):
-            while True:
-                try:
-                    return discover(opts)
-                except LookupError:
-                    if time.monotonic() > deadline:
-                        raise
-                    log.info("waiting for the producer to publish the schema of %s", opts.topic)
-                    if _pause(stop, 2.0):
-                        raise Stopped() from None
-    raise Stopped()
 
 
 def _first_line(error: BaseException) -> str:
@@ -611,7 +573,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                     delay = min(2.0 ** len(failures[i]), 30.0)
                     log.error("query %s failed (%s); restarting it from its checkpoint in %.0fs", q.name,
                               _first_line(failure), delay)
-                if _pause(stop, delay):
+                if pause(stop, delay):
                     return
                 started[i].close()
                 queries[i], started[i] = start_query(spark, config, config.shapes[i], kafka_conf, stop)
