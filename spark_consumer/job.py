@@ -40,11 +40,7 @@ Invariants:
   :meth:`ShapeApplier.recover` has Spark replay such a batch
   (:mod:`spark_consumer.checkpoint`), so nothing Spark skips is missing.
 - A query is stopped only while its foreachBatch is outside Spark
-  (:meth:`ShapeApplier.quiesce`): an interrupt inside a Spark call returns as
-  a Py4J error carrying Java's stack, whose text Spark's interruption check
-  scans with a regex that overflows the stream thread's stack
-  (``StackOverflowError``). A failed apply found while a batch is being read
-  ends the query through that batch instead.
+  (:mod:`spark_consumer.pipelined`).
 - Each query has its own checkpoint (``<checkpoint_dir>/<shape>``), target
   connection and offset committer; queries share nothing mutable.
 - A shape whose target cannot follow its new writer schema (a key column
@@ -64,7 +60,6 @@ import functools
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -93,6 +88,7 @@ from spark_consumer.kafka_source import (
     discover_schemas,
     read_raw_stream,
 )
+from spark_consumer.pipelined import PipelinedApply
 from spark_consumer.progress import ensure_progress, read_progress
 from spark_consumer.session import spark_session
 from spark_consumer.starting import (
@@ -120,7 +116,7 @@ def reach_target(config: Config, stop: threading.Event | None = None) -> None:
             psycopg.connect(config.consumer.target_dsn, connect_timeout=10).close()
 
 
-class ShapeApplier:
+class ShapeApplier(PipelinedApply):
     """The foreachBatch function of one shape's query.
 
     Driver apply is pipelined one batch deep: ``__call__`` reads batch N
@@ -136,6 +132,7 @@ class ShapeApplier:
     def __init__(self, config: Config, shape: ShapeConfig, target: ShapeTarget, kafka_conf: dict[str, Any],
                  source: SourceOptions | None = None, schemas: ShapeSchemas | None = None):
 
+        super().__init__(f"shape {shape.shape_name}", f"apply-{shape.shape_name}")
         self.config = config
         self.shape = shape
         # The target as the connection last made it (ensure_table); a batch
@@ -151,39 +148,9 @@ class ShapeApplier:
         self._conn = None
         self._committer: OffsetCommitter | None = None
         self._checkpoint: Path | None = None  # the query's (set by recover)
-        self._apply_thread = ThreadPoolExecutor(1, thread_name_prefix=f"apply-{shape.shape_name}")
-        self._pending = None  # the Future of the batch being applied
-        # A query must not be stopped while its foreachBatch is inside a Spark
-        # call: the interrupt comes back as a Py4J error carrying Java's stack,
-        # and Spark's check of that text for an interruption overflows the
-        # stream thread's stack (StackOverflowError). See :meth:`quiesce`.
-        self._calls = threading.Lock()
-        self._in_call = False
-        self._quiesced = False
         self.batches = 0
         self.rows = 0
         self.dlq = 0
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error of a finished, failed apply not yet raised to Spark."""
-        pending = self._pending
-        return pending.exception() if pending is not None and pending.done() else None
-
-    def quiesce(self) -> bool:
-        """After a failed apply: refuse every further batch. True when no
-        batch is being read now, so the query can be stopped; False when one
-        is: that call raises the apply's error itself (ending the query)."""
-        with self._calls:
-            self._quiesced = True
-            return not self._in_call
-
-    def settle(self, timeout: float) -> None:
-        """Quiesce, then wait up to ``timeout`` seconds for the batch being
-        read to be handed over (before the query is stopped for good)."""
-        deadline = time.monotonic() + timeout
-        while not self.quiesce() and time.monotonic() < deadline:
-            time.sleep(0.05)
 
     def close(self) -> None:
         """Finish the batch being applied, then release the Kafka client and
@@ -238,11 +205,6 @@ class ShapeApplier:
         if committer is not None and (pending is None or pending.done()):
             self._apply_thread.submit(committer.retry, COMMIT_RETRY_S)
 
-    def _finish_pending(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
     def _connection(self):
 
         if self._conn is None or self._conn.closed:
@@ -285,18 +247,6 @@ class ShapeApplier:
         target's tables must follow it (done by ensure_table, in the batch's
         transaction)."""
         return target is not self.target
-
-    def __call__(self, batch_df, batch_id: int) -> None:
-
-        with self._calls:
-            if self._quiesced:
-                raise self.error or RuntimeError(f"shape {self.shape.shape_name}: the query is being restarted")
-            self._in_call = True
-        try:
-            self._call(batch_df, batch_id)
-        finally:
-            with self._calls:
-                self._in_call = False
 
     def _call(self, batch_df, batch_id: int) -> None:
 
