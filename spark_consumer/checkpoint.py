@@ -44,9 +44,10 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from spark_consumer.kafka_source import TOPIC_ID, offsets_from_json, recreated
+from spark_consumer.topics_source import read_ranges
 
 log = logging.getLogger("walbridge.consumer")
 
@@ -162,14 +163,10 @@ def _topics_of_newest(checkpoint: Path, initial: Mapping[str, dict]
 
 def _topic_ranges(start: dict | None, end: dict, initial: Mapping[str, dict]
                   ) -> Iterator[tuple[str, dict | None, dict | None]]:
-    for topic, first in initial.items():
-        if topic not in end:
-            continue  # not read by this batch (not yet, or no longer, the query's)
-        if start is None:
-            yield topic, first, end[topic]
-        elif topic in start:
-            yield topic, start[topic], end[topic]
-        # else: it joined in this batch, with an empty range
+    """The ranges the batch read, as the source planned them (a topic that
+    joined in it read nothing); the first batch starts at ``initial``."""
+    for topic, first, last in read_ranges(start, end, initial):
+        yield topic, first if start is not None else initial[topic], last
 
 
 def topics_batch_unapplied(checkpoint: Path, progress: Progress, initial: Mapping[str, dict]) -> int | None:
@@ -210,3 +207,25 @@ def topics_newest_moved(checkpoint: Path, progress: Progress, initial: Mapping[s
 def topics_batch_topic_id(checkpoint: Path, batch_id: int, topic: str) -> str | None:
     """:func:`batch_topic_id` of one topic of a many-topic query's batch."""
     return ((_source_offsets(checkpoint, batch_id) or {}).get(topic) or {}).get(TOPIC_ID)
+
+
+def topics_ahead_of_target(checkpoint: Path, progress: Progress, topics: Iterable[str]) -> set[str]:
+    """The query's ``topics`` whose offsets in the newest committed batch lie
+    beyond the target's progress on some partition: Spark would read on from
+    there over offsets the target never applied (a shape held back while the
+    others went on, then a crash before it left the checkpoint). They must
+    rejoin at the target's progress. Call it after the newest batch's repair
+    (:func:`topics_replay_unapplied`). An unreadable entry: every topic."""
+    committed = _batch_ids(checkpoint / "commits")
+    if not committed:
+        return set()
+    end = _source_offsets(checkpoint, committed[-1])
+    if end is None:
+        return set(topics)
+    ahead = set()
+    for topic in topics:
+        if topic in end:
+            nxt = progress.get(topic, {})
+            if any(o > nxt.get(p, 0) for p, o in offsets_from_json(end[topic]).items()):
+                ahead.add(topic)
+    return ahead

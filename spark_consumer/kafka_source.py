@@ -309,7 +309,9 @@ def offsets_to_json(offsets: Offsets, topic_id: str | None = None) -> dict[str, 
 
 
 def offsets_from_json(offsets: dict | None) -> Offsets:
-    return {int(p): int(o) for p, o in (offsets or {}).items() if p != TOPIC_ID}
+    """Partition -> offset; other keys (``topic_id``, a many-topic source's
+    marks) are not partitions."""
+    return {int(p): int(o) for p, o in (offsets or {}).items() if p.isdigit()}
 
 
 def recreated(start: dict | None, end: dict | None) -> bool:

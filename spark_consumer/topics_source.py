@@ -13,13 +13,22 @@ Rows are the one-topic source's :data:`~spark_consumer.kafka_source.RAW_SCHEMA`;
 ``_wb_topic`` says whose they are.
 
 Options: those of the one-topic source but ``topic``, plus ``topics`` (a JSON
-list) and ``starting_offsets`` (JSON ``{"<topic>": {"<partition>": next
-offset}}``; a topic not listed starts at its earliest offsets).
+list), ``starting_offsets`` (JSON ``{"<topic>": {"<partition>": next
+offset}}``; a topic not listed starts at its earliest offsets) and ``rejoin``
+(a JSON list of topics whose offsets in the checkpoint are not to be trusted:
+they rejoin at their starting offsets).
 
 Invariants:
-- A topic joins the query (its first batch, or added since the checkpoint's
-  last batch) at its starting offsets with an empty range, as a partition
-  does: its messages are read from the next batch on.
+- A topic joins the query (added since the checkpoint's last batch, or told
+  to rejoin) at its starting offsets with an empty range, as a partition
+  does: the batch's end offsets for it carry ``"joined": true`` and its
+  messages are read from the next batch on. Starting offsets outside what
+  the broker holds fail the query, or with ``on_data_loss=follow`` start
+  the topic at its earliest offsets (the apply goes by position).
+- A topic told to rejoin is read by no batch planned before it rejoined (a
+  batch Spark re-runs from its log): its checkpointed offsets may lie beyond
+  what the target applied (a shape held back, then a crash), and reading on
+  from there would leave a gap.
 - A topic not (or no longer) in ``topics`` is left out of every new offset and
   of the batches planned from now on; a replayed batch reads only the query's
   topics (the others' rows would be ignored by the apply anyway).
@@ -36,7 +45,7 @@ import itertools
 import json
 import logging
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader
 from pyspark.sql.streaming.datasource import ReadLimit, SupportsTriggerAvailableNow
@@ -56,6 +65,7 @@ from spark_consumer.kafka_source import (
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "walbridge_shapes"
+JOINED = "joined"  # in a topic's end offsets: it joins the query here, its range in this batch is empty
 TopicsOffsets = dict[str, dict[str, Any]]  # topic -> that topic's offsets JSON
 
 
@@ -67,45 +77,58 @@ def topic_options(common: SourceOptions, topics: list[str], starting: dict[str, 
             for t in topics}
 
 
-def options_to_spark(common: SourceOptions, topics: list[str], starting: dict[str, dict] | None = None
-                     ) -> dict[str, str]:
+def options_to_spark(common: SourceOptions, topics: list[str], starting: dict[str, dict] | None = None,
+                     rejoin: list[str] | None = None) -> dict[str, str]:
     """The source's Spark options for ``topics`` read with ``common``'s settings."""
     out = {k: v for k, v in common.to_options().items() if k not in ("topic", "starting_offsets")}
     out["topics"] = json.dumps(list(topics))
     out["starting_offsets"] = json.dumps(starting or {})
+    out["rejoin"] = json.dumps(sorted(rejoin or []))
     return out
 
 
-def options_from_spark(options: dict[str, str]) -> dict[str, SourceOptions]:
+def options_from_spark(options: dict[str, str]) -> tuple[dict[str, SourceOptions], set[str]]:
+    """(each topic's source options, the topics told to rejoin)."""
     o = {k.lower(): v for k, v in options.items()}
     try:
         topics = json.loads(o.get("topics") or "[]")
         starting = json.loads(o.get("starting_offsets") or "{}")
+        rejoin = json.loads(o.get("rejoin") or "[]")
     except ValueError as e:
-        raise ValueError(f"{SOURCE_NAME}: options topics and starting_offsets must be JSON ({e})") from None
-    if not isinstance(topics, list) or not topics or not all(isinstance(t, str) for t in topics):
-        raise ValueError(f"{SOURCE_NAME}: option topics must be a non-empty JSON list of topic names")
+        raise ValueError(f"{SOURCE_NAME}: options topics, starting_offsets and rejoin must be JSON ({e})") from None
+    for name, value in (("topics", topics), ("rejoin", rejoin)):
+        if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+            raise ValueError(f"{SOURCE_NAME}: option {name} must be a JSON list of topic names")
+    if not topics:
+        raise ValueError(f"{SOURCE_NAME}: option topics names no topic")
     if not isinstance(starting, dict):
         raise ValueError(f"{SOURCE_NAME}: option starting_offsets must be a JSON object by topic")
     common = SourceOptions.from_options({**o, "topic": topics[0], "starting_offsets": "earliest"})
-    return topic_options(common, topics, starting)
+    return topic_options(common, topics, starting), set(rejoin)
 
 
-def joined(start: TopicsOffsets | None, end: TopicsOffsets) -> set[str]:
-    """The topics that join the query in the batch ``start`` → ``end``."""
-    return set(end) - set(start or {}) if start is not None else set()
+def read_ranges(start: TopicsOffsets | None, end: TopicsOffsets, topics: Iterable[str]
+                ) -> Iterator[tuple[str, dict | None, dict]]:
+    """(topic, start, end) of each of ``topics`` the batch ``start`` → ``end``
+    reads: one that joins in it (``JOINED``, or absent from ``start`` after
+    the first batch) reads nothing yet."""
+    for topic in topics:
+        if topic not in end or end[topic].get(JOINED) or (start is not None and topic not in start):
+            continue
+        yield topic, (start or {}).get(topic), end[topic]
 
 
 class TopicsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """See the module docstring: one reader per topic behind one offset."""
 
-    def __init__(self, opts_by_topic: dict[str, SourceOptions]):
+    def __init__(self, opts_by_topic: dict[str, SourceOptions], rejoin: set[str] | None = None):
         self._opts = opts_by_topic
+        self._rejoin = set(rejoin or ())  # until the first latestOffset, which makes them join
         self._clients: ProbeClients | None = None
         self._readers: dict[str, ShapeStreamReader] | None = None
 
     def __getstate__(self) -> dict:
-        return {"_opts": self._opts, "_clients": None, "_readers": None}
+        return {"_opts": self._opts, "_rejoin": set(), "_clients": None, "_readers": None}
 
     def _each(self) -> dict[str, ShapeStreamReader]:
         if self._readers is None:
@@ -116,7 +139,18 @@ class TopicsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     # -- driver
     def initialOffset(self) -> dict:
-        return {t: r.initialOffset() for t, r in self._each().items()}
+        return {t: self._start_of(t) for t in self._each()}
+
+    def _start_of(self, topic: str) -> dict:
+        """The topic's offsets where it joins (its starting offsets)."""
+        try:
+            return self._each()[topic].initialOffset()
+        except ValueError as e:  # starting offsets outside what the broker holds
+            if self._opts[topic].on_data_loss != "follow":
+                raise
+            log.warning("%s; reading %s from its earliest offsets, applied by position", e, topic)
+            return ShapeStreamReader(replace(self._opts[topic], starting_offsets="earliest"),
+                                     self._clients).initialOffset()
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return next(iter(self._each().values())).getDefaultReadLimit()
@@ -128,12 +162,13 @@ class TopicsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         out = {}
         start = start or {}
+        rejoin, self._rejoin = self._rejoin, set()
         for t, r in self._each().items():
-            if t in start:
+            if t in start and t not in rejoin:
                 out[t] = r.latestOffset(start[t], limit)
             else:  # joins at its starting offsets, read from the next batch on
-                out[t] = r.initialOffset()
-                log.info("topic %s joins the query at %s", t, out[t])
+                out[t] = {**self._start_of(t), JOINED: True}
+                log.info("topic %s %s the query at %s", t, "rejoins" if t in start else "joins", out[t])
         return out
 
     def reportLatestOffset(self) -> dict | None:
@@ -142,10 +177,9 @@ class TopicsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def partitions(self, start: dict, end: dict) -> list:
         ranges: list[OffsetRange] = []
-        new = joined(start, end)
-        for t, r in self._each().items():
-            if t in end and t not in new:
-                ranges += r.ranges((start or {}).get(t), end[t])
+        readers = self._each()
+        for t, first, last in read_ranges(start, end, [t for t in readers if t not in self._rejoin]):
+            ranges += readers[t].ranges(first, last)
         if any(o.max_offsets_per_task for o in self._opts.values()):
             return ranges
         return bundle_small(ranges)
@@ -175,7 +209,7 @@ class TopicsDataSource(DataSource):
 
     def __init__(self, options: dict[str, str]):
         super().__init__(options)
-        self._opts = options_from_spark(dict(options))
+        self._opts, self._rejoin = options_from_spark(dict(options))
 
     def schema(self) -> StructType:
         return RAW_SCHEMA
@@ -184,10 +218,12 @@ class TopicsDataSource(DataSource):
         if schema.simpleString() != RAW_SCHEMA.simpleString():
             raise ValueError(f"{SOURCE_NAME} has a fixed schema ({RAW_SCHEMA.simpleString()}); "
                              f"do not pass one (got {schema.simpleString()})")
-        return TopicsStreamReader(self._opts)
+        return TopicsStreamReader(self._opts, self._rejoin)
 
 
-def read_topics_stream(spark, common: SourceOptions, topics: list[str], starting: dict[str, dict] | None = None):
+def read_topics_stream(spark, common: SourceOptions, topics: list[str], starting: dict[str, dict] | None = None,
+                       rejoin: list[str] | None = None):
     """The streaming DataFrame of the messages of ``topics`` as they are."""
     spark.dataSource.register(TopicsDataSource)
-    return spark.readStream.format(SOURCE_NAME).options(**options_to_spark(common, topics, starting)).load()
+    return spark.readStream.format(SOURCE_NAME).options(
+        **options_to_spark(common, topics, starting, rejoin)).load()
