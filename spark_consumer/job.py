@@ -91,6 +91,7 @@ from spark_consumer.kafka_source import (
 from spark_consumer.pipelined import PipelinedApply
 from spark_consumer.progress import ensure_progress, read_progress
 from spark_consumer.session import spark_session
+from spark_consumer.shapes_query import start_shapes_query
 from spark_consumer.starting import (
     NEW_SCHEMA_ROUNDS,
     OFFSET_RESET,
@@ -386,15 +387,26 @@ def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, batche
     yield pa.RecordBatch.from_pydict(out, schema=_STAGED_ARROW_SCHEMA)
 
 
-def start_queries(spark, config: Config, stop: threading.Event | None = None) -> tuple[list, list[ShapeApplier]]:
-
+def start_queries(spark, config: Config, stop: threading.Event | None = None) -> tuple[list, list]:
+    """Every query and its applier: one per shape, or one over all shapes
+    (``[consumer] queries = "one"``, :mod:`spark_consumer.shapes_query`)."""
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
     queries, appliers = [], []
-    for shape in config.shapes:
-        query, applier = start_query(spark, config, shape, kafka_conf, stop)
+    for i in range(1 if config.consumer.queries == "one" else len(config.shapes)):
+        query, applier = restart_query(spark, config, i, kafka_conf, stop)
         queries.append(query)
         appliers.append(applier)
     return queries, appliers
+
+
+def restart_query(spark, config: Config, i: int, kafka_conf: dict[str, Any], stop: threading.Event | None = None,
+                  before: PipelinedApply | None = None):
+    """Query ``i`` (of :func:`start_queries`) started again from its
+    checkpoint; ``before``: its applier until now (the one query keeps the
+    shapes it held back)."""
+    if config.consumer.queries == "one":
+        return start_shapes_query(spark, config, kafka_conf, stop, before.held if before is not None else None)
+    return start_query(spark, config, config.shapes[i], kafka_conf, stop)
 
 
 def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str, Any],
@@ -451,7 +463,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
         return
     spark = spark_session(master)  # quiets Spark's log itself (spark_consumer.session)
     queries: list = []
-    started: list[ShapeApplier] = []
+    started: list = []
     try:
         queries, started = start_queries(spark, config, stop)
     except Stopped:
@@ -469,11 +481,22 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
             for i, q in enumerate(queries):
                 if i in given_up:
                     continue
+                if q is None:  # the one query, every shape held back
+                    given_up.add(i)
+                    continue
                 failure = None
                 if q.isActive:
                     # An apply runs after its foreachBatch returned; when it
                     # fails and no batch follows to raise it, stop the query here.
                     failure = started[i].error
+                    if failure is None and started[i].needs_restart:  # the one query held a shape back
+                        started[i].settle(SETTLE_S)
+                        q.stop()
+                        started[i].close()
+                        queries[i], started[i] = restart_query(spark, config, i, kafka_conf, stop, started[i])
+                        if appliers is not None:
+                            appliers.append(started[i])
+                        continue
                     if failure is None:
                         if outages[i] and q.lastProgress is not None:
                             outages[i] = []  # batches flow again
@@ -526,7 +549,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                 if pause(stop, delay):
                     return
                 started[i].close()
-                queries[i], started[i] = start_query(spark, config, config.shapes[i], kafka_conf, stop)
+                queries[i], started[i] = restart_query(spark, config, i, kafka_conf, stop, started[i])
                 if appliers is not None:
                     appliers.append(started[i])
             spark.streams.resetTerminated()
@@ -556,4 +579,5 @@ def stop_queries(queries: list, appliers: list[ShapeApplier], timeout: float,
         applier.quiesce()
     for q, applier in zip(queries, appliers):
         applier.settle(max(0.0, deadline - clock()))
-        q.stop()
+        if q is not None:
+            q.stop()

@@ -37,6 +37,11 @@ class PipelinedApply:
         self._quiesced = False
 
     @property
+    def needs_restart(self) -> bool:
+        """Must the query be restarted (not failed) before its next batch?"""
+        return False
+
+    @property
     def error(self) -> BaseException | None:
         """The error of a finished, failed apply not yet raised to Spark."""
         pending = self._pending
