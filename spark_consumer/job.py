@@ -80,7 +80,6 @@ from spark_consumer.apply_staged import commit_batch, stage_part
 from spark_consumer.batch import Part, parts_from_rows
 from spark_consumer.checkpoint import batch_topic_id, newest_moved, replay_unapplied
 from spark_consumer.decode import arrow_rows
-from spark_consumer.group_commits import COMMIT_RETRY_S, OffsetCommitter
 from spark_consumer.kafka_source import (
     ShapeSchemas,
     SourceOptions,
@@ -133,41 +132,19 @@ class ShapeApplier(PipelinedApply):
     def __init__(self, config: Config, shape: ShapeConfig, target: ShapeTarget, kafka_conf: dict[str, Any],
                  source: SourceOptions | None = None, schemas: ShapeSchemas | None = None):
 
-        super().__init__(f"shape {shape.shape_name}", f"apply-{shape.shape_name}")
+        super().__init__(f"shape {shape.shape_name}", f"apply-{shape.shape_name}", kafka_conf, config.consumer.group)
         self.config = config
         self.shape = shape
         # The target as the connection last made it (ensure_table); a batch
         # decoded with newer schemas brings its own (see _follow_target).
         self.target = target
-        self.kafka_conf = kafka_conf
         # The raw stream's options and the writer schemas its batches are
         # decoded with (learned again when a batch carries a new one); None:
         # batches arrive decoded (a stream of read_shape_stream).
         self.source = source
         self.schemas = schemas
         self._batch_target = target  # the target of self.schemas
-        self._conn = None
-        self._committer: OffsetCommitter | None = None
         self._checkpoint: Path | None = None  # the query's (set by recover)
-        self.batches = 0
-        self.rows = 0
-        self.dlq = 0
-
-    def close(self) -> None:
-        """Finish the batch being applied, then release the Kafka client and
-        the target connection (after the query stopped)."""
-        try:
-            self._finish_pending()
-        except Exception as e:  # noqa: BLE001 - replayed at the next start
-            log.error("shape %s: the last batch's apply failed (it is replayed at the next start): %s",
-                      self.shape.shape_name, e)
-        self._apply_thread.shutdown()
-        if self._committer is not None:
-            self._committer.close()
-            self._committer = None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
 
     def recover(self, checkpoint: Path, topic: str, stop: threading.Event | None = None) -> None:
         """Before the query starts: have Spark replay its newest committed
@@ -193,18 +170,6 @@ class ShapeApplier(PipelinedApply):
         read_from, moved = newest_moved(checkpoint, next_offsets)
         if read_from and moved:
             self._apply_thread.submit(self._group().commit, {(topic, p): o for p, o in moved.items()}, read_from)
-
-    def _group(self) -> OffsetCommitter:
-        if self._committer is None:
-            self._committer = OffsetCommitter(self.kafka_conf, self.config.consumer.group)
-        return self._committer
-
-    def retry_commits(self) -> None:
-        """Driver loop: hand a failed group commit that no batch retried to
-        the apply thread (after the batch being applied, never beside it)."""
-        committer, pending = self._committer, self._pending
-        if committer is not None and (pending is None or pending.done()):
-            self._apply_thread.submit(committer.retry, COMMIT_RETRY_S)
 
     def _connection(self):
 

@@ -20,21 +20,63 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from spark_consumer.group_commits import COMMIT_RETRY_S, OffsetCommitter
+
+log = logging.getLogger("walbridge.consumer")
 
 
 class PipelinedApply:
-    """See the module docstring; ``what`` names the query in errors."""
+    """See the module docstring; ``what`` names the query in errors. It owns
+    the query's target connection (``_conn``, opened by the subclass) and
+    consumer-group committer, both used on the apply thread."""
 
-    def __init__(self, what: str, thread_name: str):
+    def __init__(self, what: str, thread_name: str, kafka_conf: dict[str, Any], group: str):
         self.what = what
+        self.kafka_conf = kafka_conf
+        self.group = group
         self._apply_thread = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
         self._pending: Future | None = None  # the batch being applied
         self._calls = threading.Lock()
         self._in_call = False
         self._quiesced = False
+        self._conn = None
+        self._committer: OffsetCommitter | None = None
+        self.batches = 0
+        self.rows = 0
+        self.dlq = 0
+
+    def close(self) -> None:
+        """Finish the batch being applied, then release the Kafka client and
+        the target connection (after the query stopped)."""
+        try:
+            self._finish_pending()
+        except Exception as e:  # noqa: BLE001 - replayed at the next start
+            log.error("%s: the last batch's apply failed (it is replayed at the next start): %s", self.what, e)
+        self._apply_thread.shutdown()
+        if self._committer is not None:
+            self._committer.close()
+            self._committer = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _group(self) -> OffsetCommitter:
+        if self._committer is None:
+            self._committer = OffsetCommitter(self.kafka_conf, self.group)
+        return self._committer
+
+    def retry_commits(self) -> None:
+        """Driver loop: hand a failed group commit that no batch retried to
+        the apply thread (after the batch being applied, never beside it)."""
+        committer, pending = self._committer, self._pending
+        if committer is not None and (pending is None or pending.done()):
+            self._apply_thread.submit(committer.retry, COMMIT_RETRY_S)
 
     @property
     def needs_restart(self) -> bool:

@@ -81,7 +81,6 @@ from spark_consumer.checkpoint import (
     topics_replay_unapplied,
 )
 from spark_consumer.decode import arrow_rows
-from spark_consumer.group_commits import COMMIT_RETRY_S, OffsetCommitter
 from spark_consumer.kafka_source import ShapeSchemas, SourceOptions, discover_schemas
 from spark_consumer.pipelined import PipelinedApply
 from spark_consumer.progress import ensure_progress, read_progress
@@ -129,18 +128,12 @@ class ShapesApplier(PipelinedApply):
 
     def __init__(self, config: Config, states: dict[str, ShapeState], kafka_conf: dict[str, Any],
                  checkpoint: Path, held: dict[str, str] | None = None):
-        super().__init__("the shapes' query", "apply-shapes")
+        super().__init__("the shapes' query", "apply-shapes", kafka_conf, config.consumer.group)
         self.config = config
         self.states = states  # topic -> the shape it carries, for the topics this query reads
-        self.kafka_conf = kafka_conf
         self.checkpoint = checkpoint
         self.held: dict[str, str] = dict(held or {})
         self.reading: list[str] = []  # the topics the started query reads
-        self._conn = None
-        self._committer: OffsetCommitter | None = None
-        self.batches = 0
-        self.rows = 0
-        self.dlq = 0
 
     @property
     def needs_restart(self) -> bool:
@@ -151,21 +144,6 @@ class ShapesApplier(PipelinedApply):
     def topics(self) -> list[str]:
         """The topics the query applies (held ones aside)."""
         return [t for t in self.states if t not in self.held]
-
-    def close(self) -> None:
-        """Finish the batch being applied, then release the Kafka client and
-        the target connection (after the query stopped)."""
-        try:
-            self._finish_pending()
-        except Exception as e:  # noqa: BLE001 - replayed at the next start
-            log.error("the shapes' last batch's apply failed (it is replayed at the next start): %s", e)
-        self._apply_thread.shutdown()
-        if self._committer is not None:
-            self._committer.close()
-            self._committer = None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
 
     def _connection(self):
         if self._conn is None or self._conn.closed:
@@ -191,11 +169,6 @@ class ShapesApplier(PipelinedApply):
                       "[ack] on_stall); it is tried again when the consumer next starts",
                       self.states[topic].name, why)
         self.held[topic] = why
-
-    def _group(self) -> OffsetCommitter:
-        if self._committer is None:
-            self._committer = OffsetCommitter(self.kafka_conf, self.config.consumer.group)
-        return self._committer
 
     def prepare(self, stop: threading.Event | None = None) -> tuple[dict[str, dict], set[str]]:
         """Before the query starts: the tables follow their shapes (holding
@@ -228,13 +201,6 @@ class ShapesApplier(PipelinedApply):
             log.warning("shape %s: Spark's checkpoint is past what the target applied; it rejoins at the target's "
                         "progress %s", self.states[t].name, initial.get(t) or "(none: from the earliest offsets)")
         return {t: o for t, o in initial.items() if o}, ahead
-
-    def retry_commits(self) -> None:
-        """Driver loop: hand a failed group commit that no batch retried to
-        the apply thread (after the batch being applied, never beside it)."""
-        committer, pending = self._committer, self._pending
-        if committer is not None and (pending is None or pending.done()):
-            self._apply_thread.submit(committer.retry, COMMIT_RETRY_S)
 
     def _call(self, batch_df, batch_id: int) -> None:
         started = time.monotonic()
