@@ -109,8 +109,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
 import pyarrow as pa
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.pandas.types import to_arrow_schema
@@ -126,7 +126,7 @@ from pyspark.sql.types import ArrayType, BinaryType, IntegerType, LongType, Stri
 from schemas import wire
 from schemas.config import redact_dsn
 from schemas.failures import READ_GAP
-from schemas.kafka import client_config, ensure_topics, read_to_end
+from schemas.kafka import client_config, ensure_topics, read_to_end, topic_ids
 from schemas.kafka import topic_id as describe_topic_id
 from schemas.reader import SchemaResolver, read_schemas_topic
 from schemas.registry import STRATEGIES, data_subjects, subject_versions
@@ -396,12 +396,51 @@ def plan_ranges(topic: str, start: Offsets, end: Offsets, max_per_task: int | No
 class ProbeClients:
     """The driver's Kafka clients for probing ends and topic ids, created on
     first use: one pair per topic's probe, or one pair shared by the probes
-    of many topics (used one after the other, never at once)."""
+    of many topics (used one after the other, never at once).
+
+    For many topics, :meth:`prefetch` asks every topic's id, partitions and
+    reported (earliest, end) offsets in four requests for one round of
+    probes, instead of a few requests per topic; :meth:`end_round` forgets
+    them. A topic's answer may be the error a per-topic request would raise."""
 
     def __init__(self, conf: dict[str, Any]):
         self._conf = conf
         self._consumer = None
         self._admin = None
+        self.round_ids: dict[str, Any] | None = None  # topic -> id, None or the error
+        self.round_reported: dict[str, Any] | None = None  # topic -> {partition: (earliest, end)} or the error
+
+    def prefetch(self, topics: list[str], timeout: float = 30.0) -> None:
+        admin = self.admin()
+        ids = topic_ids(admin, topics, timeout)
+        meta = self.consumer().list_topics(timeout=timeout).topics
+        reported: dict[str, Any] = {}
+        for t in topics:
+            m = meta.get(t)
+            if m is None or m.error is not None or not m.partitions:
+                reported[t] = LookupError(f"topic {t} does not exist or has no partitions "
+                                          f"({m.error if m is not None else 'not in metadata'})")
+            else:
+                reported[t] = {p: [0, 0] for p in sorted(m.partitions)}
+        tps = [TopicPartition(t, p) for t, ps in reported.items() if isinstance(ps, dict) for p in ps]
+        for i, spec in enumerate((OffsetSpec.earliest(), OffsetSpec.latest())):
+            if not tps:
+                break
+            futures = admin.list_offsets({tp: spec for tp in tps}, isolation_level=IsolationLevel.READ_COMMITTED,
+                                         request_timeout=timeout)
+            for tp, future in futures.items():
+                if not isinstance(reported[tp.topic], dict):
+                    continue
+                try:
+                    reported[tp.topic][tp.partition][i] = future.result().offset
+                except KafkaException as e:
+                    reported[tp.topic] = e
+        self.round_ids = ids
+        self.round_reported = {t: {p: (lo, hi) for p, (lo, hi) in v.items()} if isinstance(v, dict) else v
+                               for t, v in reported.items()}
+
+    def end_round(self) -> None:
+        self.round_ids = self.round_reported = None
 
     def consumer(self):
         if self._consumer is None:
@@ -421,6 +460,19 @@ class ProbeClients:
             self._consumer.close()
             self._consumer = None
         self._admin = None
+
+
+_NOT_FETCHED = object()
+
+
+def _of_round(answers: dict[str, Any] | None, topic: str) -> Any:
+    """A topic's prefetched answer (raised if it is an error), or _NOT_FETCHED."""
+    if answers is None or topic not in answers:
+        return _NOT_FETCHED
+    found = answers[topic]
+    if isinstance(found, Exception):
+        raise found
+    return found
 
 
 class PartitionEnds:
@@ -448,6 +500,9 @@ class PartitionEnds:
         self._probed.clear()
 
     def topic_id(self) -> str | None:
+        found = _of_round(self._clients.round_ids, self._opts.topic)
+        if found is not _NOT_FETCHED:
+            return found
         return describe_topic_id(self._clients.admin(), self._opts.topic, self._timeout)
 
     def partitions(self) -> list[int]:
@@ -460,6 +515,9 @@ class PartitionEnds:
 
     def reported(self) -> dict[int, tuple[int, int]]:
         """ListOffsets' (earliest, end) per partition; the end may be low."""
+        found = _of_round(self._clients.round_reported, self._opts.topic)
+        if found is not _NOT_FETCHED:
+            return found
         c = self._client()
         return {p: c.get_watermark_offsets(TopicPartition(self._opts.topic, p), timeout=self._timeout)
                 for p in self.partitions()}

@@ -36,7 +36,10 @@ Invariants:
   whole batch (a first cut: a batch holds at most that many offsets per topic).
 - Small batches are bundled across topics: all ranges of a batch holding at
   most ``SMALL_BATCH_OFFSETS`` offsets together are read by one task.
-- The driver's probes of all topics share one consumer and one admin client.
+- The driver's probes of all topics share one consumer and one admin client,
+  and each trigger asks every topic's id, partitions and offsets in a few
+  requests for all of them (:meth:`~spark_consumer.kafka_source.ProbeClients.prefetch`):
+  an idle trigger costs about the same for 5 topics as for 200.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import logging
 from dataclasses import replace
 from typing import Any, Iterable, Iterator
 
+from confluent_kafka import KafkaException
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader
 from pyspark.sql.streaming.datasource import ReadLimit, SupportsTriggerAvailableNow
 from pyspark.sql.types import StructType
@@ -163,12 +167,20 @@ class TopicsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         out = {}
         start = start or {}
         rejoin, self._rejoin = self._rejoin, set()
-        for t, r in self._each().items():
-            if t in start and t not in rejoin:
-                out[t] = r.latestOffset(start[t], limit)
-            else:  # joins at its starting offsets, read from the next batch on
-                out[t] = {**self._start_of(t), JOINED: True}
-                log.info("topic %s %s the query at %s", t, "rejoins" if t in start else "joins", out[t])
+        readers = self._each()
+        try:
+            self._clients.prefetch(list(readers))
+        except (KafkaException, LookupError) as e:  # each topic's probe asks (and waits out) on its own
+            log.info("asking for every topic's offsets at once failed (%s); asking per topic", e)
+        try:
+            for t, r in readers.items():
+                if t in start and t not in rejoin:
+                    out[t] = r.latestOffset(start[t], limit)
+                else:  # joins at its starting offsets, read from the next batch on
+                    out[t] = {**self._start_of(t), JOINED: True}
+                    log.info("topic %s %s the query at %s", t, "rejoins" if t in start else "joins", out[t])
+        finally:
+            self._clients.end_round()
         return out
 
     def reportLatestOffset(self) -> dict | None:

@@ -28,7 +28,15 @@ from spark_consumer.checkpoint import (
     topics_newest_moved,
     topics_replay_unapplied,
 )
-from spark_consumer.kafka_source import RAW_ARROW_SCHEMA, OffsetRange, OffsetRanges, SourceOptions, offsets_from_json
+from spark_consumer.kafka_source import (
+    RAW_ARROW_SCHEMA,
+    OffsetRange,
+    OffsetRanges,
+    PartitionEnds,
+    ProbeClients,
+    SourceOptions,
+    offsets_from_json,
+)
 from spark_consumer.topics_source import (
     JOINED,
     TopicsStreamReader,
@@ -122,6 +130,7 @@ def _reader(ends: dict[str, dict[int, int]], starting=None, rejoin=None, max_per
     r = TopicsStreamReader(topic_options(common, list(ends), starting), rejoin)
     for t, reader in r._each().items():
         reader._ends = FakeEnds({p: 0 for p in ends[t]}, ends[t], topic_id=f"id-{t}")
+    r._clients.prefetch = lambda topics: None  # no broker: each topic's fake probe answers
     return r
 
 
@@ -188,6 +197,18 @@ def test_starting_offsets_the_broker_no_longer_holds_follow_or_fail(monkeypatch)
     common = SourceOptions(A, "unused:9092", topic_prefix="wb", on_data_loss="follow")
     r = TopicsStreamReader(topic_options(common, [A], {A: {"0": 9}}))
     assert r.initialOffset() == {A: {"0": 0, "topic_id": "x"}}  # from the earliest, applied by position
+
+
+def test_one_round_of_prefetched_answers_serves_every_topics_probe():
+    clients = ProbeClients({"bootstrap.servers": "unused:9092"})
+    clients.round_ids = {A: "ia", B: LookupError(f"topic {B} does not exist")}
+    clients.round_reported = {A: {0: (0, 5), 1: (2, 2)}}
+    a = PartitionEnds(SourceOptions(A, "unused:9092"), clients=clients)
+    assert a.topic_id() == "ia" and a.reported() == {0: (0, 5), 1: (2, 2)}
+    with pytest.raises(LookupError, match="does not exist"):
+        PartitionEnds(SourceOptions(B, "unused:9092"), clients=clients).topic_id()
+    clients.end_round()
+    assert clients.round_ids is None and clients.round_reported is None
 
 
 def test_read_ranges_skip_joined_and_foreign_topics():
