@@ -1,6 +1,8 @@
 """The Spark consumer job: one Structured Streaming query per shape topic, each
 micro-batch applied to the target PostgreSQL exactly once, then its offsets
 committed to the consumer group (which the producer's FlushTracker reads).
+With ``[consumer] queries = "one"``, one query over every shape topic instead
+(:mod:`spark_consumer.shapes_query`), under the same run loop.
 
     spark-submit walbridge/spark_submit.py -c walbridge.toml   # production (README: on a cluster)
     walbridge consumer -c walbridge.toml                       # the same, local[*]
