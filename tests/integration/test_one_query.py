@@ -1,7 +1,8 @@
 """The one query over every shape (``[consumer] queries = "one"``) end to
 end on real parts: PostgreSQL → producer → Tansu → Spark (one streaming
 query over the pgbench shapes) → target, killed with -9 while Spark has a
-batch logged that the target has not committed yet (issue 17)."""
+batch logged that the target has not committed yet; and a shape whose
+target cannot follow held back while the others go on (issue 17)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ import psycopg
 
 from spark_consumer.checkpoint import topics_batch_unapplied
 from spark_consumer.shapes_query import CHECKPOINT_NAME
-from tests.helpers import ConsumerProcess, ProducerThread, data_records, read_topic, wait_for, write_toml
+from tests.helpers import (
+    ConsumerProcess,
+    ConsumerThread,
+    ProducerThread,
+    data_records,
+    make_config,
+    read_topic,
+    wait_for,
+    write_toml,
+)
 from tests.integration.test_e2e import _applied_batches, _caught_up, _prepare_source, _verify_ok, e2e_config, pgbench
 
 
@@ -75,3 +85,49 @@ def test_one_query_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sour
                                      topic_prefix, timeout=180)):
         newest[r.key["aid"]] = (r.position, r.partition, r.offset)
     assert applied == newest  # every live row written by exactly the newest message of its key
+
+
+def _rows(dsn: str, table: str) -> list[tuple]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(f"SELECT id::text, v FROM {table} ORDER BY 1").fetchall()
+
+
+def test_a_shape_that_cannot_follow_is_held_while_the_others_go_on_and_rejoins_at_its_progress(
+        source_db, target_db, kafka_broker, topic_prefix, tmp_path, caplog):
+    with psycopg.connect(source_db, autocommit=True) as conn:
+        for t in ("held", "free"):
+            conn.execute(f"CREATE TABLE {t} (id int PRIMARY KEY, v int)")
+            conn.execute(f"INSERT INTO {t} SELECT g, g FROM generate_series(1, 50) g")
+    with psycopg.connect(target_db, autocommit=True) as conn:
+        # A target whose text key holds a value that no integer cast takes.
+        conn.execute("CREATE TABLE public.held (id text PRIMARY KEY, v int)")
+        conn.execute("INSERT INTO public.held VALUES ('not a number', 0)")
+    group = f"{topic_prefix}-spark"
+    cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix,
+                      [{"table": "public.held"}, {"table": "public.free"}],
+                      consumer={"group": group, "target_dsn": str(target_db), "queries": "one",
+                                "checkpoint_dir": str(tmp_path / "checkpoints"), "trigger_interval": 0.5},
+                      ack={"consumer_groups": [group], "interval": 0.5})
+    caplog.set_level("INFO", logger="walbridge.consumer")
+    with ProducerThread(cfg):
+        with ConsumerThread(cfg) as consumer:
+            wait_for(lambda: len(_rows(str(target_db), "public.free")) == 50 or consumer.errors, timeout=180,
+                     what="the free shape applied")
+            with psycopg.connect(source_db, autocommit=True) as conn:
+                conn.execute("INSERT INTO held VALUES (51, 51)")
+                conn.execute("INSERT INTO free VALUES (51, 51)")
+            wait_for(lambda: len(_rows(str(target_db), "public.free")) == 51 or consumer.errors, timeout=60,
+                     what="the free shape goes on")
+            assert not consumer.errors, consumer.errors
+            assert _rows(str(target_db), "public.held") == [("not a number", 0)]  # untouched, nothing lost
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("shape public.held stopped" in m and "key column 'id'" in m for m in messages), messages[-20:]
+        # The operator repairs the target; at the next start the shape rejoins where its progress is.
+        with psycopg.connect(target_db, autocommit=True) as conn:
+            conn.execute("DELETE FROM public.held")
+        with ConsumerThread(cfg) as consumer:
+            wait_for(lambda: len(_rows(str(target_db), "public.held")) == 51 or consumer.errors, timeout=180,
+                     what="the held shape caught up")
+            assert not consumer.errors, consumer.errors
+    assert _rows(str(target_db), "public.held") == _rows(source_db, "held")
+    assert _rows(str(target_db), "public.free") == _rows(source_db, "free")
