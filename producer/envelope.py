@@ -24,6 +24,10 @@ Invariants:
   Either way nothing is lost.
 - Avro names are derived from PostgreSQL names by replacing characters Avro does
   not allow with ``_``; the original name is kept in ``"pg.column"``.
+- A field carries its source column's attnum, type oid and typmod
+  (``"pg.attnum"``, ``"pg.type_oid"``, ``"pg.typmod"``) when known: a
+  restarted producer compares the table with them (schema changes made while
+  it was stopped). Properties only: the schema stays BACKWARD-compatible.
 - A renamed column's field carries its former names in Avro's ``"aliases"``
   (a reader schema with the old name resolves to it). The field's new name
   alone makes the schema new (Avro's parsing canonical form ignores aliases);
@@ -56,6 +60,11 @@ class ShapeColumn:
     codec: ColumnCodec
     is_key: bool
     aliases: tuple[str, ...] = ()  # its former PostgreSQL names (RENAME COLUMN), oldest first
+    # The source column's identity in the catalog: pg_attribute.attnum (None:
+    # unknown), its type's oid and typmod (0: unknown).
+    attnum: int | None = None
+    type_oid: int = 0
+    typmod: int = -1
 
     @property
     def field_name(self) -> str:
@@ -71,6 +80,8 @@ def _field(col: ShapeColumn, layout: str, nullable: bool = True) -> dict:
         f["pg.column"] = col.name
     if col.aliases:
         f["aliases"] = [avro_name(a) for a in col.aliases]
+    if col.attnum is not None and col.type_oid:
+        f.update({wire.ATTNUM_PROP: col.attnum, wire.TYPE_OID_PROP: col.type_oid, wire.TYPMOD_PROP: col.typmod})
     return f
 
 

@@ -245,6 +245,7 @@ class Pipeline:
         else:
             start = pgoutput.lsn_to_int(slot["confirmed_flush_lsn"])
             self.acks.rebuild(self.writers())
+            self._resume_schemas()
         self._replay_until = max((t.position for t in self.tails.values() if t is not None), default=None)
         self.backfills.load(set(decision.new_topics))
         if decision.checkpoint is not None:
@@ -280,6 +281,13 @@ class Pipeline:
         if decision.new_topics and not decision.resnapshot:
             log.info("topics new to the deployment: %s", ", ".join(sorted(decision.new_topics)))
         return decision
+
+    def _resume_schemas(self) -> None:
+        """What each shape last published, for the schema follower to compare
+        the tables' first Relations with (DDL made while the producer was stopped)."""
+        topics = {self.config.topic(shape): shape.shape_name for shape in self.config.shapes}
+        latest = self.schemas.latest(self._kafka_conf, list(topics))
+        self.schema.resume_from({topics[t]: found for t, found in latest.items()})
 
     def _topic_ids(self) -> dict[str, str | None]:
         return {t: topic_id(self.admin, t) for t in self.partitions}
@@ -445,8 +453,13 @@ class Pipeline:
         if not specs and table is not None and qualified not in self.shape_specs:
             specs, key = self._routed_specs(table, key)
         codecs = [column_codec(self._type_info(c.type_oid, c.typmod), self.catalog_conn) for c in rel.columns]
-        plan = RelationPlan(rel, codecs, key, specs, self.config.kafka.topic_prefix,
-                            self.db_name, self.config.kafka.value_layout, self.schema.aliases(rel.oid))
+        # The shape table's attnums, which a routed plan's writer schemas carry too.
+        above = {spec.table for spec in specs if spec.table}
+        attnums = {t.qualified: self.schema.attnums(t.oid) for t in self.tables.values() if (t.schema, t.name) in above}
+        if rel.oid in self.schema.shape_tables:
+            attnums[f"{rel.schema}.{rel.name}"] = self.schema.attnums(rel.oid)
+        plan = RelationPlan(rel, codecs, key, specs, self.config.kafka.topic_prefix, self.db_name,
+                            self.config.kafka.value_layout, self.schema.aliases(rel.oid), attnums)
         plan.fetch_current = self._fetch_current
         for route in plan.routes:
             try:

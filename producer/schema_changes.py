@@ -9,7 +9,9 @@ each shape of the table must do about it.
 Path: previous ``RelationShape`` + new Relation (WAL truth: names, types) +
 ``CatalogFacts`` (attnum, atthasmissing, atthasdef, key, replica identity) →
 :func:`shape_of` → :func:`classify` → ``Change``s → :func:`consequences` →
-per shape: re-read (backfill), stop, and the aliases of renamed columns.
+per shape: re-read (backfill), stop, and the aliases of renamed columns. A
+run resumed from its slot compares the table's first Relation with what its
+shapes last published: :func:`from_published` → :func:`resumed`.
 
 Invariants:
 - Pure: no I/O, no clock.
@@ -40,7 +42,10 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from schemas import wire
 
 # Type oids (pg_type) that widening knows.
 INT2, INT4, INT8, NUMERIC = 21, 23, 20, 1700
@@ -64,10 +69,13 @@ RECREATED = "column dropped and added again"
 KEY_CHANGED = "key changed"
 KEY_LOST = "key lost"
 IDENTITY_CHANGED = "replica identity changed"
+UNPUBLISHED = "column filtered on but never published (unknown while stopped)"
+UNCONFIRMED = "columns unconfirmed (the shape's last published schema has no attribute numbers)"
 
 # Kinds after which the rows of the shapes carrying the column are re-read.
 REREAD = frozenset({ADDED_CONSTANT_DEFAULT, ADDED_VOLATILE_DEFAULT, RETYPED, IN_DOUBT, RECREATED, KEY_CHANGED,
-                    KEY_LOST})
+                    KEY_LOST, UNCONFIRMED, UNPUBLISHED})
+_ADDED_KINDS = frozenset({ADDED, ADDED_CONSTANT_DEFAULT, ADDED_VOLATILE_DEFAULT})
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,9 @@ class RelationShape:
     columns: tuple[ColumnShape, ...]
     key: tuple[str, ...]
     identity: str
+    # False: read back from a writer schema published before the attribute
+    # numbers and type oids were (see :func:`from_published`).
+    confirmed: bool = True
 
     @property
     def qualified(self) -> str:
@@ -199,6 +210,8 @@ def _numeric(typmod: int) -> tuple[int, int]:
 
 
 def _retype(old: ColumnShape, new: ColumnShape) -> Change | None:
+    if old.type_oid == 0:  # known by its type's name only (an unconfirmed seed)
+        return None if old.type_name == new.type_name else Change(RETYPED, new.name, old.type_name, new.type_name)
     if (old.type_oid, old.typmod) == (new.type_oid, new.typmod):
         return None
     kind = RETYPED_WIDENING if is_widening(old.type_oid, old.typmod, new.type_oid, new.typmod) else RETYPED
@@ -239,7 +252,7 @@ def classify(old: RelationShape, new: RelationShape, catalog: CatalogFacts | Non
             changes.append(Change(RENAMED, col.name, was.name, col.name))
             retype = _retype(was, col)
         elif prior is None:
-            changes.append(_added(col, facts))
+            changes.append(_added(col, facts) if old.confirmed else Change(IN_DOUBT, col.name))
             continue
         elif None not in (prior.attnum, col.attnum) and prior.attnum != col.attnum:
             # Dropped and added again under the same name: another column,
@@ -257,6 +270,8 @@ def classify(old: RelationShape, new: RelationShape, catalog: CatalogFacts | Non
     if old.identity != new.identity:
         changes.append(Change(IDENTITY_CHANGED, None, _IDENTITY.get(old.identity, old.identity),
                               _IDENTITY.get(new.identity, new.identity)))
+    if not old.confirmed:
+        changes.append(Change(UNCONFIRMED))
     return changes
 
 
@@ -346,3 +361,62 @@ def unannounced(table: str, names: list[str], width: int) -> str | None:
         return None
     return (f"a change of {table} carries {width} columns, but its last Relation message named {len(names)} "
             f"({', '.join(names)}): a schema change the stream did not announce; reading the relation again")
+
+
+def from_published(schemas: list[tuple[dict, dict | None]], type_name: Callable[[int, int], str],
+                   identity: str) -> RelationShape | None:
+    """A table's relation as its shapes' last published writer schemas
+    describe it (``schemas``: (value schema, key schema or None) per shape,
+    oldest first; a later shape's field wins): what a run resumed from its
+    slot compares the table's first Relation with. Only the columns the
+    shapes carry are known. A field without the catalog's attnum, type oid
+    and typmod (written before they were published) makes the relation
+    unconfirmed: its columns are known by name and type name only, and every
+    shape of the table is re-read. ``identity``: the table's now (not
+    published). None without any schema."""
+    if not schemas:
+        return None
+    columns: dict[str, ColumnShape] = {}
+    key: tuple[str, ...] = ()
+    confirmed = True
+    for value, key_schema in schemas:
+        row = value["fields"][0]["type"][1]  # before: ["null", the row record]
+        for f in row["fields"]:
+            if f["name"] == wire.SPECIAL_FIELD:
+                continue
+            name = f.get("pg.column", f["name"])
+            attnum, oid, typmod = (f.get(p) for p in (wire.ATTNUM_PROP, wire.TYPE_OID_PROP, wire.TYPMOD_PROP))
+            if None in (attnum, oid, typmod):
+                confirmed = False
+                columns[name] = ColumnShape(name, 0, -1, f.get("pg.type", ""), None)
+            else:
+                columns[name] = ColumnShape(name, oid, typmod, type_name(oid, typmod), attnum)
+        key = tuple(f.get("pg.column", f["name"]) for f in (key_schema or {"fields": ()})["fields"]
+                    if f["name"] != wire.SPECIAL_FIELD)
+    ordered = sorted(columns.values(), key=lambda c: c.attnum if c.attnum is not None else 1 << 16)
+    return RelationShape("", "", tuple(ordered), key, identity, confirmed)
+
+
+def resumed(seed: RelationShape, new: RelationShape, catalog: CatalogFacts | None,
+            carried: frozenset[str] | None, filtered: frozenset[str]) -> list[Change]:
+    """Every change from ``seed`` (:func:`from_published`) to ``new``, the
+    table's first Relation in a run resumed from its slot. Its shapes carry
+    ``carried`` (None: every column) and filter on ``filtered``. A column the
+    shapes do not carry is not compared; one they only filter on was never
+    published, so its history is unknown: in doubt (the shapes filtering on
+    it are re-read), never taken for unchanged. A Relation older than the
+    seed (a column the seed has is missing, but the catalog still has it with
+    the seed's attnum) is not compared: the later ones are."""
+    known = {c.name for c in seed.columns}
+    now = {c.name: c.attnum for c in (catalog.columns if catalog else ())}
+    names = {c.name for c in new.columns}
+    if any(c.name not in names and c.attnum is not None and now.get(c.name) == c.attnum for c in seed.columns):
+        # WAL from before a change the last run already published (it resumes
+        # from the confirmed position): not compared; the relation's later
+        # Relation messages are compared with this one as usual.
+        return []
+    compared = replace(new, columns=tuple(c for c in new.columns if c.name in known or carried is None
+                                          or c.name in carried or c.name in filtered))
+    changes = classify(replace(seed, schema=new.schema, name=new.name), compared, catalog)
+    return [Change(UNPUBLISHED, c.column) if c.kind in _ADDED_KINDS and c.column in filtered
+            and carried is not None and c.column not in carried else c for c in changes]

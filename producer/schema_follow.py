@@ -5,8 +5,10 @@ The path: a shape table's Relation message (``SchemaFollower.relation``, before
 the stream plans the relation again) → the catalog's facts read now
 (``catalog.relation_facts``) → ``classify`` against the relation as the stream
 last planned it — or, before the table's first change in the stream, as the
-run's initial snapshot read it (``start_from``); ``first_sight`` when neither
-is known (a run resumed from its slot) → ``consequences`` → one
+run's initial snapshot read it (``start_from``), or, in a run resumed from
+its slot, as the table's shapes last published it (``resume_from``,
+``schema_changes.resumed``); only the table's name (``first_sight``) when
+none is known → ``consequences`` → one
 INFO line per shape, a backfill of each shape whose rows changed without a
 change in the WAL, the aliases of renamed columns for the next plan, and
 ``stop`` for a shape that cannot follow. Between bursts, ``poll`` notices a
@@ -28,7 +30,12 @@ Invariants:
 - After an initial snapshot, a table's first Relation in the stream is compared
   with the columns the snapshot read: DDL between the snapshot and the table's
   first change (a table nobody wrote since) is a change like any other, never
-  a first sight whose missing default would go unnoticed.
+  a first sight whose missing default would go unnoticed. Likewise, in a run
+  resumed from its slot, with what the shapes last published: DDL made while
+  the producer was stopped is a change like any other; what the published
+  schemas cannot confirm is re-read.
+- Writer schemas carry each column's attnum as the follower last knew it
+  (``attnums``), so the next run's comparison is exact.
 """
 
 from __future__ import annotations
@@ -90,6 +97,9 @@ class SchemaFollower:
         self.shape_tables = {t.oid: q for q, t in tables.items()}  # oid → the shape table's name in the config
         self._relations: dict[int, RelationShape] = {}  # oid → as the stream last planned it
         self._aliases: dict[int, dict[str, tuple[str, ...]]] = {}  # oid → column → its former names
+        # oid → the relation as its shapes' last published schemas describe it,
+        # and those shapes (a run resumed from its slot; see ``resume_from``).
+        self._seeds: dict[int, tuple[RelationShape, list[str]]] = {}
 
     @property
     def stopped(self) -> dict[str, dict]:
@@ -107,13 +117,18 @@ class SchemaFollower:
         table = catalog.table_info(self._conn, facts.schema, facts.name)
         columns = self._columns(rel)
         old = self._relations.get(rel.oid)
+        seed = self._seeds.pop(rel.oid, None) if old is None else None
         new = self._relations[rel.oid] = schema_changes.shape_of(rel.schema, rel.name, columns,
                                                                  relation_key(rel, table), rel.replica_identity,
-                                                                 facts, old)
+                                                                 facts, old or (seed[0] if seed else None))
         specs = [s for s in self._specs[qualified] if s.name not in self.stopped]
         refs = [ShapeRef(s.name, s.columns, s.row_filter.columns if s.row_filter else frozenset()) for s in specs]
-        changes = (schema_changes.classify(old, new, facts) if old is not None
-                   else schema_changes.first_sight(qualified, f"{facts.schema}.{facts.name}"))
+        if old is not None:
+            changes = schema_changes.classify(old, new, facts)
+        else:
+            changes = schema_changes.first_sight(qualified, f"{facts.schema}.{facts.name}")
+            if seed is not None:
+                changes += schema_changes.resumed(seed[0], new, facts, *self._published_columns(seed[1]))
         out = schema_changes.consequences(changes, refs, qualified, new.key, self._aliases.get(rel.oid))
         self._aliases[rel.oid] = out.aliases
         if changes:
@@ -143,6 +158,43 @@ class SchemaFollower:
                 self._relations[table.oid] = schema_changes.shape_of(
                     table.schema, table.name, self._columns(rel), relation_key(rel, table), table.replica_identity,
                     facts)
+
+    def resume_from(self, published: dict[str, tuple[int, dict, dict | None]]) -> None:
+        """A run resumed from its slot: each shape table's first Relation is
+        compared with what its shapes last published (``published``: shape →
+        (publication order, value schema, key schema or None), see
+        ``SchemaPublisher.latest``), so DDL made while the producer was
+        stopped is followed like any other."""
+        for oid, qualified in self.shape_tables.items():
+            shapes = sorted((s.name for s in self._specs[qualified] if s.name in published),
+                            key=lambda name: published[name][0])
+            facts = catalog.relation_facts(self._conn, oid)
+            seed = schema_changes.from_published([published[name][1:] for name in shapes], self._type_name,
+                                                 facts.identity if facts else "d")
+            if seed is not None:
+                self._seeds[oid] = (seed, shapes)
+
+    def attnums(self, oid: int) -> dict[str, int]:
+        """Each column's attnum (name → attnum) as the stream last planned the
+        relation, else (a column the stream has not seen: a read of the whole
+        table) as the catalog has it now: what its writer schemas carry."""
+        facts = catalog.relation_facts(self._conn, oid)
+        shape = self._relations.get(oid)
+        planned = {c.name: c.attnum for c in (shape.columns if shape else ())}
+        merged = {**{c.name: c.attnum for c in (facts.columns if facts else ())}, **planned}
+        return {name: n for name, n in merged.items() if n is not None}  # None: in doubt, published without
+
+    def _published_columns(self, shapes: list[str]) -> tuple[frozenset[str] | None, frozenset[str]]:
+        """The columns ``shapes`` carry (None: every column) and those they filter on."""
+        specs = [s for q in self._specs for s in self._specs[q] if s.name in shapes]
+        carried = None if any(s.columns is None for s in specs) else frozenset(c for s in specs for c in s.columns)
+        return carried, frozenset(c for s in specs if s.row_filter for c in s.row_filter.columns)
+
+    def _type_name(self, oid: int, typmod: int) -> str:
+        try:
+            return self._type_info(oid, typmod).name
+        except catalog.SourceError:  # a type dropped since
+            return f"type oid {oid}"
 
     def _columns(self, rel: Relation) -> list[tuple[str, int, int, str]]:
         """(name, type oid, typmod, type name) of each column of ``rel``."""

@@ -85,7 +85,8 @@ class RelationPlan:
 
     def __init__(self, relation: Relation, codecs: list[ColumnCodec], key_columns: tuple[str, ...],
                  specs: list[ShapeSpec], topic_prefix: str, db: str, layout: str = "plain",
-                 aliases: dict[str, tuple[str, ...]] | None = None):
+                 aliases: dict[str, tuple[str, ...]] | None = None,
+                 attnums: dict[str, dict[str, int]] | None = None):
         self.relation = relation
         self.names = [c.name for c in relation.columns]
         self.codecs = list(codecs)
@@ -99,10 +100,11 @@ class RelationPlan:
                 raise ValueError(f"shape {spec.name!r}: column(s) {', '.join(missing)} are not in "
                                  f"{relation.schema}.{relation.name} any more")
             idx = [self.names.index(c) for c in wanted]
-            columns = [ShapeColumn(relation.columns[i].name, codecs[i], relation.columns[i].name in keys,
-                                   (aliases or {}).get(relation.columns[i].name, ()))
-                       for i in idx]
             schema, table = spec.table or (relation.schema, relation.name)
+            numbers = (attnums or {}).get(f"{schema}.{table}", {})
+            columns = [ShapeColumn(col.name, codecs[i], col.name in keys, (aliases or {}).get(col.name, ()),
+                                   numbers.get(col.name), col.type_oid, col.typmod)
+                       for i, col in ((i, relation.columns[i]) for i in idx)]
             codec = ShapeCodec(spec.name, topic_prefix, db, schema, table, columns, idx, layout)
             self.routes.append(ShapeRoute(spec.name, spec.topic, codec, spec.row_filter))
         self.filtered = any(r.row_filter is not None for r in self.routes)

@@ -25,7 +25,8 @@ from schemas import wire
 from schemas.config import redact_dsn
 from schemas.failures import REGISTRY, Failure
 from schemas.kafka import produce_acknowledged
-from schemas.registry import RegistryConf, control_key_subject, registry_client, subject_name
+from schemas.reader import read_schemas_topic
+from schemas.registry import RegistryConf, control_key_subject, registry_client, subject_name, subject_versions
 
 PUBLISH_TIMEOUT_S = 30.0
 
@@ -48,6 +49,7 @@ class SchemaPublisher:
         self._producer = producer
         self._schemas_topic = wire.schemas_topic(topic_prefix)
         self._registry = registry_client(registry) if registry else None
+        self._registry_conf = registry
         self._registry_url = redact_dsn(str(registry["url"])) if registry else None
         self._strategy = strategy
         self._prefixes: dict[tuple[str, str], bytes] = {}
@@ -58,11 +60,32 @@ class SchemaPublisher:
 
     def prefix(self, topic: str, schema: dict, is_key: bool = False) -> bytes:
         """The wire prefix of a data topic's key or value schema."""
+        return self._publish(self._subject(topic, is_key), schema)
+
+    def _subject(self, topic: str, is_key: bool) -> str:
         if self._registry is not None:
-            subject = subject_name(self._strategy, topic, wire.record_names(topic)[1 if is_key else 0], is_key)
+            return subject_name(self._strategy, topic, wire.record_names(topic)[1 if is_key else 0], is_key)
+        return f"{topic}-{'key' if is_key else 'value'}"
+
+    def latest(self, conf: dict, topics: list[str]) -> dict[str, tuple[int, dict, dict | None]]:
+        """The newest published (value, key) writer schemas of each data topic
+        that has a value schema: topic → (publication order across topics,
+        value schema, key schema or None). Read from the registry's latest
+        versions (ordered by schema id), or from the schemas topic (``conf``:
+        a Kafka client's settings)."""
+        subjects = {self._subject(t, k): (t, k) for t in topics for k in (False, True)}
+        found: dict[tuple[str, bool], tuple[int, dict]] = {}
+        if self._registry is not None:
+            for subject, which in subjects.items():
+                versions = subject_versions(self._registry_conf, subject)
+                if versions:
+                    found[which] = versions[-1][1:]
         else:
-            subject = f"{topic}-{'key' if is_key else 'value'}"
-        return self._publish(subject, schema)
+            for order, (subject, _, schema) in enumerate(read_schemas_topic(conf, self._schemas_topic)):
+                if subject in subjects:
+                    found[subjects[subject]] = (order, schema)
+        return {t: (found[(t, False)][0], found[(t, False)][1], found.get((t, True), (0, None))[1])
+                for t in topics if (t, False) in found}
 
     def control_key_prefix(self, topic: str) -> bytes:
         """The wire prefix of the control-event key on ``topic``."""

@@ -114,6 +114,13 @@ RESERVED_PREFIX = "_wb_"  # walbridge's columns; a source column may not start s
 # The plain layout's side field of a row or key record (walbridge's, so ``_wb_``):
 # its special values as JSON {column: PostgreSQL text}, their columns being null.
 SPECIAL_FIELD = "_wb_special"
+# Properties of a row field naming the source column it was written from (the
+# catalog's identity of it), so a restarted producer compares the table's
+# first Relation with what it last published: pg_attribute.attnum, the type's
+# oid and typmod. Fields written before they were lack them.
+ATTNUM_PROP = "pg.attnum"
+TYPE_OID_PROP = "pg.type_oid"
+TYPMOD_PROP = "pg.typmod"
 META_SCHEMA = "_walbridge"  # progress, backfills, staging
 TOMBSTONES_SUFFIX = "__wb_tombstones"  # after a keyed shape's table name: its deleted keys
 

@@ -10,9 +10,16 @@ apply) in that window leaves ``commits/N`` without N in the target, and Spark
 alone would resume after N.
 
 Invariants:
-- Only the newest committed batch can be unapplied: foreachBatch N+1 waits
-  for N's apply before it returns, and Spark writes ``commits/N+1`` only after
-  that. So :func:`replay_unapplied` looks at that one batch.
+- The pipelining leaves only the newest committed batch unapplied:
+  foreachBatch N+1 waits for N's apply before it returns, and Spark writes
+  ``commits/N+1`` only after that. An older batch is unapplied only when its
+  read handed over none of a partition's messages (a source fault): the
+  target's progress on that partition is still at or below the batch's
+  start, and every later batch that moved it starts above that progress, so
+  it fails with a progress gap. :func:`replay_unapplied` replays from the
+  earliest such batch of the newest batch's topic incarnation (the log Spark
+  retains), else from the newest batch if that one is unapplied: the target's
+  progress, not Spark's log, says what was applied.
 - A batch counts as applied only when every partition its offset range moved
   shows target progress inside that range (``start < next_offset <= end``):
   one target transaction applies all of a batch's parts, so its progress moves
@@ -21,9 +28,10 @@ Invariants:
   unreadable log entry) counts as unapplied: replaying an applied batch is
   harmless (progress skips it part by part), skipping an unapplied one is not.
 - The repair is what Spark does for a batch it had not committed: with
-  ``commits/N`` and every later ``offsets/`` entry removed (with Hadoop's
-  ``.crc`` side files), the restarted query re-runs batch N over the same
-  offset range ``[offsets/N-1, offsets/N)``.
+  ``commits/N`` and every later ``commits/`` and ``offsets/`` entry removed
+  (with Hadoop's ``.crc`` side files), the restarted query re-runs batch N
+  over the same offset range ``[offsets/N-1, offsets/N)`` and plans the
+  batches after it anew.
 
 One query over many topics (:mod:`spark_consumer.topics_source`, offsets
 ``{"<topic>": <that topic's offsets>}``) is reasoned about per topic, with
@@ -85,6 +93,31 @@ def _remove(log_dir: Path, batch_id: int) -> None:
         (log_dir / name).unlink(missing_ok=True)
 
 
+def _skipped_partitions(start: dict | None, end: dict | None, next_offsets: Mapping[int, int]) -> list[int]:
+    """The partitions a batch moved of which the target applied nothing, not
+    even later: its progress there is still at or below the batch's start."""
+    begin = offsets_from_json(start)
+    return [p for p, stop in offsets_from_json(end).items()
+            if stop > begin.get(p, 0) and next_offsets.get(p, 0) <= begin.get(p, 0)]
+
+
+def earliest_skipped(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
+    """The earliest committed batch before the newest, of the newest batch's
+    topic incarnation, that moved a partition the target never applied."""
+    committed = _batch_ids(checkpoint / "commits")
+    if len(committed) < 2:
+        return None
+    incarnation = (_source_offsets(checkpoint, committed[-1]) or {}).get(TOPIC_ID)
+    for batch in committed[:-1]:
+        start = _source_offsets(checkpoint, batch - 1) if batch > 0 else None
+        end = _source_offsets(checkpoint, batch)
+        if end is None or (batch > 0 and start is None) or recreated(start, end) or end.get(TOPIC_ID) != incarnation:
+            continue  # purged by Spark, unreadable, or of an earlier incarnation: nothing to say
+        if _skipped_partitions(start, end, next_offsets):
+            return batch
+    return None
+
+
 def newest_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
     """The newest batch the query's ``checkpoint`` has as committed, if the
     target has not applied it (see the module's invariants); else None."""
@@ -124,21 +157,28 @@ def newest_moved(checkpoint: Path, next_offsets: Mapping[int, int]) -> tuple[str
 
 
 def replay_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
-    """Un-commit :func:`newest_unapplied`'s batch, so that Spark re-runs it;
-    returns its id, or None when there was nothing to repair. Call it only
-    while the query is stopped."""
-    newest = newest_unapplied(checkpoint, next_offsets)
-    if newest is not None:
-        _uncommit(checkpoint, newest)
-    return newest
+    """Un-commit :func:`earliest_skipped`'s batch, or else
+    :func:`newest_unapplied`'s, and every batch after it, so that Spark
+    re-runs it; returns its id, or None when there was nothing to repair.
+    Call it only while the query is stopped."""
+    first = earliest_skipped(checkpoint, next_offsets)
+    if first is None:
+        first = newest_unapplied(checkpoint, next_offsets)
+    if first is None:
+        return None
+    _uncommit(checkpoint, first)
+    return first
 
 
-def _uncommit(checkpoint: Path, newest: int) -> None:
-    """Make Spark re-run batch ``newest``: its commit and every later offsets entry go."""
+def _uncommit(checkpoint: Path, first: int) -> None:
+    """Make Spark re-run batch ``first`` and plan the ones after it anew:
+    its commit, every later commit and every later offsets entry go."""
     for later in _batch_ids(checkpoint / "offsets"):
-        if later > newest:
+        if later > first:
             _remove(checkpoint / "offsets", later)
-    _remove(checkpoint / "commits", newest)
+    for batch in _batch_ids(checkpoint / "commits"):
+        if batch >= first:
+            _remove(checkpoint / "commits", batch)
 
 
 Progress = Mapping[str, Mapping[int, int]]  # topic -> partition -> the target's next offset
@@ -179,12 +219,36 @@ def topics_batch_unapplied(checkpoint: Path, progress: Progress, initial: Mappin
     return None
 
 
+def topics_earliest_skipped(checkpoint: Path, progress: Progress, initial: Mapping[str, dict]) -> int | None:
+    """:func:`earliest_skipped` for a many-topic query: the earliest committed
+    batch before the newest that moved a partition of one of the query's
+    topics (in that topic's incarnation of the newest batch) of which the
+    target applied nothing."""
+    committed = _batch_ids(checkpoint / "commits")
+    if len(committed) < 2:
+        return None
+    newest = _source_offsets(checkpoint, committed[-1]) or {}
+    for batch in committed[:-1]:
+        start = _source_offsets(checkpoint, batch - 1) if batch > 0 else None
+        end = _source_offsets(checkpoint, batch)
+        if end is None or (batch > 0 and start is None):
+            continue  # purged by Spark or unreadable: nothing to say
+        for topic, first, last in _topic_ranges(start, end, initial):
+            if recreated(first, last) or last.get(TOPIC_ID) != (newest.get(topic) or {}).get(TOPIC_ID):
+                continue
+            if _skipped_partitions(first, last, progress.get(topic, {})):
+                return batch
+    return None
+
+
 def topics_replay_unapplied(checkpoint: Path, progress: Progress, initial: Mapping[str, dict]) -> int | None:
     """:func:`replay_unapplied` for a many-topic query."""
-    newest = topics_batch_unapplied(checkpoint, progress, initial)
-    if newest is not None:
-        _uncommit(checkpoint, newest)
-    return newest
+    first = topics_earliest_skipped(checkpoint, progress, initial)
+    if first is None:
+        first = topics_batch_unapplied(checkpoint, progress, initial)
+    if first is not None:
+        _uncommit(checkpoint, first)
+    return first
 
 
 def topics_newest_moved(checkpoint: Path, progress: Progress, initial: Mapping[str, dict]

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -126,8 +127,8 @@ class ShapeApplier(PipelinedApply):
     the apply thread and returns, so Spark plans and reads batch N+1 while N
     is applied. Spark therefore logs batch N as committed before the target
     has it; :func:`spark_consumer.checkpoint.replay_unapplied` repairs that at
-    every query start (a crash, a failed apply): at most the last committed
-    batch can be unapplied, and it is replayed. An apply error surfaces at
+    every query start (a crash, a failed apply, a progress gap): the batches
+    from the first the target lacks are replayed. An apply error surfaces at
     the next ``__call__`` or through :attr:`error` (the run loop restarts the
     query)."""
 
@@ -163,8 +164,9 @@ class ShapeApplier(PipelinedApply):
         next_offsets = {p: prog.next_offset for (_, p), prog in progress.items()}
         batch = replay_unapplied(checkpoint, next_offsets)
         if batch is not None:
-            log.warning("shape %s: Spark's checkpoint has batch %d as done but the target never committed it; "
-                        "it is read and applied again", self.shape.shape_name, batch)
+            log.warning("shape %s: Spark's checkpoint has batch %d as done but the target never committed all of "
+                        "it (target progress %s); it and every later batch are read and applied again",
+                        self.shape.shape_name, batch, dict(sorted(next_offsets.items())))
             return
         # The newest batch is applied; its group commit may not be (killed in
         # between): commit what the target holds, for the incarnation it was
@@ -396,9 +398,21 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
     return query, applier
 
 
-def _first_line(error: BaseException) -> str:
-    """An error's first line, for a log line (Spark's and libpq's run long)."""
-    return (str(error).strip().splitlines() or ["?"])[0][:300]
+def _headline(error: BaseException) -> str:
+    """The line of an error that says what went wrong, for a log line
+    (Spark's and libpq's run long): the raised exception of a Python
+    traceback Spark wraps, else the first line."""
+    lines = str(error).strip().splitlines() or ["?"]
+    if "Traceback (most recent call last)" in lines[0]:
+        raised = [line for line in lines if _RAISED.match(line)]
+        if raised:
+            return raised[-1][:300]
+    return lines[0][:300]
+
+
+# A Python traceback's last line: "module.Name: message" or "SomeError: message"
+# (not the "Identifier: ..." lines Spark appends about the query).
+_RAISED = re.compile(r"(?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*: |[A-Za-z_]\w*(?:Error|Exception|Exit): ")
 
 
 QUERY_RESTARTS = 5  # failures of one query tolerated within QUERY_FAILURE_WINDOW (transient ones aside)
@@ -477,7 +491,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                 failure = failure or q.exception()
                 if cannot_follow(failure):
                     log.error("query %s stopped: %s. The other shapes go on; this one's WAL is held (or dropped "
-                              "per [ack] on_stall)", q.name, _first_line(failure).split("ShapeCannotFollow: ")[-1])
+                              "per [ack] on_stall)", q.name, _headline(failure).split("ShapeCannotFollow: ")[-1])
                     given_up.add(i)
                     continue
                 # A failed query restarts from its checkpoint: the target's
@@ -512,7 +526,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                                            f"{QUERY_FAILURE_WINDOW:.0f}s; last: {failure}")
                     delay = min(2.0 ** len(failures[i]), 30.0)
                     log.error("query %s failed (%s); restarting it from its checkpoint in %.0fs", q.name,
-                              _first_line(failure), delay)
+                              _headline(failure), delay)
                 if pause(stop, delay):
                     return
                 started[i].close()

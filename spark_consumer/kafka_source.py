@@ -146,6 +146,7 @@ ARROW_BATCH_ROWS = 8192
 CONSUME_BATCH = 5000
 RANGE_CONSUME_WAIT_S = 1.0  # one consume() call of a range read
 RANGE_FETCH_QUEUE_BACKOFF_MS = 10  # librdkafka fetch.queue.backoff.ms of the range consumers (see _range_consumer)
+RANGE_CONSUMERS_KEPT = 8  # per Python worker: one per query run and client config
 RANGE_FETCH_WAIT_MS = 50  # librdkafka fetch.wait.max.ms of the executors' range consumers (10 ms livelocked on Tansu)
 LOST_DATA_RETRIES = 3
 # A batch of at most this many offsets is read by one task (its partitions one
@@ -184,6 +185,10 @@ class SourceOptions:
     max_offsets_per_task: int | None = None
     read_idle_timeout_s: float = 120.0
     on_data_loss: str = "fail"  # or "follow"
+    # The query run this source serves: a restarted query reads its ranges
+    # (a replay among them) with range consumers of its own, never with a
+    # consumer whose state an interrupted run left behind.
+    run: str = ""
 
     @classmethod
     def from_options(cls, options: dict[str, str]) -> SourceOptions:
@@ -205,7 +210,7 @@ class SourceOptions:
                    starting_offsets=o.get("starting_offsets") or "earliest",
                    max_offsets_per_task=int(o["max_offsets_per_task"]) if o.get("max_offsets_per_task") else None,
                    read_idle_timeout_s=float(o.get("read_idle_timeout_s") or 120.0),
-                   on_data_loss=o.get("on_data_loss") or "fail")
+                   on_data_loss=o.get("on_data_loss") or "fail", run=o.get("run") or "")
         if opts.on_data_loss not in ("fail", "follow"):
             raise ValueError(f"{SOURCE_NAME}: on_data_loss must be 'fail' or 'follow', not {opts.on_data_loss!r}")
         if opts.subject_name_strategy not in STRATEGIES:
@@ -233,6 +238,8 @@ class SourceOptions:
             out["max_offsets_per_trigger"] = str(self.max_offsets_per_trigger)
         if self.max_offsets_per_task is not None:
             out["max_offsets_per_task"] = str(self.max_offsets_per_task)
+        if self.run:
+            out["run"] = self.run
         return out
 
     def client_conf(self) -> dict[str, Any]:
@@ -654,6 +661,13 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         begin = offsets_from_json(start)
         try:
             topic_id = self._probe().topic_id()
+            if start.get(TOPIC_ID) and not topic_id:
+                # The topic had an id and now shows none (a broker still making
+                # it): planned without one, a new incarnation would be read on
+                # from the old one's offsets, never from its first.
+                log.warning("%s shows no topic id (it had %s): no new data this time", self._opts.topic,
+                            start[TOPIC_ID])
+                return start
             if recreated(start, {TOPIC_ID: topic_id}):
                 if self._opts.on_data_loss != "follow":
                     raise RuntimeError(f"{self._opts.topic} was recreated (topic id {start[TOPIC_ID]} is now "
@@ -820,10 +834,12 @@ def _incarnation_gone(opts: SourceOptions, task: OffsetRange) -> bool:
 
 def _range_consumer(opts: SourceOptions):
     conf = opts.client_conf()
-    key = _conf_key(conf)
-    consumer = _consumers.get(key)
+    key = f"{opts.run}/{_conf_key(conf)}"
+    consumer = _consumers.pop(key, None)
     if consumer is None:
-        consumer = _consumers[key] = Consumer({
+        while len(_consumers) >= RANGE_CONSUMERS_KEPT:  # runs of restarted queries: the least recently used
+            _consumers.pop(next(iter(_consumers))).close()
+        consumer = Consumer({
             # A range's messages are all there (its end is a high watermark): a
             # fetch has no reason to wait for data, which would delay each task.
             "fetch.wait.max.ms": RANGE_FETCH_WAIT_MS,
@@ -834,6 +850,7 @@ def _range_consumer(opts: SourceOptions):
             "enable.auto.offset.store": False, "enable.partition.eof": True,
             # An offset that is no longer there is data loss: fail, never skip.
             "auto.offset.reset": "error"})
+    _consumers[key] = consumer  # the most recently used last
     return consumer
 
 
@@ -941,6 +958,12 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
     try:
         next_offset = task.start
         eof_at = None
+        # The next offset at which the read was fetched again: a read that would
+        # skip offsets (a message beyond the next offset, an end-of-partition
+        # past it) fetches once more from the next offset first. What a reused
+        # consumer still held from an earlier read cannot skip a message so; a
+        # skip that comes back is the log's own (compaction, deleted records).
+        refetched_at = None
         idle_since = time.monotonic()
         while next_offset < end:
             msgs = consumer.consume(num_messages=min(CONSUME_BATCH, end - next_offset), timeout=RANGE_CONSUME_WAIT_S)
@@ -951,14 +974,19 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
                     f"{topic}[{partition}]: {READ_GAP} {next_offset} for {opts.read_idle_timeout_s}s "
                     f"(batch range ends at {end}; broker end of partition {eof_at}): the broker lost data?")
             for msg in msgs:
+                if msg.partition() != partition or msg.topic() != topic:
+                    continue  # left over from the consumer's previous range (it is reused)
                 err = msg.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
                         eof_at = msg.offset()
-                        if eof_at >= end:  # the rest of the range holds no visible message
-                            next_offset = end
+                        if eof_at < end:
+                            continue
+                        if refetched_at != next_offset and _refetch(consumer, topic, partition, next_offset):
+                            refetched_at = next_offset
                             break
-                        continue
+                        next_offset = end  # the rest of the range holds no visible message
+                        break
                     if not err.fatal() and err.code() in _TRANSIENT:
                         log.warning("%s[%d]: %s (retrying)", topic, partition, err.str())
                         continue
@@ -967,11 +995,15 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
                         break
                     raise KafkaException(err)
                 offset = msg.offset()
+                if offset < next_offset:
+                    continue
+                if offset > next_offset and refetched_at != next_offset and _refetch(
+                        consumer, topic, partition, next_offset):
+                    refetched_at = next_offset
+                    break
                 if offset >= end:
                     next_offset = end
                     break
-                if offset < next_offset:
-                    continue
                 rows.add(offset, msg.key(), msg.value(), msg.headers())
                 next_offset = offset + 1
             idle_since = time.monotonic() if msgs else idle_since
@@ -990,6 +1022,16 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
             yield rows.to_record_batch()
     finally:
         consumer.unassign()
+
+
+def _refetch(consumer, topic: str, partition: int, offset: int) -> bool:
+    """Fetch ``partition`` again from ``offset`` (what the consumer held is
+    dropped); False when it cannot seek now (the skip then stands)."""
+    try:
+        consumer.seek(TopicPartition(topic, partition, offset))
+        return True
+    except KafkaException:
+        return False
 
 
 class RawRows:

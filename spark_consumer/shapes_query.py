@@ -36,10 +36,11 @@ Invariants:
   then lie beyond that progress: at every start such topics rejoin at the
   target's progress (:func:`spark_consumer.checkpoint.topics_ahead_of_target`),
   never read on from the checkpoint over the gap.
-- At every start the newest batch Spark logged is checked against the
-  target per topic and replayed if any topic it moved lacks it
-  (:func:`spark_consumer.checkpoint.topics_replay_unapplied`); its group
-  commit, if the target has the batch, is made again.
+- At every start Spark's log is checked against the target per topic: from
+  the earliest batch that moved a partition the target never applied (or
+  else the newest, if any topic it moved lacks it), every batch is read and
+  applied again (:func:`spark_consumer.checkpoint.topics_replay_unapplied`);
+  the newest batch's group commit, if the target has it, is made again.
 - Undecodable messages go to each shape's own ``<topic>.dlq``.
 - Not yet here: the staged apply (config refuses the pair), a read limit
   shared across topics (``max_offsets_per_trigger`` is per topic).
@@ -190,7 +191,8 @@ class ShapesApplier(PipelinedApply):
         batch = topics_replay_unapplied(self.checkpoint, by_topic, initial)
         if batch is not None:
             log.warning("Spark's checkpoint has batch %d of the shapes' query as done but the target lacks part "
-                        "of it; it is read and applied again", batch)
+                        "of it (target progress %s); it and every later batch are read and applied again",
+                        batch, {t: dict(sorted(ps.items())) for t, ps in sorted(by_topic.items())})
         else:
             moved = topics_newest_moved(self.checkpoint, by_topic, initial)
             if moved:

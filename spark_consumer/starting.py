@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 
 from schemas.config import Config, ShapeConfig
 from schemas.failures import attributed
@@ -47,7 +48,8 @@ def pause(stop: threading.Event | None, seconds: float) -> bool:
 
 
 def source_options(config: Config, shape: ShapeConfig) -> SourceOptions:
-    """The Kafka source's options for ``shape``'s topic."""
+    """The Kafka source's options for ``shape``'s topic; every call is a new
+    run, read with range consumers of its own (none an earlier run left)."""
     registry_client = {k: v for k, v in config.kafka.registry_client_config().items() if k != "url"}
     return SourceOptions(topic=config.topic(shape), bootstrap_servers=config.kafka.bootstrap_servers,
                          topic_prefix=config.kafka.topic_prefix,
@@ -56,7 +58,8 @@ def source_options(config: Config, shape: ShapeConfig) -> SourceOptions:
                          subject_name_strategy=config.kafka.subject_name_strategy,
                          kafka_client=dict(config.kafka.client),
                          max_offsets_per_trigger=config.consumer.max_offsets_per_trigger,
-                         on_data_loss=SOURCE_ON_DATA_LOSS[config.consumer.on_data_loss])
+                         on_data_loss=SOURCE_ON_DATA_LOSS[config.consumer.on_data_loss],
+                         run=uuid.uuid4().hex)
 
 
 def wait_for_schemas(opts, discover, policy: RetryPolicy, stop: threading.Event | None = None,

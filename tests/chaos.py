@@ -350,6 +350,18 @@ class Chaos:
             tails.append(f"--- {proc.log_path.name}\n" + "\n".join(line[:300] for line in text[-lines:]))
         return "\n".join(tails)
 
+    def _warnings(self, lines: int = 40) -> str:
+        """walbridge's own warnings and errors (not librdkafka's) from both logs,
+        and the executors' lines on recreated topics: the recoveries a failed
+        settle went through."""
+        out = []
+        for proc in (self.producer, self.consumer):
+            text = proc.log_path.read_text(errors="replace").splitlines() if proc.log_path.exists() else []
+            said = [line[:300] for line in text if re.search(
+                r" (WARNING|ERROR) +walbridge\.(?!librdkafka)|was recreated|messages are gone", line)]
+            out.append(f"--- {proc.log_path.name}: walbridge's warnings and errors\n" + "\n".join(said[-lines:]))
+        return "\n".join(out)
+
     def _settle(self) -> None:
         """After the last fault: the target converges and the slot catches up
         by themselves; then every process must still be the one last started."""
@@ -357,7 +369,7 @@ class Chaos:
             try:
                 wait_for(check, timeout=self.settle_timeout, interval=3, what=what)
             except AssertionError as e:
-                self.result.problems.append(f"{e}; the logs end with:\n{self._log_tails()}")
+                self.result.problems.append(f"{e}; the logs end with:\n{self._log_tails()}\n{self._warnings()}")
         for d in self.result.diffs:
             if d.ok:
                 continue

@@ -89,10 +89,13 @@ def test_pgbench_end_to_end_equal_and_slot_released(source_db, target_db, kafka_
         assert history[0] == history[1] > 0
 
 
+@pytest.mark.parametrize("fault", ["apply fails", "read hands over nothing"])
 def test_failed_apply_after_spark_logged_the_batch_is_replayed(source_db, target_db, kafka_broker, topic_prefix,
-                                                                tmp_path, monkeypatch, caplog):
-    """The pipelined apply fails after Spark logged its batch as done: the
-    query restarts, the batch is read and applied again, nothing is lost."""
+                                                                tmp_path, monkeypatch, caplog, fault):
+    """The pipelined apply fails after Spark logged its batch as done, or a
+    batch's read handed over none of a partition's messages (the next batch
+    then fails with a progress gap): the query restarts, the batches from the
+    first the target lacks are read and applied again, nothing is lost."""
     from spark_consumer import job
 
     _prepare_source(source_db)
@@ -102,13 +105,15 @@ def test_failed_apply_after_spark_logged_the_batch_is_replayed(source_db, target
     calls = []
     real_apply = job.apply_batch
 
-    def failing_third_apply(*args, **kwargs):
+    def faulty_third_apply(conn, group, target, parts, **kwargs):
         calls.append(1)
         if len(calls) == 3:
-            raise RuntimeError("injected: the target went away mid-apply")
-        return real_apply(*args, **kwargs)
+            if fault == "apply fails":
+                raise RuntimeError("injected: the target went away mid-apply")
+            parts = [p for p in parts if p.partition != parts[0].partition]  # as if read as empty
+        return real_apply(conn, group, target, parts, **kwargs)
 
-    monkeypatch.setattr(job, "apply_batch", failing_third_apply)
+    monkeypatch.setattr(job, "apply_batch", faulty_third_apply)
     caplog.set_level("INFO", logger="walbridge.consumer")
     with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
         ok = wait_for(lambda: _verify_ok(cfg)[0] or consumer.errors, timeout=240, interval=2,
@@ -117,7 +122,9 @@ def test_failed_apply_after_spark_logged_the_batch_is_replayed(source_db, target
     assert not consumer.errors
     assert len(calls) > 3
     messages = [r.getMessage() for r in caplog.records]
-    assert any("never committed it; it is read and applied again" in m for m in messages), messages[-20:]
+    assert any("never committed all of it" in m for m in messages), messages[-20:]
+    if fault == "read hands over nothing":
+        assert any("were never applied" in m for m in messages), messages[-20:]
 
 
 def _applied_batches(target_db) -> int:
@@ -188,7 +195,7 @@ def test_consumer_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sourc
         finally:
             consumer.stop()
     if apply_mode == "pipelined":
-        assert "never committed it; it is read and applied again" in log.read_text()
+        assert "never committed all of it" in log.read_text()
     assert_applied_once(target_db, kafka_broker.bootstrap, topic_prefix)
 
 

@@ -59,8 +59,16 @@ def _explain(cfg) -> list:
                     for r in records if r.control or (r.key and str(list(r.key.values())[0]) == value)])
         schema, table = d.target_table.split(".", 1)
         with psycopg.connect(cfg["consumer"]["target_dsn"]) as conn:
-            out.append(conn.execute(f'SELECT * FROM {schema}."{table}__wb_tombstones" '
-                                    f'WHERE ROW({", ".join(d.bucket_columns)})::text = %s', (key,)).fetchall())
+            where = f'WHERE ROW({", ".join(d.bucket_columns)})::text = %s'
+            out.append(("target row", conn.execute(f'SELECT * FROM {schema}."{table}" {where}', (key,)).fetchall()))
+            out.append(("target key", conn.execute(
+                "SELECT conname FROM pg_constraint WHERE conrelid = %s::regclass AND contype = 'p'",
+                (f'{schema}."{table}"',)).fetchall()))
+            tombstones = f'{schema}."{table}__wb_tombstones"'
+            if conn.execute("SELECT to_regclass(%s) IS NULL", (tombstones,)).fetchone()[0]:
+                out.append(f"{tombstones} does not exist")
+            else:
+                out.append(("tombstones", conn.execute(f"SELECT * FROM {tombstones} {where}", (key,)).fetchall()))
             out.append(conn.execute("SELECT * FROM _walbridge.progress").fetchall())
     return out
 

@@ -246,6 +246,65 @@ def test_ddl_before_a_tables_first_change_is_compared_with_the_snapshot(source_d
     assert "column dropped" not in caplog.text
 
 
+def test_ddl_while_the_producer_was_stopped_is_compared_with_what_it_published(source_db, kafka_broker,
+                                                                                topic_prefix, caplog):
+    """A producer restarted on its slot compares each table's first Relation
+    with its shapes' last published writer schemas (their fields carry the
+    catalog's attnum, type oid and typmod): DDL made while it was stopped is
+    followed like DDL in the stream (issue 12)."""
+    caplog.set_level(logging.INFO, logger="walbridge")
+    bootstrap = kafka_broker.bootstrap
+    _sql(source_db, "CREATE TABLE s_default (id int PRIMARY KEY, a int); CREATE TABLE s_rename (id int PRIMARY KEY, "
+                    "note text); CREATE TABLE s_narrow (id int PRIMARY KEY, n numeric(10,2)); "
+                    "CREATE TABLE s_where (id int PRIMARY KEY, x int); "
+                    "INSERT INTO s_default SELECT i, i FROM generate_series(1, 50) i; "
+                    "INSERT INTO s_rename SELECT i, 'n' || i FROM generate_series(1, 50) i; "
+                    "INSERT INTO s_narrow SELECT i, i + 0.5 FROM generate_series(1, 50) i; "
+                    "INSERT INTO s_where SELECT i, i FROM generate_series(1, 50) i")
+    cfg = make_config(source_db, bootstrap, topic_prefix,
+                      [{"table": "public.s_default"}, {"table": "public.s_rename"}, {"table": "public.s_narrow"},
+                       {"table": "public.s_where", "name": "ids_only", "columns": ["id"]},
+                       {"table": "public.s_where", "name": "x_ids", "columns": ["id"], "where": "x > 10"}])
+    topic = {t: f"{topic_prefix}.public.{t}" for t in ("s_default", "s_rename", "s_narrow")}
+    with ProducerThread(cfg):
+        for t in topic.values():
+            wait_snapshot_done(bootstrap, t, topic_prefix)
+    _sql(source_db, "ALTER TABLE s_default ADD COLUMN d int DEFAULT 7; ALTER TABLE s_rename RENAME COLUMN note TO "
+                    "remark; ALTER TABLE s_narrow ALTER COLUMN n TYPE numeric(10,0); "
+                    "INSERT INTO s_default VALUES (51, 51); "
+                    "INSERT INTO s_rename VALUES (51, 'x'); INSERT INTO s_narrow VALUES (51, 51); "
+                    "INSERT INTO s_where VALUES (51, 51)")
+    with ProducerThread(cfg) as producer:
+        for table, shape, line in [
+            ("s_default", "public.s_default", "column added with a constant default d (integer)"),
+            ("s_rename", "public.s_rename", "column renamed remark (note → remark)"),
+            ("s_narrow", "public.s_narrow", "column retyped n (numeric(10,2) → numeric(10,0))"),
+        ]:
+            _logged(caplog, f"schema change of public.{table}, shape {shape}: {line}")
+        # x_ids filters on x without carrying it: x was never published, so x_ids is re-read.
+        _logged(caplog, "schema change of public.s_where, shape x_ids: column filtered on but never published "
+                        "(unknown while stopped) x")
+        requests = wait_for(lambda: (lambda s: s if sum(r["state"] == "done" for r in s.values()) == 3 else None)(
+            _backfills(bootstrap, topic_prefix)), timeout=90, what="three backfills done")
+        wait_for(lambda: 51 in _ids(bootstrap, f"{topic_prefix}.ids_only", topic_prefix), what="ids_only streaming")
+        assert producer.thread.is_alive()
+    assert sorted((r["shape"], r["state"]) for r in requests.values()) == [
+        ("public.s_default", "done"), ("public.s_narrow", "done"), ("x_ids", "done")]
+    assert "shape public.s_rename: column dropped" not in caplog.text
+    reread = {r.value["after"]["id"] for r in data_records(read_topic(bootstrap, f"{topic_prefix}.x_ids", topic_prefix))
+              if wire.BACKFILL_HEADER in r.headers}
+    assert reread == set(range(11, 52))
+    rows = latest_rows(read_topic(bootstrap, topic["s_default"], topic_prefix), lambda r: r.value["after"]["id"])
+    assert sorted((r["id"], r.get("d")) for r in rows.values()) == [(i, 7) for i in range(1, 52)]
+    rows = latest_rows(read_topic(bootstrap, topic["s_narrow"], topic_prefix), lambda r: r.value["after"]["id"])
+    assert sorted((r["id"], r["n"]) for r in rows.values()) == sorted(_sql(source_db, "SELECT id, n FROM s_narrow"))
+    versions = [s for subject, _, s in read_schemas_topic({"bootstrap.servers": bootstrap},
+                                                          wire.schemas_topic(topic_prefix))
+                if subject == f"{topic['s_rename']}-value"]
+    remark = next(f for f in versions[-1]["fields"][0]["type"][1]["fields"] if f["name"] == "remark")
+    assert remark["aliases"] == ["note"] and remark[wire.ATTNUM_PROP] == 2
+
+
 def test_a_schema_the_registry_refuses_stops_that_shape_only(source_db, kafka_broker, topic_prefix, caplog,
                                                               monkeypatch):
     caplog.set_level(logging.INFO, logger="walbridge")

@@ -174,7 +174,9 @@ def test_avro_types_are_logical_where_possible(source_db, kafka_broker, topic_pr
             assert not isinstance(items, list) or (len(items) == 2 and items[0] == "null"), (name, items)
     assert row_fields["_wb_special"]["type"] == ["null", "string"]
     key_schema = SchemaResolver({"bootstrap.servers": kafka_broker.bootstrap}, topic_prefix).raw_schema(key_raw)
-    assert key_schema["fields"] == [{"name": "id", "type": "long", "pg.type": "bigint"}]
+    # The catalog's identity of the column (what a restarted producer compares with): attnum, type oid, typmod.
+    assert key_schema["fields"] == [{"name": "id", "type": "long", "pg.type": "bigint", "pg.attnum": 1,
+                                     "pg.type_oid": 20, "pg.typmod": -1}]
 
     def logical(col):
         return {b.get("logicalType") for b in row_fields[col]["type"] if isinstance(b, dict)} - {None}

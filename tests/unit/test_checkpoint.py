@@ -69,6 +69,39 @@ def test_unapplied_newest_batch_is_uncommitted_with_every_later_offset_entry(tmp
     assert replay_unapplied(tmp_path, {0: 5}) is None  # the newest committed is now batch 0, applied
 
 
+def test_a_batch_read_as_empty_is_replayed_with_every_batch_after_it(tmp_path):
+    # Batch 1 moved partition 0 over [5, 9) but the target never got those
+    # offsets (the read handed over nothing): batch 2 then failed with a
+    # progress gap. Applied: batch 0, and partition 1 of batch 2.
+    write_batches(tmp_path, [{"0": 5, "1": 1}, {"0": 9, "1": 1}, {"0": 12, "1": 4}, {"0": 14, "1": 4}],
+                  committed=2)
+    assert replay_unapplied(tmp_path, {0: 5, 1: 4}) == 1
+    assert names(tmp_path / "commits") == [".0.crc", "0"]
+    assert names(tmp_path / "offsets") == [".0.crc", ".1.crc", "0", "1"]  # Spark re-runs 1, plans 2.. anew
+
+
+@pytest.mark.parametrize("offsets,progress", [
+    # an older batch whose partition moved and was applied later (rows only at its end)
+    ([{"0": 5}, {"0": 9}, {"0": 12}], {0: 12}),
+    # an older batch of an earlier topic incarnation: its offsets mean nothing now
+    ([{"0": 5, "topic_id": "a"}, {"0": 9, "topic_id": "a"}, {"0": 3, "topic_id": "b"}, {"0": 5, "topic_id": "b"}],
+     {0: 5}),
+])
+def test_older_batches_the_target_holds_are_left_alone(tmp_path, offsets, progress):
+    write_batches(tmp_path, offsets, committed=len(offsets) - 1)
+    assert replay_unapplied(tmp_path, progress) is None
+    assert len(names(tmp_path / "commits")) == 2 * len(offsets)
+
+
+def test_a_purged_older_batch_is_passed_over(tmp_path):
+    # Spark keeps a bounded log: batch 0's offsets are gone, so batch 1's range is unknown.
+    write_batches(tmp_path, [{"0": 5}, {"0": 9}, {"0": 12}, {"0": 15}], committed=3)
+    for name in ("0", ".0.crc"):
+        (tmp_path / "offsets" / name).unlink()
+    # The target lacks everything from 5: batch 1 cannot be judged, batch 2 can.
+    assert replay_unapplied(tmp_path, {0: 5}) == 2
+
+
 def test_unapplied_first_batch(tmp_path):
     write_batches(tmp_path, [{"0": 5, "1": 2}], committed=0)
     assert replay_unapplied(tmp_path, {}) == 0

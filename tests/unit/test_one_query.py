@@ -232,6 +232,23 @@ def test_newest_batch_is_applied_only_when_every_topic_it_moved_is(tmp_path):
     assert topics_replay_unapplied(tmp_path, {A: {0: 9}, B: {0: 3}}, initial) is None
 
 
+def test_an_earlier_batch_the_target_never_applied_is_replayed_with_every_later_one(tmp_path):
+    batches = [{A: {"0": 5}, B: {"0": 3}}, {A: {"0": 9}, B: {"0": 7}}, {A: {"0": 12}, B: {"0": 9}}]
+    write_batches(tmp_path, batches, committed=2)
+    # B's part of batch 1 never reached the target (a read that handed over
+    # nothing); batch 2's apply then failed on the gap
+    assert topics_replay_unapplied(tmp_path, {A: {0: 12}, B: {0: 3}}, {A: {}, B: {}}) == 1
+    assert names(tmp_path / "commits") == [".0.crc", "0"]
+    assert names(tmp_path / "offsets") == [".0.crc", ".1.crc", "0", "1"]
+
+
+def test_an_earlier_incarnations_batch_decides_nothing(tmp_path):
+    batches = [{A: {"0": 5, "topic_id": "old"}}, {A: {"0": 2, "topic_id": "new"}},
+               {A: {"0": 4, "topic_id": "new"}}]
+    write_batches(tmp_path, batches, committed=2)
+    assert topics_replay_unapplied(tmp_path, {A: {0: 4}}, {A: {}}) is None
+
+
 def test_the_first_batch_starts_where_the_source_was_told(tmp_path):
     write_batches(tmp_path, [{A: {"0": 600}}], committed=0)
     # started at the target's progress 500: progress still 500 means unapplied

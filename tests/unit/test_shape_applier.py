@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from schemas.config import parse_config
-from spark_consumer.job import ShapeApplier, stop_queries
+from spark_consumer.job import ShapeApplier, _headline, stop_queries
 from tests.helpers import make_config
 from tests.integration.test_target_apply import items_target
 
@@ -98,3 +98,19 @@ def test_shutdown_waits_for_all_busy_queries_within_one_deadline():
     assert [t for kind, t in events if kind == "settle"] == [10.0, 0.0, 0.0]
     assert [q for kind, q in events if kind == "stop"] == queries
     assert clock[0] == 110.0
+
+
+@pytest.mark.parametrize("text,headline", [
+    ("plain failure\nits details", "plain failure"),
+    ("Return Message: Traceback (most recent call last):\nRuntimeError: injected\nIdentifier: q",
+     "RuntimeError: injected"),
+    # Spark wraps the foreachBatch function's Python traceback: the raised exception says what happened
+    ("[FOREACH_BATCH_USER_FUNCTION_ERROR] ... Return Message: Traceback (most recent call last):\n"
+     '  File "job.py", line 3, in apply\n    raise ProgressGapError(msg)\n'
+     "spark_consumer.progress.ProgressGapError: t[0]: offsets from 9 on were never applied\n\n"
+     "\tat py4j.Protocol.getReturnValue(Protocol.java:476)\n=== Streaming Query ===\n"
+     "Identifier: walbridge:public.t [id = 1, runId = 2]\nCurrent Committed Offsets: {}\n",
+     "spark_consumer.progress.ProgressGapError: t[0]: offsets from 9 on were never applied"),
+])
+def test_a_failed_query_is_logged_by_what_went_wrong(text, headline):
+    assert _headline(RuntimeError(text)) == headline

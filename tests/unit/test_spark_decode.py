@@ -950,6 +950,9 @@ def test_reader_follows_a_recreated_topic_from_offset_zero(monkeypatch):
     # A topic being recreated: no new data meanwhile.
     r._ends.id = "missing"
     assert r.latestOffset(start, ReadAllAvailable()) == start
+    # ... or showing no id yet: never read on from the old incarnation's offsets.
+    r._ends.id = None
+    assert r.latestOffset(start, ReadAllAvailable()) == start
     # A broker that does not answer: no new data this time, the query goes on.
     r._ends.id = "silent"
     assert r.latestOffset(start, ReadAllAvailable()) == start
