@@ -9,7 +9,9 @@ Invariants:
   columns of ``after`` that an UPDATE left untouched in TOAST storage. Those are
   null in ``after`` and must not be applied; they are never placeholders.
 - The key schema is a record of the key columns (primary key, or the replica
-  identity index); keyless shapes have no key schema and null keys.
+  identity index); keyless shapes have no key schema and null keys. The row
+  record names its key fields too (``"pg.key"``, empty when keyless): a key
+  change alone makes a new value schema, and consumers read the key from it.
 - Row fields follow the shape's column list and order; every field is nullable
   (a DELETE's ``before`` may carry only the key) and defaults to null, so adding
   a column is a backward-compatible schema change.
@@ -127,7 +129,7 @@ def field_encoder(col: ShapeColumn, layout: str, nullable: bool = True) -> Calla
 
 def value_schema(namespace: str, columns: list[ShapeColumn], layout: str = "plain") -> dict:
     row = {"type": "record", "name": "Value", "namespace": namespace,
-           "fields": _record_fields(columns, layout)}
+           "fields": _record_fields(columns, layout), wire.KEY_PROP: [c.field_name for c in columns if c.is_key]}
     return {
         "type": "record",
         "name": "Envelope",

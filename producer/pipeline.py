@@ -530,9 +530,11 @@ class Pipeline:
         return self._type_cache[key]
 
     def _register(self, codec, topic: str) -> None:
-        codec.value_prefix = self.schemas.prefix(topic, codec.value_schema)
+        # The key schema first: a consumer that finds the value schema must find
+        # the key schema too, or it would take a keyed shape for a keyless one.
         codec.key_prefix = (self.schemas.prefix(topic, codec.key_schema, is_key=True)
                             if codec.key_schema is not None else None)
+        codec.value_prefix = self.schemas.prefix(topic, codec.value_schema)
 
     def _plan_table(self, table: TableInfo) -> RelationPlan:
         """The plan of a table read whole (snapshot, backfill), as if its Relation message had arrived."""

@@ -391,8 +391,8 @@ def from_published(schemas: list[tuple[dict, dict | None]], type_name: Callable[
                 columns[name] = ColumnShape(name, 0, -1, f.get("pg.type", ""), None)
             else:
                 columns[name] = ColumnShape(name, oid, typmod, type_name(oid, typmod), attnum)
-        key = tuple(f.get("pg.column", f["name"]) for f in (key_schema or {"fields": ()})["fields"]
-                    if f["name"] != wire.SPECIAL_FIELD)
+        by_field = {f["name"]: f.get("pg.column", f["name"]) for f in row["fields"]}
+        key = tuple(by_field.get(k, k) for k in wire.key_fields(row, key_schema))
     ordered = sorted(columns.values(), key=lambda c: c.attnum if c.attnum is not None else 1 << 16)
     return RelationShape("", "", tuple(ordered), key, identity, confirmed)
 

@@ -121,6 +121,12 @@ SPECIAL_FIELD = "_wb_special"
 ATTNUM_PROP = "pg.attnum"
 TYPE_OID_PROP = "pg.type_oid"
 TYPMOD_PROP = "pg.typmod"
+# A property of the row record: its key fields' names in key order ([] when
+# keyless). A key change alone thus makes a new value schema, and a consumer
+# takes the key from the value schema it decodes with, never from a key
+# subject that may lag behind it (or, once keyless, keep an old version).
+# Value schemas written before it lack it: their key is the key schema's.
+KEY_PROP = "pg.key"
 META_SCHEMA = "_walbridge"  # progress, backfills, staging
 TOMBSTONES_SUFFIX = "__wb_tombstones"  # after a keyed shape's table name: its deleted keys
 
@@ -144,6 +150,14 @@ def record_names(topic: str) -> tuple[str, str]:
     namespace = avro_namespace(topic)
     return f"{namespace}.Envelope", f"{namespace}.Key"
 _CONFLUENT = struct.Struct(">bI")
+
+
+def key_fields(row: dict, key_schema: dict | None) -> list[str]:
+    """The Avro names of a shape's key fields, in key order: the row record's
+    ``KEY_PROP`` when it has one, else the key schema's fields (none: keyless)."""
+    if KEY_PROP in row:
+        return list(row[KEY_PROP])
+    return [f["name"] for f in (key_schema or {}).get("fields", ()) if f["name"] != SPECIAL_FIELD]
 
 
 def schemas_topic(topic_prefix: str) -> str:

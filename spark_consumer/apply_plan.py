@@ -173,13 +173,13 @@ class ShapeTarget:
     def from_avro(cls, shape: str, value_schema: Mapping, key_schema: Mapping | None = None, *,
                   key_fields: Iterable[str] | None = None, table: tuple[str, str] | None = None) -> ShapeTarget:
         """From the shape's Avro value schema (the envelope, or its row record)
-        and its key schema (None for keyless shapes) or the key field names."""
-        keys = set(key_fields or ())
-        if key_schema:
-            keys |= {f["name"] for f in key_schema.get("fields", ()) if f["name"] != wire.SPECIAL_FIELD}
+        and its key: the row record's ``"pg.key"`` when it has one, else the
+        key schema (None for keyless shapes); plus ``key_fields``."""
+        row = _row_record(value_schema)
+        keys = set(key_fields or ()) | set(wire.key_fields(row, key_schema))
         cols = []
         seen: set[str] = set()
-        for f in _row_record(value_schema)["fields"]:
+        for f in row["fields"]:
             if f["name"] == wire.SPECIAL_FIELD:
                 continue  # the plain layout's side field: special values, not a column
             name = f.get("pg.column", f["name"])

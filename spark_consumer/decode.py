@@ -395,7 +395,7 @@ class ShapeLayout:
     @classmethod
     def from_schemas(cls, value_schema: dict, key_schema: dict | None = None) -> ShapeLayout:
         row = row_record(value_schema)
-        keys = {f["name"] for f in key_schema.get("fields", ())} if key_schema else set()
+        keys = set(wire.key_fields(row, key_schema))
         columns = []
         seen: set[str] = set()
         for f in row["fields"]:

@@ -36,7 +36,10 @@ TABLES = {
     "p_key": "CREATE TABLE p_key (id int PRIMARY KEY, a int, code int NOT NULL DEFAULT 1)",
     "p_trunc": "CREATE TABLE p_trunc (id int PRIMARY KEY, a int)",
     "p_where": "CREATE TABLE p_where (id int PRIMARY KEY, a int, region text DEFAULT 'eu')",
+    "p_unkey": "CREATE TABLE p_unkey (id int PRIMARY KEY, a int)",
     "p_moved": "CREATE TABLE p_moved (id int PRIMARY KEY, a int)",
+    "p_cols": "CREATE TABLE p_cols (id int PRIMARY KEY, a int, label text DEFAULT 'l')",
+    "p_dropped": "CREATE TABLE p_dropped (id int PRIMARY KEY, a int)",
 }
 ROWS = e2e.ROWS  # each table's rows before the load (e2e.streaming)
 RATE = 60  # load transactions per second, over all tables
@@ -74,6 +77,7 @@ class Load(e2e.Load):
 def pipeline(pg_cluster, kafka_broker, tmp_path_factory):
     shapes = [{"table": f"public.{t}"} for t in TABLES]
     shapes.append({"table": "public.p_where", "name": "p_where_eu", "where": "region = 'eu'"})
+    shapes.append({"table": "public.p_cols", "name": "p_cols_slim", "columns": ["id", "a", "label"]})
     with e2e.streaming(pg_cluster, kafka_broker, tmp_path_factory.mktemp("schema-changes-producer"), "ddlp", TABLES,
                        shapes, Load) as state:
         yield state
@@ -160,6 +164,19 @@ def test_truncate_empties_the_target_in_the_stream(pipeline):
         assert t.execute("SELECT count(*) FROM p_trunc WHERE id <= %s", (ROWS,)).fetchone()[0] == 0
 
 
+def test_a_table_that_loses_its_key_follows_the_keyless_rules(pipeline):
+    # One statement: without a key and with the default replica identity,
+    # PostgreSQL would refuse the load's UPDATEs on a published table.
+    ddl(pipeline, "ALTER TABLE p_unkey REPLICA IDENTITY FULL, DROP CONSTRAINT p_unkey_pkey")
+    producer_said(pipeline, "public.p_unkey lost its key")
+    converged(pipeline, "p_unkey")
+    with psycopg.connect(pipeline["target"]) as t:
+        assert t.execute("SELECT count(*) FROM pg_constraint WHERE conrelid = 'public.p_unkey'::regclass "
+                         "AND contype = 'p'").fetchone()[0] == 0
+    ddl(pipeline, "UPDATE p_unkey SET a = -a WHERE id <= 10", "DELETE FROM p_unkey WHERE id BETWEEN 11 AND 15")
+    converged(pipeline, "p_unkey")  # FULL-identity updates and deletes of keyless rows
+
+
 def _held(state, text: str) -> int:
     line = producer_said(state, text)
     return lsn_to_int(re.search(r"WAL is held from (\S+)", line).group(1))
@@ -190,3 +207,26 @@ def test_rename_table_stops_its_shape_and_holds_wal(pipeline):
     assert _confirmed(pipeline) <= held
     with psycopg.connect(pipeline["target"]) as t:  # nothing of the renamed table lost or half-applied
         assert t.execute("SELECT count(*) FROM p_moved WHERE id = -1").fetchone()[0] == 0
+
+
+def test_a_shape_whose_column_is_renamed_stops_alone_and_holds_wal(pipeline):
+    ddl(pipeline, "ALTER TABLE p_cols RENAME COLUMN label TO tag")
+    held = _held(pipeline, "shape p_cols_slim: column label of public.p_cols was renamed to tag, and the shape's "
+                           "columns names it")
+    converged(pipeline, "p_cols")  # the table's unfiltered shape follows the rename
+    assert "tag" in target_columns(pipeline["target"], "p_cols")
+    assert _confirmed(pipeline) <= held
+
+
+def test_drop_table_stops_its_shape_and_holds_wal(pipeline):
+    pipeline["load"].pause()
+    pipeline["load"].tables.remove("p_dropped")
+    pipeline["load"].resume()
+    with psycopg.connect(pipeline["target"]) as t:
+        before = t.execute("SELECT count(*) FROM p_dropped").fetchone()[0]
+    ddl(pipeline, "DROP TABLE p_dropped")
+    held = _held(pipeline, "shape public.p_dropped: table public.p_dropped was dropped (its target keeps its rows)")
+    converged(pipeline, "p_default")
+    assert _confirmed(pipeline) <= held
+    with psycopg.connect(pipeline["target"]) as t:
+        assert t.execute("SELECT count(*) FROM p_dropped").fetchone()[0] >= before
