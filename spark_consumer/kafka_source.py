@@ -100,13 +100,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import json
 import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import pyarrow as pa
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition
@@ -734,7 +733,7 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     # -- executors
     def read(self, partition: OffsetRange | OffsetRanges) -> Iterator[Any]:
         if isinstance(partition, OffsetRanges):
-            return itertools.chain.from_iterable(read_offset_range(self._opts, r) for r in partition.ranges)
+            return read_offset_ranges(lambda _: self._opts, partition.ranges)
         return read_offset_range(self._opts, partition)
 
 
@@ -830,6 +829,47 @@ def _incarnation_gone(opts: SourceOptions, task: OffsetRange) -> bool:
                     task.topic, task.partition, task.start, task.end, task.topic_id, current)
         return True
     return False
+
+
+def _incarnations_gone(opts_of: Callable[[str], SourceOptions], ranges: Sequence[OffsetRange]) -> set[int]:
+    """:func:`_incarnation_gone` of many ranges, every topic asked in one
+    request: the indexes of the ranges whose incarnation is gone."""
+    watched = [(i, r) for i, r in enumerate(ranges) if r.topic_id and opts_of(r.topic).on_data_loss == "follow"]
+    if not watched:
+        return set()
+    conf = opts_of(watched[0][1].topic).client_conf()
+    admin = _admins.get(_conf_key(conf))
+    if admin is None:
+        admin = _admins[_conf_key(conf)] = AdminClient(conf)
+    current = topic_ids(admin, {r.topic for _, r in watched}, 30.0)
+    gone = set()
+    for i, r in watched:
+        now = current[r.topic]
+        if isinstance(now, LookupError):
+            now = None
+        elif isinstance(now, Exception):
+            raise now
+        if now != r.topic_id:
+            log.warning("%s[%d] [%d, %d): the topic was recreated (id %s, now %s); its messages are gone",
+                        r.topic, r.partition, r.start, r.end, r.topic_id, now)
+            gone.add(i)
+    return gone
+
+
+def read_offset_ranges(opts_of: Callable[[str], SourceOptions], ranges: Sequence[OffsetRange]) -> Iterator[Any]:
+    """The ranges of a small batch read by one task (:func:`bundle_small`),
+    in turn. Their topics' incarnations are looked up all at once before and
+    after the reads (two requests, not two per range: with many topics the
+    looks were most of a small batch's time); the rows are held until the
+    look after, so none of an incarnation gone meanwhile is handed over (a
+    bundle holds at most ``SMALL_BATCH_OFFSETS`` messages)."""
+    before = _incarnations_gone(opts_of, ranges)
+    read = [(r, list(read_offset_range(opts_of(r.topic), r, looked_up=True)))
+            for i, r in enumerate(ranges) if i not in before]
+    after = _incarnations_gone(opts_of, [r for r, _ in read])
+    for i, (_, batches) in enumerate(read):
+        if i not in after:
+            yield from batches
 
 
 def _range_consumer(opts: SourceOptions):
@@ -946,11 +986,13 @@ _TRANSIENT = frozenset({KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, Kaf
                         KafkaError.REQUEST_TIMED_OUT, KafkaError._RESOLVE})
 
 
-def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
+def read_offset_range(opts: SourceOptions, task: OffsetRange, looked_up: bool = False) -> Iterator[Any]:
     """Arrow record batches (:data:`RAW_SCHEMA`) of every message in
-    ``task``'s range, in offset order (executor side)."""
+    ``task``'s range, in offset order (executor side). ``looked_up``: the
+    caller looks the incarnation up before and after and holds the rows
+    (:func:`read_offset_ranges`)."""
     topic, partition, end = task.topic, task.partition, task.end
-    if _incarnation_gone(opts, task):
+    if not looked_up and _incarnation_gone(opts, task):
         return
     rows = RawRows(topic, partition)
     consumer = _range_consumer(opts)
@@ -1008,7 +1050,7 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
                 next_offset = offset + 1
             idle_since = time.monotonic() if msgs else idle_since
             if rows.count >= ARROW_BATCH_ROWS:
-                if _incarnation_gone(opts, task):
+                if not looked_up and _incarnation_gone(opts, task):
                     return  # see below
                 yield rows.to_record_batch()
         # A consumer fetches by topic name and offset: a topic recreated while
@@ -1018,7 +1060,7 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
         # as replays. So rows are handed over only while the incarnation
         # stands; those read since the last look are dropped (the driver plans
         # the new incarnation from offset 0).
-        if rows.count and not _incarnation_gone(opts, task):
+        if rows.count and (looked_up or not _incarnation_gone(opts, task)):
             yield rows.to_record_batch()
     finally:
         consumer.unassign()

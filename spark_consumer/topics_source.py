@@ -44,7 +44,6 @@ Invariants:
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 from dataclasses import replace
@@ -64,6 +63,7 @@ from spark_consumer.kafka_source import (
     SourceOptions,
     bundle_small,
     read_offset_range,
+    read_offset_ranges,
 )
 
 log = logging.getLogger(__name__)
@@ -207,8 +207,9 @@ class TopicsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     # -- executors
     def read(self, partition: OffsetRange | OffsetRanges) -> Iterator[Any]:
-        ranges = partition.ranges if isinstance(partition, OffsetRanges) else (partition,)
-        return itertools.chain.from_iterable(read_offset_range(self._opts[r.topic], r) for r in ranges)
+        if isinstance(partition, OffsetRanges):
+            return read_offset_ranges(self._opts.__getitem__, partition.ranges)
+        return read_offset_range(self._opts[partition.topic], partition)
 
 
 class TopicsDataSource(DataSource):
