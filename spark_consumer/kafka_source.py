@@ -268,9 +268,11 @@ class ShapeSchemas:
         return ShapeLayout.from_schemas(self.value_schema, self.key_schema)
 
 
-def discover_schemas(opts: SourceOptions, timeout: float = 30.0) -> ShapeSchemas:
+def discover_schemas(opts: SourceOptions, timeout: float = 30.0,
+                     records: list[tuple[str, str, dict]] | None = None) -> ShapeSchemas:
     """The shape's newest value schema (and key schema) from the registry or
-    the ``<prefix>._schemas`` topic. Raises ``LookupError`` when the topic has
+    the ``<prefix>._schemas`` topic (or ``records`` already read from it:
+    :func:`read_schemas_records`). Raises ``LookupError`` when the topic has
     no value schema yet (the producer publishes it before the first message)."""
     value_subject, key_subject = f"{opts.topic}-value", f"{opts.topic}-key"
     registry = opts.registry()
@@ -287,9 +289,8 @@ def discover_schemas(opts: SourceOptions, timeout: float = 30.0) -> ShapeSchemas
     if not opts.topic_prefix:
         raise ValueError(f"{SOURCE_NAME}: without schema_registry_url the option topic_prefix is needed "
                          "(schemas live in <topic_prefix>._schemas)")
-    # On the driver, at the query's start: librdkafka's records go through Python logging.
-    conf = client_config(opts.bootstrap_servers, opts.kafka_client)
-    records = read_schemas_topic(conf, wire.schemas_topic(opts.topic_prefix), timeout)
+    if records is None:
+        records = read_schemas_records(opts, timeout)
     values = [(fp, s) for subject, fp, s in records if subject == value_subject]
     keys = [(fp, s) for subject, fp, s in records if subject == key_subject]
     if not values:
@@ -298,6 +299,13 @@ def discover_schemas(opts: SourceOptions, timeout: float = 30.0) -> ShapeSchemas
     return ShapeSchemas(values[-1][1], keys[-1][1] if keys else None,
                         tuple(dict.fromkeys(f"fp:{fp}" for fp, _ in values)),
                         {f"fp:{fp}": schema for fp, schema in values + keys})
+
+
+def read_schemas_records(opts: SourceOptions, timeout: float = 30.0) -> list[tuple[str, str, dict]]:
+    """Every record of ``<prefix>._schemas`` (:func:`schemas.reader.read_schemas_topic`)."""
+    # On the driver, at the query's start: librdkafka's records go through Python logging.
+    conf = client_config(opts.bootstrap_servers, opts.kafka_client)
+    return read_schemas_topic(conf, wire.schemas_topic(opts.topic_prefix), timeout)
 
 
 # ---------------------------------------------------------- offset planning

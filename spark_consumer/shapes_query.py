@@ -82,7 +82,7 @@ from spark_consumer.checkpoint import (
     topics_replay_unapplied,
 )
 from spark_consumer.decode import arrow_rows
-from spark_consumer.kafka_source import ShapeSchemas, SourceOptions, discover_schemas
+from spark_consumer.kafka_source import ShapeSchemas, SourceOptions, discover_schemas, read_schemas_records
 from spark_consumer.pipelined import PipelinedApply
 from spark_consumer.progress import ensure_progress, read_progress
 from spark_consumer.starting import (
@@ -312,9 +312,22 @@ def start_shapes_query(spark, config: Config, kafka_conf: dict[str, Any], stop: 
     ``<checkpoint_dir>/@shapes``) and its applier; (None, applier) when every
     shape is held."""
     states = {}
+    read: list = []  # ._schemas read once for every shape (read again after a miss)
+
+    def discover(opts: SourceOptions) -> ShapeSchemas:
+        if opts.registry() is not None:
+            return discover_schemas(opts)
+        if not read:
+            read.append(read_schemas_records(opts))
+        try:
+            return discover_schemas(opts, records=read[0])
+        except LookupError:
+            read.clear()
+            raise
+
     for shape in config.shapes:
         opts = source_options(config, shape)
-        schemas = wait_for_schemas(opts, discover_schemas, retry_policy(config), stop)
+        schemas = wait_for_schemas(opts, discover, retry_policy(config), stop)
         target = ShapeTarget.from_avro(shape.shape_name, schemas.value_schema, schemas.key_schema)
         states[opts.topic] = ShapeState(shape, opts, schemas, target, target)
     checkpoint = Path(config.consumer.checkpoint_dir) / CHECKPOINT_NAME
