@@ -773,6 +773,15 @@ class Progress:
     next_offset: int
     applied: Position | None = None  # highest position applied
     floor: Position | None = None  # highest cut applied
+    topic_id: str | None = None  # the topic incarnation next_offset counts in (None: not recorded)
+
+    def for_incarnation(self, topic_id: str | None) -> "Progress":
+        """This progress as seen by a part read from incarnation ``topic_id``:
+        offsets counted in another incarnation say nothing of it (next offset
+        0); the positions and the floor still hold (they are the source's)."""
+        if topic_id is None or self.topic_id is None or topic_id == self.topic_id:
+            return self
+        return Progress(0, self.applied, self.floor, self.topic_id)
 
 
 class OffsetResetError(RuntimeError):

@@ -94,7 +94,7 @@ def stage_part(conn: psycopg.Connection, group: str, target: ShapeTarget, part: 
     check_range(part)
     with conn.transaction(), conn.cursor() as cur:
         cur.execute("SELECT set_config('TimeZone', 'UTC', true)")
-        prog = read_part_progress(conn, group, part.topic, part.partition)
+        prog = read_part_progress(conn, group, part.topic, part.partition, part.topic_id)
         todo, skipped, reset = split_replayed(part.rows, prog, where=f"{part.topic}[{part.partition}]",
                                               on_offset_reset=on_offset_reset, fields=part.fields)
         floors = {part.partition: prog.floor} if prog is not None and prog.floor is not None else {}

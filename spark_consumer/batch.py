@@ -44,7 +44,9 @@ class Part:
     """One topic-partition's share of a micro-batch: the offset range
     ``[start, end)`` the batch covers and the decoded rows in it: mappings,
     or (the fast form) tuples whose items ``fields`` names (see
-    :func:`spark_consumer.apply_plan.plan_batch`)."""
+    :func:`spark_consumer.apply_plan.plan_batch`). ``topic_id``: the topic
+    incarnation the offsets count in (the batch's, in Spark's checkpoint;
+    None: not known)."""
 
     topic: str
     partition: int
@@ -52,6 +54,7 @@ class Part:
     end: int
     rows: Sequence = ()
     fields: tuple[str, ...] | None = None
+    topic_id: str | None = None
 
     @property
     def tp(self) -> tuple[str, int]:
@@ -59,11 +62,13 @@ class Part:
 
 
 def parts_from_rows(rows: Iterable, ranges: Mapping[tuple[str, int], tuple[int, int]] | None = None,
-                    fields: Sequence[str] | None = None) -> list[Part]:
+                    fields: Sequence[str] | None = None, topic_ids: Mapping[str, str | None] | None = None
+                    ) -> list[Part]:
     """Group rows (mappings, or tuples laid out by ``fields``) by (topic,
     partition). ``ranges`` gives each partition's ``[start, end)`` (the
     micro-batch's offsets, which may include partitions without rows); without
-    it a part spans its rows' offsets."""
+    it a part spans its rows' offsets. ``topic_ids``: each topic's incarnation
+    (see :class:`Part`)."""
     fields = tuple(fields) if fields is not None else None
     if fields is None:
         def tp_of(r):
@@ -82,7 +87,7 @@ def parts_from_rows(rows: Iterable, ranges: Mapping[tuple[str, int], tuple[int, 
         else:
             offsets = [int(offset_of(r)) for r in rs]
             start, end = min(offsets), max(offsets) + 1
-        parts.append(Part(tp[0], int(tp[1]), int(start), int(end), rs, fields))
+        parts.append(Part(tp[0], int(tp[1]), int(start), int(end), rs, fields, (topic_ids or {}).get(tp[0])))
     return parts
 
 
@@ -205,12 +210,14 @@ def progress_update(part: Part, prog: Progress, res: PartResult, max_position: P
                     cut: Cut | None) -> tuple:
     """The part's progress after the batch, as
     :func:`spark_consumer.progress.write_progress` takes it: (topic,
-    partition, next_offset, applied, floor). Sets ``res.next_offset``."""
+    partition, next_offset, applied, floor, topic_id). Sets
+    ``res.next_offset``. ``prog``: as the part's incarnation sees it
+    (:meth:`~spark_consumer.apply_plan.Progress.for_incarnation`)."""
     applied = _pmax(prog.applied, max_position)
     floor = _pmax(prog.floor, cut.position if cut is not None else None)
     nxt = part.end if res.offset_reset else max(prog.next_offset, part.end)
     res.next_offset = nxt
-    return (part.topic, part.partition, nxt, applied, floor)
+    return (part.topic, part.partition, nxt, applied, floor, part.topic_id or prog.topic_id)
 
 
 def _pmax(a: Position | None, b: Position | None) -> Position | None:

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 from pyspark.sql.types import BinaryType, StringType, StructField, StructType
 
 from schemas import wire
-from spark_consumer.kafka_source import ShapeSchemas, SourceOptions, decode_batches
+from spark_consumer.kafka_source import TOPIC_ID, ShapeSchemas, SourceOptions, decode_batches
 
 # What the executors hand back: one row per (task, shape), the shape's decoded rows.
 DECODED_SCHEMA = StructType([StructField("_wb_topic", StringType(), nullable=False),
@@ -101,11 +101,23 @@ def new_schema_reason(table: pa.Table) -> str | None:
 def starting_offsets(progress: Mapping[tuple[str, int], Any], topics: Iterable[str]) -> dict[str, dict[str, int]]:
     """Where each of ``topics`` starts when it joins the query: the target's
     progress (next offset per partition; ``progress`` as
-    :func:`spark_consumer.progress.read_progress` gives it). A topic without
-    progress is absent (it starts at its earliest offsets)."""
+    :func:`spark_consumer.progress.read_progress` gives it), with the topic id
+    the offsets count in when the progress recorded it (the source reads a
+    recreated topic from its earliest offsets). A topic without progress, or
+    whose partitions' progress counts in different incarnations, is absent
+    (it starts at its earliest offsets; the target's progress skips what it
+    applied)."""
     wanted = set(topics)
-    out: dict[str, dict[str, int]] = {}
+    out: dict[str, dict[str, Any]] = {}
+    ids: dict[str, set[str]] = {}
     for (topic, partition), prog in sorted(progress.items()):
         if topic in wanted:
             out.setdefault(topic, {})[str(partition)] = int(prog.next_offset)
+            if prog.topic_id:
+                ids.setdefault(topic, set()).add(prog.topic_id)
+    for topic, seen in ids.items():
+        if len(seen) > 1:
+            del out[topic]
+        else:
+            out[topic][TOPIC_ID] = seen.pop()
     return out

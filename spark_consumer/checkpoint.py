@@ -27,6 +27,12 @@ Invariants:
   beyond the batch's end after an offset reset, a recreated topic, an
   unreadable log entry) counts as unapplied: replaying an applied batch is
   harmless (progress skips it part by part), skipping an unapplied one is not.
+- Progress is compared in one topic incarnation: the caller passes the
+  target's next offsets as the newest batch's incarnation sees them (progress
+  recorded for another reads as 0, :meth:`spark_consumer.apply_plan.Progress.for_incarnation`).
+  Progress written before the target recorded incarnations cannot be told
+  apart, so the first batch of an incarnation counts as applied only with
+  progress at or past its end on every partition it moved.
 - The repair is what Spark does for a batch it had not committed: with
   ``commits/N`` and every later ``commits/`` and ``offsets/`` entry removed
   (with Hadoop's ``.crc`` side files), the restarted query re-runs batch N
@@ -107,15 +113,33 @@ def earliest_skipped(checkpoint: Path, next_offsets: Mapping[int, int]) -> int |
     committed = _batch_ids(checkpoint / "commits")
     if len(committed) < 2:
         return None
-    incarnation = (_source_offsets(checkpoint, committed[-1]) or {}).get(TOPIC_ID)
+    incarnation = batch_topic_id(checkpoint, committed[-1])
     for batch in committed[:-1]:
         start = _source_offsets(checkpoint, batch - 1) if batch > 0 else None
         end = _source_offsets(checkpoint, batch)
         if end is None or (batch > 0 and start is None) or recreated(start, end) or end.get(TOPIC_ID) != incarnation:
             continue  # purged by Spark, unreadable, or of an earlier incarnation: nothing to say
-        if _skipped_partitions(start, end, next_offsets):
+        if _starts_incarnation(checkpoint, batch):
+            # The target's progress may still be the earlier incarnation's (it
+            # keeps no topic id): only progress at or past its end on every
+            # partition it moved says it was applied (a doubt replays it,
+            # which is harmless).
+            begin = offsets_from_json(start)
+            if any(stop > begin.get(p, 0) and next_offsets.get(p, 0) < stop
+                   for p, stop in offsets_from_json(end).items()):
+                return batch
+        elif _skipped_partitions(start, end, next_offsets):
             return batch
     return None
+
+
+def _starts_incarnation(checkpoint: Path, batch: int) -> bool:
+    """Does ``batch`` read the first offsets of a topic incarnation (the batch
+    before it is the one that found the topic recreated)?"""
+    if batch < 2:
+        return False
+    before, at = _source_offsets(checkpoint, batch - 2), _source_offsets(checkpoint, batch - 1)
+    return before is not None and at is not None and recreated(before, at)
 
 
 def newest_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
@@ -136,6 +160,13 @@ def batch_topic_id(checkpoint: Path, batch_id: int) -> str | None:
     """The id of the topic incarnation batch ``batch_id`` was planned on (in
     its end offsets; None where not recorded)."""
     return (_source_offsets(checkpoint, batch_id) or {}).get(TOPIC_ID)
+
+
+def newest_topic_id(checkpoint: Path) -> str | None:
+    """The topic incarnation the newest committed batch was planned on (None:
+    no batch, or not recorded)."""
+    committed = _batch_ids(checkpoint / "commits")
+    return batch_topic_id(checkpoint, committed[-1]) if committed else None
 
 
 def newest_moved(checkpoint: Path, next_offsets: Mapping[int, int]) -> tuple[str | None, dict[int, int]]:
@@ -271,6 +302,14 @@ def topics_newest_moved(checkpoint: Path, progress: Progress, initial: Mapping[s
 def topics_batch_topic_id(checkpoint: Path, batch_id: int, topic: str) -> str | None:
     """:func:`batch_topic_id` of one topic of a many-topic query's batch."""
     return ((_source_offsets(checkpoint, batch_id) or {}).get(topic) or {}).get(TOPIC_ID)
+
+
+def topics_newest_topic_ids(checkpoint: Path) -> dict[str, str]:
+    """:func:`newest_topic_id` per topic of a many-topic query (topics whose
+    id is not recorded are absent)."""
+    committed = _batch_ids(checkpoint / "commits")
+    end = (_source_offsets(checkpoint, committed[-1]) if committed else None) or {}
+    return {t: o[TOPIC_ID] for t, o in end.items() if isinstance(o, dict) and o.get(TOPIC_ID)}
 
 
 def topics_ahead_of_target(checkpoint: Path, progress: Progress, topics: Iterable[str]) -> set[str]:

@@ -81,7 +81,7 @@ from spark_consumer.apply_driver import apply_batch
 from spark_consumer.apply_plan import ShapeTarget
 from spark_consumer.apply_staged import commit_batch, stage_part
 from spark_consumer.batch import Part, parts_from_rows
-from spark_consumer.checkpoint import batch_topic_id, newest_moved, replay_unapplied
+from spark_consumer.checkpoint import batch_topic_id, newest_moved, newest_topic_id, replay_unapplied
 from spark_consumer.decode import arrow_rows
 from spark_consumer.kafka_source import (
     ShapeSchemas,
@@ -161,7 +161,10 @@ class ShapeApplier(PipelinedApply):
                 progress = read_progress(self._connection(), self.config.consumer.group, topic)
         if progress is None:
             raise Stopped()
-        next_offsets = {p: prog.next_offset for (_, p), prog in progress.items()}
+        # Offsets counted in another incarnation of the topic say nothing of
+        # this one's batches (the progress keeps the id they were read from).
+        incarnation = newest_topic_id(checkpoint)
+        next_offsets = {p: prog.for_incarnation(incarnation).next_offset for (_, p), prog in progress.items()}
         batch = replay_unapplied(checkpoint, next_offsets)
         if batch is not None:
             log.warning("shape %s: Spark's checkpoint has batch %d as done but the target never committed all of "
@@ -230,7 +233,8 @@ class ShapeApplier(PipelinedApply):
             staged = self._stage(batch_df, batch_id)
             if not staged:
                 return
-            parts = [Part(r.topic, r.partition, r.start, r.end) for r in staged]
+            read_from = self._read_from(batch_id)
+            parts = [Part(r.topic, r.partition, r.start, r.end, topic_id=read_from) for r in staged]
             result = commit_batch(conn, group, [(self.target, parts)])
             self._applied(batch_id, result, sum(r.rows for r in staged),
                           max((r.newest_ts_ms or 0) for r in staged), started)
@@ -259,7 +263,7 @@ class ShapeApplier(PipelinedApply):
                 self.schemas.layout().spark_schema())
             staged = decoded.mapInArrow(
                 functools.partial(_stage_partitions, self.config.consumer.target_dsn, group, target,
-                                  OFFSET_RESET[self.config.consumer.on_data_loss]),
+                                  OFFSET_RESET[self.config.consumer.on_data_loss], self._topic_ids(batch_id)),
                 _STAGED_SCHEMA).collect()
             if all(r.rows >= 0 for r in staged):
                 return staged
@@ -274,7 +278,7 @@ class ShapeApplier(PipelinedApply):
         # Rows go to the planner as tuples, converted column by column (no dict per row).
         fields, rows = arrow_rows(table)
         conn = self._connection()
-        parts = parts_from_rows(rows, fields=fields)
+        parts = parts_from_rows(rows, fields=fields, topic_ids=self._topic_ids(batch_id))
         on_reset = OFFSET_RESET[self.config.consumer.on_data_loss]
         if self._follow_target(target):
             with conn.transaction():
@@ -291,8 +295,7 @@ class ShapeApplier(PipelinedApply):
         """After the target committed: the group's offsets, counters, metrics, log."""
         # Tagged with the incarnation the batch was planned on: if the topic
         # was re-created since, these offsets mean nothing on the new one.
-        read_from = batch_topic_id(self._checkpoint, batch_id) if self._checkpoint else None
-        self._group().commit(result.offsets, read_from)
+        self._group().commit(result.offsets, self._read_from(batch_id))
         for b in result.backfills_completed:
             log.info("backfill %s of shape %s complete: GC deleted %d rows, %d tombstones",
                      b.backfill_id, b.shape, b.gc_deleted, b.gc_tombstones)
@@ -303,6 +306,15 @@ class ShapeApplier(PipelinedApply):
         log.info("shape %s batch %d: %d rows (%d applied, %d replayed skipped, %d dead-lettered) in %.2fs%s",
                  self.shape.shape_name, batch_id, n_rows, result.total("applied"),
                  result.total("skipped_replayed"), result.total("dlq"), time.monotonic() - started, timings)
+
+    def _read_from(self, batch_id: int) -> str | None:
+        """The topic incarnation batch ``batch_id`` was planned on (Spark's
+        checkpoint records it before the batch runs; None: not known)."""
+        return batch_topic_id(self._checkpoint, batch_id) if self._checkpoint else None
+
+    def _topic_ids(self, batch_id: int) -> dict[str, str | None]:
+        """The incarnation of each topic batch ``batch_id`` reads."""
+        return {self.config.topic(self.shape): self._read_from(batch_id)}
 
     def _metrics(self, newest: int | None, result) -> None:
         """``newest``: the highest ``_wb_ts_ms`` of the batch (None/0: none)."""
@@ -329,8 +341,10 @@ _STAGED_ARROW_SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32
 _stage_connections: dict[str, Any] = {}  # per Python worker process, reused across tasks
 
 
-def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, batches):
-    """Executor side: stage this task's rows, one part per Kafka partition."""
+def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, topic_ids: dict[str, str | None],
+                      batches):
+    """Executor side: stage this task's rows, one part per Kafka partition
+    (``topic_ids``: the incarnation each topic was read from)."""
 
     fields, rows = arrow_rows(batches)
     if not rows:
@@ -347,7 +361,7 @@ def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, batche
         conn = _stage_connections[dsn] = psycopg.connect(dsn, autocommit=True)
         ensure_progress(conn)
     out = {k: [] for k in ("topic", "partition", "start", "end", "rows", "newest_ts_ms")}
-    for part in parts_from_rows(rows, fields=fields):
+    for part in parts_from_rows(rows, fields=fields, topic_ids=topic_ids):
         stage_part(conn, group, target, part, on_offset_reset=on_offset_reset)
         for k, v in (("topic", part.topic), ("partition", part.partition), ("start", part.start),
                      ("end", part.end), ("rows", len(part.rows)),

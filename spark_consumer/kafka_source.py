@@ -621,7 +621,14 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         elif how == "latest":
             start = ends
         else:
-            given = offsets_from_json(json.loads(how))
+            given_json = json.loads(how)
+            given = offsets_from_json(given_json)
+            if recreated(given_json, {TOPIC_ID: topic_id}):
+                # Offsets counted in a lost incarnation of the topic: the new one is read whole.
+                log.warning("%s: the starting offsets %s were counted in topic id %s, which is gone (now %s): "
+                            "reading the topic from its earliest offsets", self._opts.topic, given,
+                            given_json.get(TOPIC_ID), topic_id)
+                given = {}
             start = {p: given.get(p, lows[p]) for p in lows}
             outside = {p: o for p, o in start.items() if not lows[p] <= o <= ends[p]}
             if outside:

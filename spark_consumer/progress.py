@@ -4,10 +4,11 @@ each consumer group has applied, per topic-partition and per backfill.
 Layout
 ------
 - ``_walbridge.progress(consumer_group, topic, partition, next_offset,
-  applied_lsn, applied_op_index, floor_lsn, floor_op_index, updated_at)``:
-  per consumer group and topic-partition, the next Kafka offset to apply, the
-  highest position applied and the highest cut applied. Written in the same
-  transaction as the rows it covers.
+  applied_lsn, applied_op_index, floor_lsn, floor_op_index, updated_at,
+  topic_id)``: per consumer group and topic-partition, the next Kafka offset
+  to apply, the highest position applied, the highest cut applied, and the
+  topic incarnation the offset counts in (NULL: written before walbridge
+  recorded it). Written in the same transaction as the rows it covers.
 - ``_walbridge.backfills(consumer_group, topic, backfill_id, shape, start_lsn,
   partitions, partitions_done, scope, rows, started_at, updated_at,
   completed_at, gc_deleted, gc_tombstones)``: per backfill, the partitions
@@ -27,6 +28,13 @@ Invariants:
 - A part that starts after its partition's next offset would leave offsets
   never applied: :func:`check_gap` refuses it (:class:`ProgressGapError`)
   unless told to accept the gap.
+- Offsets are compared only within one topic incarnation: progress recorded
+  for another (the broker lost the topic and it was recreated) reads as next
+  offset 0 to a part of this one, its positions and floor unchanged
+  (:meth:`~spark_consumer.apply_plan.Progress.for_incarnation`). A new
+  incarnation's batch that is not its first therefore fails with a gap when
+  its first batch was never applied, instead of passing on offsets that
+  counted in the lost topic.
 - walbridge's DDL (these tables, the shapes' tables) runs under one advisory
   lock (:func:`lock_ddl`): appliers on executors and driver start at once.
 
@@ -70,6 +78,12 @@ CREATE TABLE IF NOT EXISTS {wire.META_SCHEMA}.progress (
     updated_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer_group, topic, partition)
 ) WITH (fillfactor = 50);
+DO $$ BEGIN  -- added later: targets made before have the table without it
+    IF NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = '{wire.META_SCHEMA}.progress'::regclass
+                   AND attname = 'topic_id' AND NOT attisdropped) THEN
+        ALTER TABLE {wire.META_SCHEMA}.progress ADD COLUMN topic_id text;
+    END IF;
+END $$;
 CREATE UNLOGGED TABLE IF NOT EXISTS {wire.META_SCHEMA}.staged_parts (
     consumer_group text NOT NULL,
     topic text NOT NULL,
@@ -101,7 +115,7 @@ CREATE TABLE IF NOT EXISTS {wire.META_SCHEMA}.backfills (
 );
 """
 # A progress row as :func:`_progress` reads it.
-_PROGRESS_COLUMNS = "next_offset, applied_lsn, applied_op_index, floor_lsn, floor_op_index"
+_PROGRESS_COLUMNS = "next_offset, applied_lsn, applied_op_index, floor_lsn, floor_op_index, topic_id"
 
 
 class ProgressGapError(RuntimeError):
@@ -135,13 +149,15 @@ def read_progress(conn: psycopg.Connection, group: str, topic: str | None = None
     return {(r[0], r[1]): _progress(r[2:]) for r in conn.execute(q, params)}
 
 
-def read_part_progress(conn: psycopg.Connection, group: str, topic: str, partition: int) -> Progress | None:
-    """One topic-partition's progress (None: nothing applied yet), unlocked."""
+def read_part_progress(conn: psycopg.Connection, group: str, topic: str, partition: int,
+                       topic_id: str | None = None) -> Progress | None:
+    """One topic-partition's progress (None: nothing applied yet), unlocked,
+    as a part of incarnation ``topic_id`` sees it."""
     row = conn.execute(
         f"SELECT {_PROGRESS_COLUMNS} "
         f"FROM {wire.META_SCHEMA}.progress WHERE consumer_group = %s AND topic = %s AND partition = %s",
         (group, topic, partition)).fetchone()
-    return _progress(row) if row else None
+    return _progress(row).for_incarnation(topic_id) if row else None
 
 
 def read_backfills(conn: psycopg.Connection, group: str | None = None) -> list[dict]:
@@ -161,29 +177,30 @@ def read_backfills(conn: psycopg.Connection, group: str | None = None) -> list[d
 
 
 def _progress(r: Sequence) -> Progress:
-    nxt, al, ao, fl, fo = r
-    return Progress(nxt, (al, ao) if al is not None else None, (fl, fo) if fl is not None else None)
+    nxt, al, ao, fl, fo, tid = r
+    return Progress(nxt, (al, ao) if al is not None else None, (fl, fo) if fl is not None else None, tid)
 
 
 def lock_progress(conn: psycopg.Connection, group: str, parts: Sequence[Part]
                   ) -> tuple[dict[tuple[str, int], Progress], set[tuple[str, int]]]:
     """Create missing progress rows (at the part's start) and lock all of them,
-    in (topic, partition) order. Returns the progress and the set of rows that
-    existed before."""
+    in (topic, partition) order. Returns the progress, as each part's
+    incarnation sees it, and the set of rows that existed before."""
     ordered = sorted({p.tp: p for p in parts}.values(), key=lambda p: p.tp)
     topics = [p.topic for p in ordered]
     partitions = [p.partition for p in ordered]
     created = conn.execute(
-        f"INSERT INTO {wire.META_SCHEMA}.progress AS g (consumer_group, topic, partition, next_offset) "
-        "SELECT %s, t, p, s FROM unnest(%s::text[], %s::int[], %s::bigint[]) AS u(t, p, s) "
+        f"INSERT INTO {wire.META_SCHEMA}.progress AS g (consumer_group, topic, partition, next_offset, topic_id) "
+        "SELECT %s, t, p, s, i FROM unnest(%s::text[], %s::int[], %s::bigint[], %s::text[]) AS u(t, p, s, i) "
         "ON CONFLICT DO NOTHING RETURNING topic, partition",
-        (group, topics, partitions, [p.start for p in ordered])).fetchall()
+        (group, topics, partitions, [p.start for p in ordered], [p.topic_id for p in ordered])).fetchall()
     rows = conn.execute(
         f"SELECT topic, partition, {_PROGRESS_COLUMNS} "
         f"FROM {wire.META_SCHEMA}.progress WHERE consumer_group = %s "
         "AND (topic, partition) IN (SELECT * FROM unnest(%s::text[], %s::int[])) "
         "ORDER BY topic, partition FOR UPDATE", (group, topics, partitions)).fetchall()
-    progress = {(r[0], r[1]): _progress(r[2:]) for r in rows}
+    incarnations = {p.tp: p.topic_id for p in ordered}
+    progress = {(r[0], r[1]): _progress(r[2:]).for_incarnation(incarnations[(r[0], r[1])]) for r in rows}
     new = {(t, p) for t, p in created}
     return progress, set(progress) - new
 
@@ -200,15 +217,16 @@ def check_gap(part: Part, progress: Progress, on_gap: str) -> None:
 
 
 def write_progress(conn: psycopg.Connection, group: str, updates: list[tuple]) -> None:
-    """``updates``: (topic, partition, next_offset, applied, floor), as
-    :func:`spark_consumer.batch.progress_update` gives them."""
+    """``updates``: (topic, partition, next_offset, applied, floor,
+    topic_id), as :func:`spark_consumer.batch.progress_update` gives them."""
     if not updates:
         return
     cols = list(zip(*[(t, p, n, a[0] if a else None, a[1] if a else None, f[0] if f else None,
-                       f[1] if f else None) for t, p, n, a, f in updates]))
+                       f[1] if f else None, i) for t, p, n, a, f, i in updates]))
     conn.execute(
         f"UPDATE {wire.META_SCHEMA}.progress AS g SET next_offset = u.n, applied_lsn = u.al, "
-        "applied_op_index = u.ao, floor_lsn = u.fl, floor_op_index = u.fo, updated_at = now() "
-        "FROM unnest(%s::text[], %s::int[], %s::bigint[], %s::bigint[], %s::bigint[], %s::bigint[], %s::bigint[]) "
-        "AS u(t, p, n, al, ao, fl, fo) WHERE g.consumer_group = %s AND g.topic = u.t AND g.partition = u.p",
+        "applied_op_index = u.ao, floor_lsn = u.fl, floor_op_index = u.fo, topic_id = u.i, updated_at = now() "
+        "FROM unnest(%s::text[], %s::int[], %s::bigint[], %s::bigint[], %s::bigint[], %s::bigint[], %s::bigint[], "
+        "%s::text[]) AS u(t, p, n, al, ao, fl, fo, i) "
+        "WHERE g.consumer_group = %s AND g.topic = u.t AND g.partition = u.p",
         (*[list(c) for c in cols], group))

@@ -79,6 +79,7 @@ from spark_consumer.checkpoint import (
     topics_ahead_of_target,
     topics_batch_topic_id,
     topics_newest_moved,
+    topics_newest_topic_ids,
     topics_replay_unapplied,
 )
 from spark_consumer.decode import arrow_rows
@@ -185,9 +186,12 @@ class ShapesApplier(PipelinedApply):
             raise Stopped()
         initial = starting_offsets(progress, self.topics)
         initial = {t: initial.get(t, {}) for t in self.topics}
+        # Offsets counted in another incarnation of a topic say nothing of
+        # the newest batch's (the progress keeps the id they were read from).
+        incarnations = topics_newest_topic_ids(self.checkpoint)
         by_topic: dict[str, dict[int, int]] = {}
         for (t, p), prog in progress.items():
-            by_topic.setdefault(t, {})[p] = prog.next_offset
+            by_topic.setdefault(t, {})[p] = prog.for_incarnation(incarnations.get(t)).next_offset
         batch = topics_replay_unapplied(self.checkpoint, by_topic, initial)
         if batch is not None:
             log.warning("Spark's checkpoint has batch %d of the shapes' query as done but the target lacks part "
@@ -261,7 +265,8 @@ class ShapesApplier(PipelinedApply):
                         continue
                     followed[topic] = target
                 fields, rows = arrow_rows(table)
-                batches.append((target, parts_from_rows(rows, fields=fields)))
+                batches.append((target, parts_from_rows(rows, fields=fields, topic_ids={
+                    topic: topics_batch_topic_id(self.checkpoint, batch_id, topic)})))
             result = apply_shapes(conn, self.config.consumer.group, batches,
                                   on_offset_reset=OFFSET_RESET[self.config.consumer.on_data_loss])
         for topic, target in followed.items():

@@ -99,7 +99,7 @@ def ensure_table(conn: psycopg.Connection, target: ShapeTarget, on_dropped_colum
                 defs.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(keys)))
             conn.execute(sql.SQL("CREATE TABLE {} ({})").format(table_ident(target), sql.SQL(", ").join(defs)))
             log.info("created target table %s.%s for shape %s (%s)", target.schema, target.table, target.shape,
-                     f"key {', '.join(target.key_columns)}" if keys else "keyless: the shape has no key schema")
+                     f"key {', '.join(target.key_columns)}" if keys else "keyless: its value schema names no key")
         else:
             key_changed = _follow(conn, target, types, on_dropped_column)
             if key_changed:

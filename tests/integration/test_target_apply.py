@@ -4,6 +4,7 @@ cuts, keyless dedupe, the staged (parallel) path, and throughput."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import time
@@ -17,10 +18,16 @@ from producer.envelope import ShapeCodec, ShapeColumn
 from producer.pgtypes import PgTypeInfo, column_codec
 from schemas.buckets import bucket_of
 from spark_consumer.apply_driver import apply_batch, apply_shapes
-from spark_consumer.apply_plan import OffsetResetError, ShapeTarget
+from spark_consumer.apply_plan import OffsetResetError, Progress, ShapeTarget
 from spark_consumer.apply_staged import StagingMissingError, commit_batch, drop_stale_staging, stage_part
 from spark_consumer.batch import BackfillGC, Part, parts_from_rows
-from spark_consumer.progress import ProgressGapError, read_backfills, read_progress
+from spark_consumer.progress import (
+    ProgressGapError,
+    ensure_progress,
+    read_backfills,
+    read_part_progress,
+    read_progress,
+)
 from spark_consumer.statements import gc_tombstones
 from spark_consumer.target_layout import ensure_table
 
@@ -218,6 +225,41 @@ def test_gap_and_offset_reset_are_loud(conn, items):
         apply_batch(conn, GROUP, items, [part(reborn, 0)])
     res = apply_batch(conn, GROUP, items, [part(reborn, 0)], on_offset_reset="follow")
     assert res.parts[(TOPIC, 0)].offset_reset and res.total("upserted") == 2 and progress(conn)[0] == (2, (201, 0))
+
+
+def test_progress_of_another_topic_incarnation_counts_nothing(conn, items):
+    """Kafka lost the topic and it was recreated: offsets counted in the lost
+    incarnation say nothing of the new one, so a new part that does not start
+    at the new topic's beginning is a gap, never a pass on stale offsets."""
+    lost = part([change("c", 100, id=1, off=0), change("c", 101, id=2, off=1), change("c", 102, id=3, off=2)], 0)
+    apply_batch(conn, GROUP, items, [dataclasses.replace(lost, topic_id="A")])
+    assert read_progress(conn, GROUP, TOPIC)[(TOPIC, 0)].topic_id == "A"
+    # The new incarnation's second batch, its first never applied: offsets 1..2
+    # are below the lost topic's next offset (3), yet nothing of B is applied.
+    second = part([change("c", 201, id=5, off=1), change("c", 202, id=6, off=2)], 0, start=1)
+    with pytest.raises(ProgressGapError):
+        apply_batch(conn, GROUP, items, [dataclasses.replace(second, topic_id="B")], on_offset_reset="follow")
+    first = part([change("c", 200, id=4, off=0)], 0)
+    res = apply_batch(conn, GROUP, items, [dataclasses.replace(first, topic_id="B")])  # no OffsetResetError
+    assert res.total("upserted") == 1 and not res.parts[(TOPIC, 0)].offset_reset
+    assert progress(conn)[0] == (1, (200, 0)) and read_progress(conn, GROUP, TOPIC)[(TOPIC, 0)].topic_id == "B"
+    assert apply_batch(conn, GROUP, items, [dataclasses.replace(second, topic_id="B")]).total("upserted") == 2
+    assert [r[0] for r in table_rows(conn)] == [1, 2, 3, 4, 5, 6]
+    # The staged path's executors read progress the same way.
+    assert read_part_progress(conn, GROUP, TOPIC, 0, "B").next_offset == 3
+    assert read_part_progress(conn, GROUP, TOPIC, 0, "C").next_offset == 0
+
+
+def test_progress_made_before_incarnations_were_recorded_gains_the_column(conn):
+    conn.execute("CREATE SCHEMA _walbridge; CREATE TABLE _walbridge.progress (consumer_group text, topic text, "
+                 "partition integer, next_offset bigint NOT NULL, applied_lsn bigint, applied_op_index bigint, "
+                 "floor_lsn bigint, floor_op_index bigint, updated_at timestamptz NOT NULL DEFAULT now(), "
+                 "PRIMARY KEY (consumer_group, topic, partition))")
+    conn.execute("INSERT INTO _walbridge.progress (consumer_group, topic, partition, next_offset) "
+                 "VALUES (%s, %s, 0, 9)", (GROUP, TOPIC))
+    ensure_progress(conn)
+    ensure_progress(conn)  # again: nothing to add
+    assert read_progress(conn, GROUP, TOPIC)[(TOPIC, 0)] == Progress(9)  # no id: taken as is by any incarnation
 
 
 # ------------------------------------------------------------ position guards

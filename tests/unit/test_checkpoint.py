@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from spark_consumer.apply_plan import Progress
 from spark_consumer.checkpoint import batch_applied, newest_moved, replay_unapplied
 
 META = '{"batchWatermarkMs":0,"batchTimestampMs":1795361932090,"conf":{}}'
@@ -80,6 +81,24 @@ def test_a_batch_read_as_empty_is_replayed_with_every_batch_after_it(tmp_path):
     assert names(tmp_path / "offsets") == [".0.crc", ".1.crc", "0", "1"]  # Spark re-runs 1, plans 2.. anew
 
 
+def test_the_first_batch_of_an_incarnation_is_replayed_unless_progress_reached_its_end(tmp_path):
+    # bench/chaos.py seed 2118098054: two broker wipes 40 s apart, the
+    # consumer killed after Spark logged a batch and before its apply, twice.
+    # The target's progress (667) is the second incarnation's; batch 4 read
+    # [0, 18094) of the third and was never applied: 667 is above its start.
+    write_batches(tmp_path, [
+        {"0": 0, "topic_id": "b"}, {"0": 667, "topic_id": "b"}, {"0": 17410, "topic_id": "b"},
+        {"0": 0, "topic_id": "c"}, {"0": 18094, "topic_id": "c"}, {"0": 18169, "topic_id": "c"}], committed=5)
+    assert replay_unapplied(tmp_path, {0: 667}) == 4
+    assert names(tmp_path / "commits") == [".0.crc", ".1.crc", ".2.crc", ".3.crc", "0", "1", "2", "3"]
+
+
+def test_an_applied_first_batch_of_an_incarnation_is_left_alone(tmp_path):
+    write_batches(tmp_path, [{"0": 9, "topic_id": "b"}, {"0": 0, "topic_id": "c"}, {"0": 40, "topic_id": "c"},
+                             {"0": 50, "topic_id": "c"}], committed=3)
+    assert replay_unapplied(tmp_path, {0: 50}) is None
+
+
 @pytest.mark.parametrize("offsets,progress", [
     # an older batch whose partition moved and was applied later (rows only at its end)
     ([{"0": 5}, {"0": 9}, {"0": 12}], {0: 12}),
@@ -136,3 +155,10 @@ def test_newest_moved_says_nothing_across_a_recreated_topic_or_without_batches(t
     assert newest_moved(tmp_path / "recreated", {0: 2}) == (None, {})
     (tmp_path / "empty").mkdir()
     assert newest_moved(tmp_path / "empty", {0: 2}) == (None, {})
+
+
+def test_progress_of_another_incarnation_reads_as_nothing_applied():
+    prog = Progress(667, (10, 0), (5, 0), "old")
+    assert prog.for_incarnation("old") is prog and prog.for_incarnation(None) is prog
+    assert Progress(667).for_incarnation("new").next_offset == 667  # not recorded: taken as is
+    assert prog.for_incarnation("new") == Progress(0, (10, 0), (5, 0), "old")  # positions and floor hold

@@ -26,6 +26,7 @@ from spark_consumer.checkpoint import (
     topics_ahead_of_target,
     topics_batch_topic_id,
     topics_newest_moved,
+    topics_newest_topic_ids,
     topics_replay_unapplied,
 )
 from spark_consumer.kafka_source import (
@@ -121,6 +122,10 @@ def test_new_schema_reason_names_the_mark():
 def test_topics_start_at_the_targets_progress():
     progress = {(A, 0): Progress(10, None, None), (A, 1): Progress(4, None, None), (B, 0): Progress(3, None, None)}
     assert starting_offsets(progress, [A, C]) == {A: {"0": 10, "1": 4}}
+    # With the incarnation the offsets count in; partitions that disagree: from the earliest.
+    progress = {(A, 0): Progress(10, topic_id="ia"), (A, 1): Progress(4), (B, 0): Progress(3, topic_id="ib1"),
+                (B, 1): Progress(5, topic_id="ib2")}
+    assert starting_offsets(progress, [A, B]) == {A: {"0": 10, "1": 4, "topic_id": "ia"}}
 
 
 # -- the many-topic source
@@ -266,6 +271,7 @@ def test_group_commit_at_start_per_topic_with_the_id_it_was_read_from(tmp_path):
     assert topics_newest_moved(tmp_path, {A: {0: 9}, B: {0: 3}}, {A: {}, B: {}}) == {A: ("ia", {0: 9})}
     assert topics_batch_topic_id(tmp_path, 1, B) == "ib"
     assert topics_batch_topic_id(tmp_path, 7, B) is None
+    assert topics_newest_topic_ids(tmp_path) == {A: "ia", B: "ib"}
 
 
 def test_topics_ahead_of_the_target_must_rejoin(tmp_path):

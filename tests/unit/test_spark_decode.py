@@ -910,6 +910,15 @@ def test_reader_offsets_and_limits():
         _reader(starting='{"1": 7, "0": 500}').initialOffset()
 
 
+def test_starting_offsets_of_a_lost_topic_incarnation_read_the_new_one_whole():
+    r = _reader(starting='{"1": 7, "topic_id": "gone"}')
+    r._ends.id = "new"
+    assert r.initialOffset() == {"0": 0, "1": 0, "topic_id": "new"}
+    r = _reader(starting='{"1": 7, "topic_id": "same"}')
+    r._ends.id = "same"
+    assert r.initialOffset() == {"0": 0, "1": 7, "topic_id": "same"}
+
+
 def test_reader_available_now_stops_at_the_ends_seen_at_its_start():
     r = _reader(max_rows=60)
     r.prepareForTriggerAvailableNow()
