@@ -147,6 +147,13 @@ RANGE_CONSUME_WAIT_S = 1.0  # one consume() call of a range read
 RANGE_FETCH_QUEUE_BACKOFF_MS = 10  # librdkafka fetch.queue.backoff.ms of the range consumers (see _range_consumer)
 RANGE_CONSUMERS_KEPT = 8  # per Python worker: one per query run and client config
 RANGE_FETCH_WAIT_MS = 50  # librdkafka fetch.wait.max.ms of the executors' range consumers (10 ms livelocked on Tansu)
+# librdkafka fetch.wait.max.ms of the driver's probe consumer. A probe starts at
+# a message that exists, so its own fetch answers at once; but the fetch after
+# it (from the end, nothing there) is held by the broker this long, and the
+# shared consumer's next probe (another topic's partitions) waits for it: with
+# librdkafka's 500 ms, one query over 50 topics spent 24.6 s of a 27.5 s
+# trigger in latestOffset (bench/RESULTS.md, issue 17).
+PROBE_FETCH_WAIT_MS = 50
 LOST_DATA_RETRIES = 3
 # A batch of at most this many offsets is read by one task (its partitions one
 # after the other): each task's fixed cost (a Python worker's turn, the topic-id
@@ -423,6 +430,7 @@ class ProbeClients:
         self._admin = None
         self.round_ids: dict[str, Any] | None = None  # topic -> id, None or the error
         self.round_reported: dict[str, Any] | None = None  # topic -> {partition: (earliest, end)} or the error
+        self.round_probed: dict[tuple[str, int], int] | None = None  # (topic, partition) -> high watermark fetched
 
     def prefetch(self, topics: list[str], timeout: float = 30.0) -> None:
         admin = self.admin()
@@ -453,15 +461,55 @@ class ProbeClients:
         self.round_reported = {t: {p: (lo, hi) for p, (lo, hi) in v.items()} if isinstance(v, dict) else v
                                for t, v in reported.items()}
 
+    def probe_ends(self, ends: dict[str, PartitionEnds], timeout: float = 30.0) -> None:
+        """After :meth:`prefetch`: fetch the true end of every partition of
+        ``ends``' topics that its probe would fetch this round
+        (:meth:`PartitionEnds.to_probe`), all at once on the shared consumer:
+        one assignment, one fetch round, instead of one per topic one after
+        the other. A partition that does not answer in time is left to its
+        topic's own probe."""
+        wanted: dict[tuple[str, int], int] = {}
+        for topic, pe in ends.items():
+            try:
+                wanted.update({(topic, p): hi for p, hi in pe.to_probe().items()})
+            except (LookupError, KafkaException):
+                continue  # its own probe raises (or waits out) the error
+        self.round_probed = {}
+        if not wanted:
+            return
+        c = self.consumer()
+        c.assign([TopicPartition(t, p, hi - 1) for (t, p), hi in wanted.items()])
+        try:
+            pending = set(wanted)
+            deadline = time.monotonic() + timeout
+            while pending and time.monotonic() < deadline:
+                msg = c.poll(0.5)
+                if msg is None:
+                    continue
+                err = msg.error()
+                if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                    if err.fatal():
+                        raise KafkaException(err)
+                    log.warning("probing the end of %s[%s]: %s", msg.topic(), msg.partition(), err)
+                    if msg.partition() is None:
+                        continue  # a client-level event, not a partition's answer
+                pending.discard((msg.topic(), msg.partition()))
+            for t, p in wanted:
+                if (t, p) not in pending:
+                    self.round_probed[(t, p)] = c.get_watermark_offsets(TopicPartition(t, p), cached=True)[1]
+        finally:
+            c.unassign()
+
     def end_round(self) -> None:
-        self.round_ids = self.round_reported = None
+        self.round_ids = self.round_reported = self.round_probed = None
 
     def consumer(self):
         if self._consumer is None:
             self._consumer = Consumer({
                 **self._conf, "group.id": f"walbridge-probe-{uuid.uuid4().hex}",
                 "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "latest",
-                "max.partition.fetch.bytes": 65536, "queued.max.messages.kbytes": 4096})
+                "max.partition.fetch.bytes": 65536, "queued.max.messages.kbytes": 4096,
+                "fetch.wait.max.ms": PROBE_FETCH_WAIT_MS})
         return self._consumer
 
     def admin(self):
@@ -536,12 +584,19 @@ class PartitionEnds:
         return {p: c.get_watermark_offsets(TopicPartition(self._opts.topic, p), timeout=self._timeout)
                 for p in self.partitions()}
 
+    def to_probe(self) -> dict[int, int]:
+        """The partitions :meth:`lows_and_ends` would fetch now, with their
+        reported ends (see there)."""
+        return {p: max(hi, lo) for p, (lo, hi) in self.reported().items()
+                if hi > lo and (self._probed.get(p) is None or self._probed[p][0] != hi)}
+
     def lows_and_ends(self) -> tuple[Offsets, Offsets]:
         """(earliest offsets, true end offsets) per partition."""
         topic = self._opts.topic
         reported = self.reported()
         lows = {p: lo for p, (lo, _) in reported.items()}
         ends = {p: max(hi, lo) for p, (lo, hi) in reported.items()}
+        fetched = self._clients.round_probed or {}
         # Partitions ListOffsets calls empty are: Tansu's value is then 0 as
         # well. Probe the others from the last reported offset: that message
         # exists, so the Fetch answers at once and carries the high watermark.
@@ -554,6 +609,10 @@ class PartitionEnds:
             last = self._probed.get(p)
             if last is not None and last[0] == hi:
                 ends[p] = max(ends[p], last[1])
+            elif hi > lo and (topic, p) in fetched:  # fetched with every topic's (ProbeClients.probe_ends)
+                reported_end = ends[p]
+                ends[p] = max(reported_end, fetched[(topic, p)])
+                self._probed[p] = (reported_end, ends[p])
             elif hi > lo:
                 probe.append(p)
         if not probe:

@@ -136,6 +136,7 @@ def _reader(ends: dict[str, dict[int, int]], starting=None, rejoin=None, max_per
     for t, reader in r._each().items():
         reader._ends = FakeEnds({p: 0 for p in ends[t]}, ends[t], topic_id=f"id-{t}")
     r._clients.prefetch = lambda topics: None  # no broker: each topic's fake probe answers
+    r._clients.probe_ends = lambda ends: None
     return r
 
 
@@ -201,6 +202,9 @@ def test_starting_offsets_the_broker_no_longer_holds_follow_or_fail(monkeypatch)
     monkeypatch.setattr(topics_source, "ShapeStreamReader", Probed)
     common = SourceOptions(A, "unused:9092", topic_prefix="wb", on_data_loss="follow")
     r = TopicsStreamReader(topic_options(common, [A], {A: {"0": 9}}))
+    r._each()
+    r._clients.prefetch = lambda topics: None  # no broker
+    r._clients.probe_ends = lambda ends: None
     assert r.initialOffset() == {A: {"0": 0, "topic_id": "x"}}  # from the earliest, applied by position
 
 
@@ -214,6 +218,79 @@ def test_one_round_of_prefetched_answers_serves_every_topics_probe():
         PartitionEnds(SourceOptions(B, "unused:9092"), clients=clients).topic_id()
     clients.end_round()
     assert clients.round_ids is None and clients.round_reported is None
+
+
+class _Msg:
+    def __init__(self, topic, partition, offset):
+        self._t, self._p, self._o = topic, partition, offset
+
+    def topic(self):
+        return self._t
+
+    def partition(self):
+        return self._p
+
+    def offset(self):
+        return self._o
+
+    def error(self):
+        return None
+
+
+class _LogsConsumer:
+    """Partitions' logs (topic, partition) -> high watermark: a fetch from an
+    existing offset answers with that message and the watermark."""
+
+    def __init__(self, hwm):
+        self.hwm, self.assigns, self.queue, self.seen = hwm, [], [], {}
+
+    def assign(self, tps):
+        self.assigns.append(sorted((tp.topic, tp.partition, tp.offset) for tp in tps))
+        self.queue = [_Msg(tp.topic, tp.partition, tp.offset) for tp in tps]
+
+    def unassign(self):
+        self.queue = []
+
+    def poll(self, timeout):
+        if not self.queue:
+            return None
+        m = self.queue.pop(0)
+        self.seen[(m.topic(), m.partition())] = self.hwm[(m.topic(), m.partition())]
+        return m
+
+    def get_watermark_offsets(self, tp, cached=False):
+        return 0, self.seen[(tp.topic, tp.partition)]
+
+
+def test_one_round_probes_every_topics_moved_ends_in_one_assignment():
+    # ListOffsets reports each partition's last batch base + 1 (Tansu); the fetch tells the true end
+    clients = ProbeClients({"bootstrap.servers": "unused:9092"})
+    fake = clients._consumer = _LogsConsumer({(A, 0): 12, (A, 1): 7, (B, 0): 30})
+    clients.round_ids = {A: "ia", B: "ib", C: "ic"}
+    clients.round_reported = {A: {0: (0, 10), 1: (0, 5), 2: (3, 3)}, B: {0: (0, 28)}, C: {0: (0, 4)}}
+    ends = {t: PartitionEnds(SourceOptions(t, "unused:9092"), clients=clients) for t in (A, B, C)}
+    ends[C]._probed = {0: (4, 9)}  # C's reported end has not moved since its last probe: no fetch
+    clients.probe_ends(ends)
+    assert fake.assigns == [[(A, 0, 9), (A, 1, 4), (B, 0, 27)]]  # one assignment for every topic
+    assert ends[A].lows_and_ends() == ({0: 0, 1: 0, 2: 3}, {0: 12, 1: 7, 2: 3})
+    assert ends[B].lows_and_ends() == ({0: 0}, {0: 30})
+    assert ends[C].lows_and_ends() == ({0: 0}, {0: 9})
+    assert len(fake.assigns) == 1  # no topic fetched again on its own
+    clients.end_round()
+    assert clients.round_probed is None
+    # the next round: unmoved reports keep their probed ends, nothing is fetched
+    clients.round_reported = {A: {0: (0, 10), 1: (0, 5), 2: (3, 3)}, B: {0: (0, 28)}, C: {0: (0, 4)}}
+    clients.probe_ends(ends)
+    assert len(fake.assigns) == 1 and ends[B].lows_and_ends() == ({0: 0}, {0: 30})
+
+
+def test_a_partition_the_round_probe_did_not_get_is_probed_by_its_topic():
+    clients = ProbeClients({"bootstrap.servers": "unused:9092"})
+    fake = clients._consumer = _LogsConsumer({(A, 0): 12})
+    clients.round_reported = {A: {0: (0, 10)}}
+    clients.round_probed = {}  # the round's probe did not answer for it
+    assert PartitionEnds(SourceOptions(A, "unused:9092"), clients=clients).lows_and_ends() == ({0: 0}, {0: 12})
+    assert fake.assigns == [[(A, 0, 9)]]
 
 
 def test_read_ranges_skip_joined_and_foreign_topics():
