@@ -5,7 +5,8 @@
 - The embedded default config as ``walbridge up`` runs it (durable local
   PostgreSQL, Tansu broker, 4 partitions, producer and Spark consumer
   ``local[*]`` in one process, WAL released on the consumer group's commits,
-  ``[consumer]`` defaults unless ``--trigger-interval`` overrides them), on the
+  ``[consumer]`` defaults unless ``--trigger-interval`` or ``--queries``
+  override them), on the
   4 pgbench tpcb shapes plus ``public.tick`` (``id``, ``at timestamptz default
   clock_timestamp()``).
 - Once the snapshot is applied, ``pgbench -R --rate`` runs tpcb and a thread
@@ -51,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from schemas.config import parse_config  # noqa: E402
 from schemas.reader import SchemaResolver  # noqa: E402
+from spark_consumer.shapes_query import QUERY_NAME  # noqa: E402
 from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
 from walbridge.runtime import consumer_service, producer_service  # noqa: E402
 
@@ -148,7 +150,7 @@ class Stamps(threading.Thread):
 class BatchLog:
     """The consumer's per-batch log lines of the tick shape ("read X s, apply Y s")."""
 
-    LINE = re.compile(r"shape public\.tick batch (\d+): (\d+) rows .* in ([\d.]+)s \(read ([\d.]+)s, apply ([\d.]+)s\)")
+    LINE = re.compile(r"(?:shape public\.tick|shapes) batch (\d+): (\d+) rows .* in ([\d.]+)s \(read ([\d.]+)s, apply ([\d.]+)s\)")
 
     def __init__(self) -> None:
         self.batches: list[dict] = []
@@ -160,14 +162,14 @@ class BatchLog:
                                  "read_s": float(m[4]), "apply_s": float(m[5]), "at": record.created})
 
 
-def tick_progress(since: float) -> list[dict]:
-    """Spark's progress of the tick shape's query, batches started after ``since`` (epoch s)."""
+def tick_progress(since: float, query: str) -> list[dict]:
+    """Spark's progress of the query reading the tick shape, batches started after ``since`` (epoch s)."""
     from pyspark.sql import SparkSession  # optional Spark extra
 
     spark = SparkSession.builder.getOrCreate()
     out = []
     for q in spark.streams.active:
-        if q.name != "walbridge:public.tick":
+        if q.name != query:
             continue
         for p in q.recentProgress:
             start = datetime.fromisoformat(p["timestamp"].replace("Z", "+00:00")).timestamp()
@@ -176,8 +178,9 @@ def tick_progress(since: float) -> list[dict]:
     return sorted(out, key=lambda b: b["start"])
 
 
-def config_data(pg: PostgresCluster, bootstrap: str, base: Path, trigger: float | None) -> dict:
-    consumer = {"group": GROUP, "target_dsn": pg.dsn("warehouse"), "checkpoint_dir": str(base / "checkpoints")}
+def config_data(pg: PostgresCluster, bootstrap: str, base: Path, trigger: float | None, queries: str) -> dict:
+    consumer = {"group": GROUP, "target_dsn": pg.dsn("warehouse"), "checkpoint_dir": str(base / "checkpoints"),
+                "queries": queries}
     if trigger is not None:
         consumer["trigger_interval"] = trigger
     return {
@@ -199,6 +202,7 @@ def main() -> None:
     ap.add_argument("--tick-every", type=float, default=0.02)
     ap.add_argument("--poll-ms", type=float, default=5)
     ap.add_argument("--trigger-interval", type=float, default=None, help="override [consumer] trigger_interval")
+    ap.add_argument("--queries", choices=("per_shape", "one"), default="per_shape", help="[consumer] queries")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "latency.json")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="wb-bench-latency-"))
@@ -220,7 +224,7 @@ def main() -> None:
         with psycopg.connect(pg.dsn("app"), autocommit=True) as conn:
             conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
             conn.execute("CREATE TABLE tick (id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT clock_timestamp())")
-        config = parse_config(config_data(pg, broker.bootstrap, base, args.trigger_interval))
+        config = parse_config(config_data(pg, broker.bootstrap, base, args.trigger_interval, args.queries))
         results["trigger_interval"] = config.consumer.trigger_interval
         failed: list = []
 
@@ -281,7 +285,7 @@ def main() -> None:
         while (last_tick not in visible.seen or last_tick not in stamps.stamps) and time.monotonic() < deadline:
             time.sleep(0.1)
         measuring_stop.set()
-        progress = tick_progress(measure_from)
+        progress = tick_progress(measure_from, QUERY_NAME if args.queries == "one" else "walbridge:public.tick")
         stop.set()
         producer.join(60)
         consumer.join(120)

@@ -247,11 +247,22 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
     # A column the shape's new writer schema lacks (DROP COLUMN at the source):
     # "keep" it in the target, nullable (later rows leave it NULL); "drop" it.
     on_dropped_column: Literal["keep", "drop"] = "keep"
+    # "per_shape": one streaming query per shape, each with its own checkpoint;
+    # "one": one query over every shape's topic, each micro-batch split per
+    # shape and applied in one target transaction (spark_consumer.shapes_query).
+    queries: Literal["per_shape", "one"] = "per_shape"
 
     @model_validator(mode="before")
     @classmethod
     def _password(cls, data: Any) -> Any:
         return _join_password(data, "target_dsn", "target_password")
+
+    @model_validator(mode="after")
+    def _one_query_driver_apply(self) -> ConsumerConfig:
+        if self.queries == "one" and self.staged_apply:
+            raise ValueError('queries = "one" applies on the driver; staged_apply = true needs '
+                             'queries = "per_shape"')
+        return self
 
     @field_validator("target_dsn")
     @classmethod

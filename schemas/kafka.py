@@ -214,8 +214,28 @@ def read_to_end(conf: dict[str, Any], topic: str, purpose: str = "read",
 def topic_id(admin: AdminClient, topic: str, timeout: float = 30.0) -> str | None:
     """The topic's id (KIP-516; it changes when the topic is recreated), or
     None where the broker has none. Raises LookupError if the topic is missing."""
+    return _described_id(topic, admin.describe_topics(TopicCollection([topic]))[topic], timeout)
+
+
+def topic_ids(admin: AdminClient, topics: Iterable[str], timeout: float = 30.0) -> dict[str, str | None | Exception]:
+    """:func:`topic_id` of many topics in one request: topic -> its id, None,
+    or the exception :func:`topic_id` would raise for it (LookupError: missing)."""
+    topics = sorted(set(topics))
+    if not topics:
+        return {}
+    futures = admin.describe_topics(TopicCollection(topics))
+    out: dict[str, str | None | Exception] = {}
+    for topic in topics:
+        try:
+            out[topic] = _described_id(topic, futures[topic], timeout)
+        except (LookupError, KafkaException) as e:
+            out[topic] = e
+    return out
+
+
+def _described_id(topic: str, future, timeout: float) -> str | None:
     try:
-        desc = admin.describe_topics(TopicCollection([topic]))[topic].result(timeout=timeout)
+        desc = future.result(timeout=timeout)
     except KafkaException as e:
         if e.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
             raise LookupError(f"topic {topic} does not exist") from None

@@ -39,6 +39,13 @@ Invariants:
   over the same offset range ``[offsets/N-1, offsets/N)`` and plans the
   batches after it anew.
 
+One query over many topics (:mod:`spark_consumer.topics_source`, offsets
+``{"<topic>": <that topic's offsets>}``) is reasoned about per topic, with
+the same rules (the ``topics_*`` functions): its newest batch is applied only
+when every topic of the query it moved is; a topic that joined in that batch
+moved nothing; and the first batch starts where the source was told to start
+(the target's progress when the query started), not at offset 0.
+
 Layout read here (Spark's HDFSMetadataLog, format ``v1``): ``offsets/<id>``
 is a version line, a metadata line, then one line per source (this query has
 one: the source's offset JSON, see :mod:`spark_consumer.kafka_source`);
@@ -51,8 +58,10 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from spark_consumer.kafka_source import TOPIC_ID, offsets_from_json, recreated
+from spark_consumer.topics_source import read_ranges
 
 log = logging.getLogger("walbridge.consumer")
 
@@ -188,10 +197,138 @@ def replay_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int |
         first = newest_unapplied(checkpoint, next_offsets)
     if first is None:
         return None
+    _uncommit(checkpoint, first)
+    return first
+
+
+def _uncommit(checkpoint: Path, first: int) -> None:
+    """Make Spark re-run batch ``first`` and plan the ones after it anew:
+    its commit, every later commit and every later offsets entry go."""
     for later in _batch_ids(checkpoint / "offsets"):
         if later > first:
             _remove(checkpoint / "offsets", later)
     for batch in _batch_ids(checkpoint / "commits"):
         if batch >= first:
             _remove(checkpoint / "commits", batch)
+
+
+Progress = Mapping[str, Mapping[int, int]]  # topic -> partition -> the target's next offset
+
+
+def _topics_of_newest(checkpoint: Path, initial: Mapping[str, dict]
+                      ) -> tuple[int | None, list[tuple[str, dict | None, dict | None]]]:
+    """The newest committed batch of a many-topic query and, for each of the
+    query's topics (``initial``'s: where the source was told to start each)
+    that the batch read, (topic, its start offsets, its end offsets); an
+    unreadable entry gives (topic, None, None)."""
+    committed = _batch_ids(checkpoint / "commits")
+    if not committed:
+        return None, []
+    newest = committed[-1]
+    start = _source_offsets(checkpoint, newest - 1) if newest > 0 else None
+    end = _source_offsets(checkpoint, newest)
+    if end is None or (newest > 0 and start is None):
+        return newest, [(t, None, None) for t in initial]
+    return newest, list(_topic_ranges(start, end, initial))
+
+
+def _topic_ranges(start: dict | None, end: dict, initial: Mapping[str, dict]
+                  ) -> Iterator[tuple[str, dict | None, dict | None]]:
+    """The ranges the batch read, as the source planned them (a topic that
+    joined in it read nothing); the first batch starts at ``initial``."""
+    for topic, first, last in read_ranges(start, end, initial):
+        yield topic, first if start is not None else initial[topic], last
+
+
+def topics_batch_unapplied(checkpoint: Path, progress: Progress, initial: Mapping[str, dict]) -> int | None:
+    """:func:`newest_unapplied` for a many-topic query: the newest committed
+    batch if any of the query's topics it moved lacks its target progress."""
+    newest, ranges = _topics_of_newest(checkpoint, initial)
+    for topic, start, end in ranges:
+        if end is None or not batch_applied(start, end, progress.get(topic, {})):
+            return newest
+    return None
+
+
+def topics_earliest_skipped(checkpoint: Path, progress: Progress, initial: Mapping[str, dict]) -> int | None:
+    """:func:`earliest_skipped` for a many-topic query: the earliest committed
+    batch before the newest that moved a partition of one of the query's
+    topics (in that topic's incarnation of the newest batch) of which the
+    target applied nothing."""
+    committed = _batch_ids(checkpoint / "commits")
+    if len(committed) < 2:
+        return None
+    newest = _source_offsets(checkpoint, committed[-1]) or {}
+    for batch in committed[:-1]:
+        start = _source_offsets(checkpoint, batch - 1) if batch > 0 else None
+        end = _source_offsets(checkpoint, batch)
+        if end is None or (batch > 0 and start is None):
+            continue  # purged by Spark or unreadable: nothing to say
+        for topic, first, last in _topic_ranges(start, end, initial):
+            if recreated(first, last) or last.get(TOPIC_ID) != (newest.get(topic) or {}).get(TOPIC_ID):
+                continue
+            if _skipped_partitions(first, last, progress.get(topic, {})):
+                return batch
+    return None
+
+
+def topics_replay_unapplied(checkpoint: Path, progress: Progress, initial: Mapping[str, dict]) -> int | None:
+    """:func:`replay_unapplied` for a many-topic query."""
+    first = topics_earliest_skipped(checkpoint, progress, initial)
+    if first is None:
+        first = topics_batch_unapplied(checkpoint, progress, initial)
+    if first is not None:
+        _uncommit(checkpoint, first)
     return first
+
+
+def topics_newest_moved(checkpoint: Path, progress: Progress, initial: Mapping[str, dict]
+                        ) -> dict[str, tuple[str | None, dict[int, int]]]:
+    """:func:`newest_moved` per topic of a many-topic query: topic -> (the
+    topic id its part of the newest batch was read from, the target's next
+    offset of each partition that batch moved)."""
+    _, ranges = _topics_of_newest(checkpoint, initial)
+    out = {}
+    for topic, start, end in ranges:
+        if end is None or recreated(start, end):
+            continue
+        begin, nxt = offsets_from_json(start), progress.get(topic, {})
+        moved = {p: nxt[p] for p, stop in offsets_from_json(end).items() if begin.get(p, 0) < nxt.get(p, -1) <= stop}
+        if moved:
+            out[topic] = (end.get(TOPIC_ID), moved)
+    return out
+
+
+def topics_batch_topic_id(checkpoint: Path, batch_id: int, topic: str) -> str | None:
+    """:func:`batch_topic_id` of one topic of a many-topic query's batch."""
+    return ((_source_offsets(checkpoint, batch_id) or {}).get(topic) or {}).get(TOPIC_ID)
+
+
+def topics_newest_topic_ids(checkpoint: Path) -> dict[str, str]:
+    """:func:`newest_topic_id` per topic of a many-topic query (topics whose
+    id is not recorded are absent)."""
+    committed = _batch_ids(checkpoint / "commits")
+    end = (_source_offsets(checkpoint, committed[-1]) if committed else None) or {}
+    return {t: o[TOPIC_ID] for t, o in end.items() if isinstance(o, dict) and o.get(TOPIC_ID)}
+
+
+def topics_ahead_of_target(checkpoint: Path, progress: Progress, topics: Iterable[str]) -> set[str]:
+    """The query's ``topics`` whose offsets in the newest committed batch lie
+    beyond the target's progress on some partition: Spark would read on from
+    there over offsets the target never applied (a shape held back while the
+    others went on, then a crash before it left the checkpoint). They must
+    rejoin at the target's progress. Call it after the newest batch's repair
+    (:func:`topics_replay_unapplied`). An unreadable entry: every topic."""
+    committed = _batch_ids(checkpoint / "commits")
+    if not committed:
+        return set()
+    end = _source_offsets(checkpoint, committed[-1])
+    if end is None:
+        return set(topics)
+    ahead = set()
+    for topic in topics:
+        if topic in end:
+            nxt = progress.get(topic, {})
+            if any(o > nxt.get(p, 0) for p, o in offsets_from_json(end[topic]).items()):
+                ahead.add(topic)
+    return ahead

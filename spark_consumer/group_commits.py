@@ -29,12 +29,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from schemas.kafka import Writer, topic_id
+from schemas.kafka import Writer, topic_ids
 from schemas.wire import commit_metadata
 
 log = logging.getLogger("walbridge.consumer")
@@ -66,22 +66,24 @@ class OffsetCommitter:
         self._lock = threading.Lock()
 
     def _current_ids(self, topics: set[str]) -> dict[str, str | None]:
-        """Each topic's id now; the last one seen where the broker does not answer."""
-        for topic in topics:
-            try:
-                self._ids[topic] = topic_id(self._admin, topic, self._timeout)
-            except LookupError:
+        """Each topic's id now (one request for all); the last one seen where
+        the broker does not answer."""
+        for topic, found in topic_ids(self._admin, topics, self._timeout).items():
+            if isinstance(found, LookupError):
                 self._ids[topic] = None
-            except KafkaException as e:
+            elif isinstance(found, KafkaException):
                 log.warning("reading the id of topic %s failed (using the last seen): %s", topic,
-                            e.args[0].str() if e.args else e)
+                            found.args[0].str() if found.args else found)
+            else:
+                self._ids[topic] = found
         return self._ids
 
-    def commit(self, offsets: dict[Writer, int], read_from: str | None = None) -> None:
+    def commit(self, offsets: dict[Writer, int], read_from: str | Mapping[str, str | None] | None = None) -> None:
         """Commit ``offsets`` (and the failed commits still worth retrying);
         a failure is logged and the commit queued for the next call. With
-        ``read_from`` (the topic id the offsets were read from), nothing is
-        committed for a topic whose id is another by now."""
+        ``read_from`` (the topic id the offsets were read from; or per topic,
+        None for a topic not to check), nothing is committed for a topic whose
+        id is another by now."""
         with self._lock:
             self._commit(offsets, read_from)
 
@@ -92,16 +94,17 @@ class OffsetCommitter:
             if self._failed and time.monotonic() - self._failed_at >= after:
                 self._commit({})
 
-    def _commit(self, offsets: dict[Writer, int], read_from: str | None = None) -> None:
+    def _commit(self, offsets: dict[Writer, int], read_from: str | Mapping[str, str | None] | None = None) -> None:
         self._consumer.poll(0)  # serves the client's log records (schemas.kafka)
         if not offsets and not self._failed:
             return
         ids = self._current_ids({t for t, _ in (*offsets, *self._failed)})
-        if read_from is not None:
-            for t, p in sorted(w for w in offsets if ids.get(w[0]) != read_from):
-                log.warning("not committing offset %d on %s[%d]: it was read from topic id %s, the topic's "
-                            "id is now %s (re-created)", offsets[(t, p)], t, p, read_from, ids.get(t))
-            offsets = {w: o for w, o in offsets.items() if ids.get(w[0]) == read_from}
+        expected = read_from if isinstance(read_from, Mapping) else dict.fromkeys({t for t, _ in offsets}, read_from)
+        stale = {w for w in offsets if expected.get(w[0]) is not None and ids.get(w[0]) != expected[w[0]]}
+        for t, p in sorted(stale):
+            log.warning("not committing offset %d on %s[%d]: it was read from topic id %s, the topic's "
+                        "id is now %s (re-created)", offsets[(t, p)], t, p, expected[t], ids.get(t))
+        offsets = {w: o for w, o in offsets.items() if w not in stale}
         retry, dropped = retry_queue(self._failed, ids)
         for (t, p), (o, tid) in dropped.items():
             log.warning("not retrying the commit of offset %d on %s[%d]: it was read from topic id %s, the "

@@ -1,6 +1,8 @@
 """The Spark consumer job: one Structured Streaming query per shape topic, each
 micro-batch applied to the target PostgreSQL exactly once, then its offsets
 committed to the consumer group (which the producer's FlushTracker reads).
+With ``[consumer] queries = "one"``, one query over every shape topic instead
+(:mod:`spark_consumer.shapes_query`), under the same run loop.
 
     spark-submit walbridge/spark_submit.py -c walbridge.toml   # production (README: on a cluster)
     walbridge consumer -c walbridge.toml                       # the same, local[*]
@@ -40,11 +42,7 @@ Invariants:
   :meth:`ShapeApplier.recover` has Spark replay such a batch
   (:mod:`spark_consumer.checkpoint`), so nothing Spark skips is missing.
 - A query is stopped only while its foreachBatch is outside Spark
-  (:meth:`ShapeApplier.quiesce`): an interrupt inside a Spark call returns as
-  a Py4J error carrying Java's stack, whose text Spark's interruption check
-  scans with a regex that overflows the stream thread's stack
-  (``StackOverflowError``). A failed apply found while a batch is being read
-  ends the query through that batch instead.
+  (:mod:`spark_consumer.pipelined`).
 - Each query has its own checkpoint (``<checkpoint_dir>/<shape>``), target
   connection and offset committer; queries share nothing mutable.
 - A shape whose target cannot follow its new writer schema (a key column
@@ -65,8 +63,6 @@ import logging
 import re
 import threading
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -79,7 +75,7 @@ from schemas import wire
 from schemas.config import Config, ConfigError, ShapeConfig
 from schemas.failures import TARGET, Failure, attributed, classify, classify_text
 from schemas.kafka import client_config
-from schemas.retry import Outage, RetryPolicy
+from schemas.retry import Outage
 from spark_consumer import metrics
 from spark_consumer.apply_driver import apply_batch
 from spark_consumer.apply_plan import ShapeTarget
@@ -87,7 +83,6 @@ from spark_consumer.apply_staged import commit_batch, stage_part
 from spark_consumer.batch import Part, parts_from_rows
 from spark_consumer.checkpoint import batch_topic_id, newest_moved, newest_topic_id, replay_unapplied
 from spark_consumer.decode import arrow_rows
-from spark_consumer.group_commits import COMMIT_RETRY_S, OffsetCommitter
 from spark_consumer.kafka_source import (
     ShapeSchemas,
     SourceOptions,
@@ -95,15 +90,22 @@ from spark_consumer.kafka_source import (
     discover_schemas,
     read_raw_stream,
 )
+from spark_consumer.pipelined import PipelinedApply
 from spark_consumer.progress import ensure_progress, read_progress
 from spark_consumer.session import spark_session
+from spark_consumer.shapes_query import start_shapes_query
+from spark_consumer.starting import (
+    NEW_SCHEMA_ROUNDS,
+    OFFSET_RESET,
+    Stopped,
+    pause,
+    retry_policy,
+    source_options,
+    wait_for_schemas,
+)
 from spark_consumer.target_layout import ShapeCannotFollow, ensure_table
 
 log = logging.getLogger("walbridge.consumer")
-
-
-def retry_policy(config: Config) -> RetryPolicy:
-    return RetryPolicy(config.consumer.reconnect_max_backoff, config.consumer.reconnect_max_elapsed)
 
 
 def reach_target(config: Config, stop: threading.Event | None = None) -> None:
@@ -117,7 +119,7 @@ def reach_target(config: Config, stop: threading.Event | None = None) -> None:
             psycopg.connect(config.consumer.target_dsn, connect_timeout=10).close()
 
 
-class ShapeApplier:
+class ShapeApplier(PipelinedApply):
     """The foreachBatch function of one shape's query.
 
     Driver apply is pipelined one batch deep: ``__call__`` reads batch N
@@ -133,70 +135,19 @@ class ShapeApplier:
     def __init__(self, config: Config, shape: ShapeConfig, target: ShapeTarget, kafka_conf: dict[str, Any],
                  source: SourceOptions | None = None, schemas: ShapeSchemas | None = None):
 
+        super().__init__(f"shape {shape.shape_name}", f"apply-{shape.shape_name}", kafka_conf, config.consumer.group)
         self.config = config
         self.shape = shape
         # The target as the connection last made it (ensure_table); a batch
         # decoded with newer schemas brings its own (see _follow_target).
         self.target = target
-        self.kafka_conf = kafka_conf
         # The raw stream's options and the writer schemas its batches are
         # decoded with (learned again when a batch carries a new one); None:
         # batches arrive decoded (a stream of read_shape_stream).
         self.source = source
         self.schemas = schemas
         self._batch_target = target  # the target of self.schemas
-        self._conn = None
-        self._committer: OffsetCommitter | None = None
         self._checkpoint: Path | None = None  # the query's (set by recover)
-        self._apply_thread = ThreadPoolExecutor(1, thread_name_prefix=f"apply-{shape.shape_name}")
-        self._pending = None  # the Future of the batch being applied
-        # A query must not be stopped while its foreachBatch is inside a Spark
-        # call: the interrupt comes back as a Py4J error carrying Java's stack,
-        # and Spark's check of that text for an interruption overflows the
-        # stream thread's stack (StackOverflowError). See :meth:`quiesce`.
-        self._calls = threading.Lock()
-        self._in_call = False
-        self._quiesced = False
-        self.batches = 0
-        self.rows = 0
-        self.dlq = 0
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error of a finished, failed apply not yet raised to Spark."""
-        pending = self._pending
-        return pending.exception() if pending is not None and pending.done() else None
-
-    def quiesce(self) -> bool:
-        """After a failed apply: refuse every further batch. True when no
-        batch is being read now, so the query can be stopped; False when one
-        is: that call raises the apply's error itself (ending the query)."""
-        with self._calls:
-            self._quiesced = True
-            return not self._in_call
-
-    def settle(self, timeout: float) -> None:
-        """Quiesce, then wait up to ``timeout`` seconds for the batch being
-        read to be handed over (before the query is stopped for good)."""
-        deadline = time.monotonic() + timeout
-        while not self.quiesce() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        """Finish the batch being applied, then release the Kafka client and
-        the target connection (after the query stopped)."""
-        try:
-            self._finish_pending()
-        except Exception as e:  # noqa: BLE001 - replayed at the next start
-            log.error("shape %s: the last batch's apply failed (it is replayed at the next start): %s",
-                      self.shape.shape_name, e)
-        self._apply_thread.shutdown()
-        if self._committer is not None:
-            self._committer.close()
-            self._committer = None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
 
     def recover(self, checkpoint: Path, topic: str, stop: threading.Event | None = None) -> None:
         """Before the query starts: have Spark replay its newest committed
@@ -227,23 +178,6 @@ class ShapeApplier:
         if read_from and moved:
             self._apply_thread.submit(self._group().commit, {(topic, p): o for p, o in moved.items()}, read_from)
 
-    def _group(self) -> OffsetCommitter:
-        if self._committer is None:
-            self._committer = OffsetCommitter(self.kafka_conf, self.config.consumer.group)
-        return self._committer
-
-    def retry_commits(self) -> None:
-        """Driver loop: hand a failed group commit that no batch retried to
-        the apply thread (after the batch being applied, never beside it)."""
-        committer, pending = self._committer, self._pending
-        if committer is not None and (pending is None or pending.done()):
-            self._apply_thread.submit(committer.retry, COMMIT_RETRY_S)
-
-    def _finish_pending(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
     def _connection(self):
 
         if self._conn is None or self._conn.closed:
@@ -273,7 +207,7 @@ class ShapeApplier:
         """Read the shape's schemas again (the batch carries a new one) and
         derive the target the next decode of the batch goes to."""
         log.info("shape %s batch %d: %s; learning the shape's schemas again", self.shape.shape_name, batch_id, why)
-        self.schemas = _wait_for_schemas(self.source, discover_schemas, retry_policy(self.config))
+        self.schemas = wait_for_schemas(self.source, discover_schemas, retry_policy(self.config))
         self._batch_target = ShapeTarget.from_avro(self.shape.shape_name, self.schemas.value_schema,
                                                    self.schemas.key_schema)
 
@@ -286,18 +220,6 @@ class ShapeApplier:
         target's tables must follow it (done by ensure_table, in the batch's
         transaction)."""
         return target is not self.target
-
-    def __call__(self, batch_df, batch_id: int) -> None:
-
-        with self._calls:
-            if self._quiesced:
-                raise self.error or RuntimeError(f"shape {self.shape.shape_name}: the query is being restarted")
-            self._in_call = True
-        try:
-            self._call(batch_df, batch_id)
-        finally:
-            with self._calls:
-                self._in_call = False
 
     def _call(self, batch_df, batch_id: int) -> None:
 
@@ -341,7 +263,7 @@ class ShapeApplier:
                 self.schemas.layout().spark_schema())
             staged = decoded.mapInArrow(
                 functools.partial(_stage_partitions, self.config.consumer.target_dsn, group, target,
-                                  _OFFSET_RESET[self.config.consumer.on_data_loss], self._topic_ids(batch_id)),
+                                  OFFSET_RESET[self.config.consumer.on_data_loss], self._topic_ids(batch_id)),
                 _STAGED_SCHEMA).collect()
             if all(r.rows >= 0 for r in staged):
                 return staged
@@ -357,7 +279,7 @@ class ShapeApplier:
         fields, rows = arrow_rows(table)
         conn = self._connection()
         parts = parts_from_rows(rows, fields=fields, topic_ids=self._topic_ids(batch_id))
-        on_reset = _OFFSET_RESET[self.config.consumer.on_data_loss]
+        on_reset = OFFSET_RESET[self.config.consumer.on_data_loss]
         if self._follow_target(target):
             with conn.transaction():
                 ensure_table(conn, target, self.config.consumer.on_dropped_column)
@@ -412,9 +334,6 @@ def _newest_ts_ms(table) -> int | None:
     return pc.max(table.column("_wb_ts_ms")).as_py()
 
 
-_OFFSET_RESET = {"follow": "follow", "stop": "raise"}  # [consumer] on_data_loss -> apply's on_offset_reset
-_SOURCE_ON_DATA_LOSS = {"follow": "follow", "stop": "fail"}  # ... -> the source's on_data_loss
-NEW_SCHEMA_ROUNDS = 3  # lookups of the schemas for one batch (the producer publishes before it writes)
 # rows = -1: the task met a new writer schema and staged nothing (the batch is decoded again).
 _STAGED_SCHEMA = "topic string, partition int, start long, end long, rows long, newest_ts_ms long"
 _STAGED_ARROW_SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32()), ("start", pa.int64()),
@@ -451,15 +370,26 @@ def _stage_partitions(dsn: str, group: str, target, on_offset_reset: str, topic_
     yield pa.RecordBatch.from_pydict(out, schema=_STAGED_ARROW_SCHEMA)
 
 
-def start_queries(spark, config: Config, stop: threading.Event | None = None) -> tuple[list, list[ShapeApplier]]:
-
+def start_queries(spark, config: Config, stop: threading.Event | None = None) -> tuple[list, list]:
+    """Every query and its applier: one per shape, or one over all shapes
+    (``[consumer] queries = "one"``, :mod:`spark_consumer.shapes_query`)."""
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
     queries, appliers = [], []
-    for shape in config.shapes:
-        query, applier = start_query(spark, config, shape, kafka_conf, stop)
+    for i in range(1 if config.consumer.queries == "one" else len(config.shapes)):
+        query, applier = restart_query(spark, config, i, kafka_conf, stop)
         queries.append(query)
         appliers.append(applier)
     return queries, appliers
+
+
+def restart_query(spark, config: Config, i: int, kafka_conf: dict[str, Any], stop: threading.Event | None = None,
+                  before: PipelinedApply | None = None):
+    """Query ``i`` (of :func:`start_queries`) started again from its
+    checkpoint; ``before``: its applier until now (the one query keeps the
+    shapes it held back)."""
+    if config.consumer.queries == "one":
+        return start_shapes_query(spark, config, kafka_conf, stop, before.held if before is not None else None)
+    return start_query(spark, config, config.shapes[i], kafka_conf, stop)
 
 
 def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str, Any],
@@ -467,17 +397,8 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
     """One shape's streaming query (from its checkpoint) and its applier."""
 
     topic = config.topic(shape)
-    registry_client = {k: v for k, v in config.kafka.registry_client_config().items() if k != "url"}
-    opts = SourceOptions(topic=topic, bootstrap_servers=config.kafka.bootstrap_servers,
-                         topic_prefix=config.kafka.topic_prefix,
-                         schema_registry_url=config.kafka.schema_registry_url,
-                         schema_registry_client=registry_client,
-                         subject_name_strategy=config.kafka.subject_name_strategy,
-                         kafka_client=dict(config.kafka.client),
-                         max_offsets_per_trigger=config.consumer.max_offsets_per_trigger,
-                         on_data_loss=_SOURCE_ON_DATA_LOSS[config.consumer.on_data_loss],
-                         run=uuid.uuid4().hex)
-    schemas = _wait_for_schemas(opts, discover_schemas, retry_policy(config), stop)
+    opts = source_options(config, shape)
+    schemas = wait_for_schemas(opts, discover_schemas, retry_policy(config), stop)
     target = ShapeTarget.from_avro(shape.shape_name, schemas.value_schema, schemas.key_schema)
     applier = ShapeApplier(config, shape, target, kafka_conf, opts, schemas)
     df = read_raw_stream(spark, opts)
@@ -489,38 +410,6 @@ def start_query(spark, config: Config, shape: ShapeConfig, kafka_conf: dict[str,
     log.info("consuming %s into %s.%s (checkpoint %s, %s apply)", topic, target.schema, target.table, checkpoint,
              "staged" if config.consumer.staged_apply else "driver")
     return query, applier
-
-
-class Stopped(Exception):
-    """``stop`` was set while a start waited."""
-
-
-def _pause(stop: threading.Event | None, seconds: float) -> bool:
-    """Sleep; True when ``stop`` was set meanwhile."""
-    if stop is None:
-        time.sleep(seconds)
-        return False
-    return stop.wait(seconds)
-
-
-def _wait_for_schemas(opts, discover, policy: RetryPolicy, stop: threading.Event | None = None,
-                      timeout: float = 600.0):
-    """The producer publishes a shape's schema before its first message; a
-    consumer started first waits for it (up to ``timeout``), and for an
-    unreachable broker or registry as long as ``policy`` says."""
-    deadline = time.monotonic() + timeout
-    for attempt in Outage(policy, stop, log):
-        with attempt, attributed(kafka=opts.bootstrap_servers, registry=opts.schema_registry_url):
-            while True:
-                try:
-                    return discover(opts)
-                except LookupError:
-                    if time.monotonic() > deadline:
-                        raise
-                    log.info("waiting for the producer to publish the schema of %s", opts.topic)
-                    if _pause(stop, 2.0):
-                        raise Stopped() from None
-    raise Stopped()
 
 
 def _headline(error: BaseException) -> str:
@@ -569,7 +458,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
         return
     spark = spark_session(master)  # quiets Spark's log itself (spark_consumer.session)
     queries: list = []
-    started: list[ShapeApplier] = []
+    started: list = []
     try:
         queries, started = start_queries(spark, config, stop)
     except Stopped:
@@ -587,11 +476,22 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
             for i, q in enumerate(queries):
                 if i in given_up:
                     continue
+                if q is None:  # the one query, every shape held back
+                    given_up.add(i)
+                    continue
                 failure = None
                 if q.isActive:
                     # An apply runs after its foreachBatch returned; when it
                     # fails and no batch follows to raise it, stop the query here.
                     failure = started[i].error
+                    if failure is None and started[i].needs_restart:  # the one query held a shape back
+                        started[i].settle(SETTLE_S)
+                        q.stop()
+                        started[i].close()
+                        queries[i], started[i] = restart_query(spark, config, i, kafka_conf, stop, started[i])
+                        if appliers is not None:
+                            appliers.append(started[i])
+                        continue
                     if failure is None:
                         if outages[i] and q.lastProgress is not None:
                             outages[i] = []  # batches flow again
@@ -641,10 +541,10 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                     delay = min(2.0 ** len(failures[i]), 30.0)
                     log.error("query %s failed (%s); restarting it from its checkpoint in %.0fs", q.name,
                               _headline(failure), delay)
-                if _pause(stop, delay):
+                if pause(stop, delay):
                     return
                 started[i].close()
-                queries[i], started[i] = start_query(spark, config, config.shapes[i], kafka_conf, stop)
+                queries[i], started[i] = restart_query(spark, config, i, kafka_conf, stop, started[i])
                 if appliers is not None:
                     appliers.append(started[i])
             spark.streams.resetTerminated()
@@ -674,4 +574,5 @@ def stop_queries(queries: list, appliers: list[ShapeApplier], timeout: float,
         applier.quiesce()
     for q, applier in zip(queries, appliers):
         applier.settle(max(0.0, deadline - clock()))
-        q.stop()
+        if q is not None:
+            q.stop()

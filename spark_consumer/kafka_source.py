@@ -100,17 +100,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import json
 import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import pyarrow as pa
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.pandas.types import to_arrow_schema
@@ -126,7 +125,7 @@ from pyspark.sql.types import ArrayType, BinaryType, IntegerType, LongType, Stri
 from schemas import wire
 from schemas.config import redact_dsn
 from schemas.failures import READ_GAP
-from schemas.kafka import client_config, ensure_topics, read_to_end
+from schemas.kafka import client_config, ensure_topics, read_to_end, topic_ids
 from schemas.kafka import topic_id as describe_topic_id
 from schemas.reader import SchemaResolver, read_schemas_topic
 from schemas.registry import STRATEGIES, data_subjects, subject_versions
@@ -148,6 +147,13 @@ RANGE_CONSUME_WAIT_S = 1.0  # one consume() call of a range read
 RANGE_FETCH_QUEUE_BACKOFF_MS = 10  # librdkafka fetch.queue.backoff.ms of the range consumers (see _range_consumer)
 RANGE_CONSUMERS_KEPT = 8  # per Python worker: one per query run and client config
 RANGE_FETCH_WAIT_MS = 50  # librdkafka fetch.wait.max.ms of the executors' range consumers (10 ms livelocked on Tansu)
+# librdkafka fetch.wait.max.ms of the driver's probe consumer. A probe starts at
+# a message that exists, so its own fetch answers at once; but the fetch after
+# it (from the end, nothing there) is held by the broker this long, and the
+# shared consumer's next probe (another topic's partitions) waits for it: with
+# librdkafka's 500 ms, one query over 50 topics spent 24.6 s of a 27.5 s
+# trigger in latestOffset (bench/RESULTS.md, issue 17).
+PROBE_FETCH_WAIT_MS = 50
 LOST_DATA_RETRIES = 3
 # A batch of at most this many offsets is read by one task (its partitions one
 # after the other): each task's fixed cost (a Python worker's turn, the topic-id
@@ -269,9 +275,11 @@ class ShapeSchemas:
         return ShapeLayout.from_schemas(self.value_schema, self.key_schema)
 
 
-def discover_schemas(opts: SourceOptions, timeout: float = 30.0) -> ShapeSchemas:
+def discover_schemas(opts: SourceOptions, timeout: float = 30.0,
+                     records: list[tuple[str, str, dict]] | None = None) -> ShapeSchemas:
     """The shape's newest value schema (and key schema) from the registry or
-    the ``<prefix>._schemas`` topic. Raises ``LookupError`` when the topic has
+    the ``<prefix>._schemas`` topic (or ``records`` already read from it:
+    :func:`read_schemas_records`). Raises ``LookupError`` when the topic has
     no value schema yet (the producer publishes it before the first message)."""
     value_subject, key_subject = f"{opts.topic}-value", f"{opts.topic}-key"
     registry = opts.registry()
@@ -288,9 +296,8 @@ def discover_schemas(opts: SourceOptions, timeout: float = 30.0) -> ShapeSchemas
     if not opts.topic_prefix:
         raise ValueError(f"{SOURCE_NAME}: without schema_registry_url the option topic_prefix is needed "
                          "(schemas live in <topic_prefix>._schemas)")
-    # On the driver, at the query's start: librdkafka's records go through Python logging.
-    conf = client_config(opts.bootstrap_servers, opts.kafka_client)
-    records = read_schemas_topic(conf, wire.schemas_topic(opts.topic_prefix), timeout)
+    if records is None:
+        records = read_schemas_records(opts, timeout)
     values = [(fp, s) for subject, fp, s in records if subject == value_subject]
     keys = [(fp, s) for subject, fp, s in records if subject == key_subject]
     if not values:
@@ -299,6 +306,13 @@ def discover_schemas(opts: SourceOptions, timeout: float = 30.0) -> ShapeSchemas
     return ShapeSchemas(values[-1][1], keys[-1][1] if keys else None,
                         tuple(dict.fromkeys(f"fp:{fp}" for fp, _ in values)),
                         {f"fp:{fp}": schema for fp, schema in values + keys})
+
+
+def read_schemas_records(opts: SourceOptions, timeout: float = 30.0) -> list[tuple[str, str, dict]]:
+    """Every record of ``<prefix>._schemas`` (:func:`schemas.reader.read_schemas_topic`)."""
+    # On the driver, at the query's start: librdkafka's records go through Python logging.
+    conf = client_config(opts.bootstrap_servers, opts.kafka_client)
+    return read_schemas_topic(conf, wire.schemas_topic(opts.topic_prefix), timeout)
 
 
 # ---------------------------------------------------------- offset planning
@@ -316,7 +330,9 @@ def offsets_to_json(offsets: Offsets, topic_id: str | None = None) -> dict[str, 
 
 
 def offsets_from_json(offsets: dict | None) -> Offsets:
-    return {int(p): int(o) for p, o in (offsets or {}).items() if p != TOPIC_ID}
+    """Partition -> offset; other keys (``topic_id``, a many-topic source's
+    marks) are not partitions."""
+    return {int(p): int(o) for p, o in (offsets or {}).items() if p.isdigit()}
 
 
 def recreated(start: dict | None, end: dict | None) -> bool:
@@ -398,26 +414,108 @@ def plan_ranges(topic: str, start: Offsets, end: Offsets, max_per_task: int | No
 
 
 # ------------------------------------------------------------- driver side
-class PartitionEnds:
-    """The driver's view of the topic: partitions, earliest offsets and true end
-    offsets (see the module invariants on Tansu). One consumer, created on first
-    use, never committing."""
+class ProbeClients:
+    """The driver's Kafka clients for probing ends and topic ids, created on
+    first use: one pair per topic's probe, or one pair shared by the probes
+    of many topics (used one after the other, never at once).
 
-    def __init__(self, opts: SourceOptions, timeout: float = 30.0):
-        self._opts = opts
-        self._timeout = timeout
+    For many topics, :meth:`prefetch` asks every topic's id, partitions and
+    reported (earliest, end) offsets in four requests for one round of
+    probes, instead of a few requests per topic; :meth:`end_round` forgets
+    them. A topic's answer may be the error a per-topic request would raise."""
+
+    def __init__(self, conf: dict[str, Any]):
+        self._conf = conf
         self._consumer = None
         self._admin = None
-        # partition -> (reported end, true end) of its last successful probe
-        self._probed: dict[int, tuple[int, int]] = {}
+        self.round_ids: dict[str, Any] | None = None  # topic -> id, None or the error
+        self.round_reported: dict[str, Any] | None = None  # topic -> {partition: (earliest, end)} or the error
+        self.round_probed: dict[tuple[str, int], int] | None = None  # (topic, partition) -> high watermark fetched
 
-    def _client(self):
+    def prefetch(self, topics: list[str], timeout: float = 30.0) -> None:
+        admin = self.admin()
+        ids = topic_ids(admin, topics, timeout)
+        meta = self.consumer().list_topics(timeout=timeout).topics
+        reported: dict[str, Any] = {}
+        for t in topics:
+            m = meta.get(t)
+            if m is None or m.error is not None or not m.partitions:
+                reported[t] = LookupError(f"topic {t} does not exist or has no partitions "
+                                          f"({m.error if m is not None else 'not in metadata'})")
+            else:
+                reported[t] = {p: [0, 0] for p in sorted(m.partitions)}
+        tps = [TopicPartition(t, p) for t, ps in reported.items() if isinstance(ps, dict) for p in ps]
+        for i, spec in enumerate((OffsetSpec.earliest(), OffsetSpec.latest())):
+            if not tps:
+                break
+            futures = admin.list_offsets({tp: spec for tp in tps}, isolation_level=IsolationLevel.READ_COMMITTED,
+                                         request_timeout=timeout)
+            for tp, future in futures.items():
+                if not isinstance(reported[tp.topic], dict):
+                    continue
+                try:
+                    reported[tp.topic][tp.partition][i] = future.result().offset
+                except KafkaException as e:
+                    reported[tp.topic] = e
+        self.round_ids = ids
+        self.round_reported = {t: {p: (lo, hi) for p, (lo, hi) in v.items()} if isinstance(v, dict) else v
+                               for t, v in reported.items()}
+
+    def probe_ends(self, ends: dict[str, PartitionEnds], timeout: float = 30.0) -> None:
+        """After :meth:`prefetch`: fetch the true end of every partition of
+        ``ends``' topics that its probe would fetch this round
+        (:meth:`PartitionEnds.to_probe`), all at once on the shared consumer:
+        one assignment, one fetch round, instead of one per topic one after
+        the other. A partition that does not answer in time is left to its
+        topic's own probe."""
+        wanted: dict[tuple[str, int], int] = {}
+        for topic, pe in ends.items():
+            try:
+                wanted.update({(topic, p): hi for p, hi in pe.to_probe().items()})
+            except (LookupError, KafkaException):
+                continue  # its own probe raises (or waits out) the error
+        self.round_probed = {}
+        if not wanted:
+            return
+        c = self.consumer()
+        c.assign([TopicPartition(t, p, hi - 1) for (t, p), hi in wanted.items()])
+        try:
+            pending = set(wanted)
+            deadline = time.monotonic() + timeout
+            while pending and time.monotonic() < deadline:
+                msg = c.poll(0.5)
+                if msg is None:
+                    continue
+                err = msg.error()
+                if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                    if err.fatal():
+                        raise KafkaException(err)
+                    log.warning("probing the end of %s[%s]: %s", msg.topic(), msg.partition(), err)
+                    if msg.partition() is None:
+                        continue  # a client-level event, not a partition's answer
+                pending.discard((msg.topic(), msg.partition()))
+            for t, p in wanted:
+                if (t, p) not in pending:
+                    self.round_probed[(t, p)] = c.get_watermark_offsets(TopicPartition(t, p), cached=True)[1]
+        finally:
+            c.unassign()
+
+    def end_round(self) -> None:
+        self.round_ids = self.round_reported = self.round_probed = None
+
+    def consumer(self):
         if self._consumer is None:
             self._consumer = Consumer({
-                **self._opts.client_conf(), "group.id": f"walbridge-probe-{uuid.uuid4().hex}",
+                **self._conf, "group.id": f"walbridge-probe-{uuid.uuid4().hex}",
                 "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "latest",
-                "max.partition.fetch.bytes": 65536, "queued.max.messages.kbytes": 4096})
+                "max.partition.fetch.bytes": 65536, "queued.max.messages.kbytes": 4096,
+                "fetch.wait.max.ms": PROBE_FETCH_WAIT_MS})
         return self._consumer
+
+    def admin(self):
+        if self._admin is None:
+            self._admin = AdminClient(self._conf)
+        return self._admin
 
     def close(self) -> None:
         if self._consumer is not None:
@@ -425,14 +523,49 @@ class PartitionEnds:
             self._consumer = None
         self._admin = None
 
+
+_NOT_FETCHED = object()
+
+
+def _of_round(answers: dict[str, Any] | None, topic: str) -> Any:
+    """A topic's prefetched answer (raised if it is an error), or _NOT_FETCHED."""
+    if answers is None or topic not in answers:
+        return _NOT_FETCHED
+    found = answers[topic]
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+class PartitionEnds:
+    """The driver's view of the topic: partitions, earliest offsets and true end
+    offsets (see the module invariants on Tansu). One consumer, created on first
+    use, never committing."""
+
+    def __init__(self, opts: SourceOptions, timeout: float = 30.0, clients: ProbeClients | None = None):
+        self._opts = opts
+        self._timeout = timeout
+        self._own = clients is None  # closed with this probe; shared ones by their owner
+        self._clients = clients if clients is not None else ProbeClients(opts.client_conf())
+        # partition -> (reported end, true end) of its last successful probe
+        self._probed: dict[int, tuple[int, int]] = {}
+
+    def _client(self):
+        return self._clients.consumer()
+
+    def close(self) -> None:
+        if self._own:
+            self._clients.close()
+
     def forget(self) -> None:
         """Drop remembered probes (the topic was recreated)."""
         self._probed.clear()
 
     def topic_id(self) -> str | None:
-        if self._admin is None:
-            self._admin = AdminClient(self._opts.client_conf())
-        return describe_topic_id(self._admin, self._opts.topic, self._timeout)
+        found = _of_round(self._clients.round_ids, self._opts.topic)
+        if found is not _NOT_FETCHED:
+            return found
+        return describe_topic_id(self._clients.admin(), self._opts.topic, self._timeout)
 
     def partitions(self) -> list[int]:
         topic = self._opts.topic
@@ -444,9 +577,18 @@ class PartitionEnds:
 
     def reported(self) -> dict[int, tuple[int, int]]:
         """ListOffsets' (earliest, end) per partition; the end may be low."""
+        found = _of_round(self._clients.round_reported, self._opts.topic)
+        if found is not _NOT_FETCHED:
+            return found
         c = self._client()
         return {p: c.get_watermark_offsets(TopicPartition(self._opts.topic, p), timeout=self._timeout)
                 for p in self.partitions()}
+
+    def to_probe(self) -> dict[int, int]:
+        """The partitions :meth:`lows_and_ends` would fetch now, with their
+        reported ends (see there)."""
+        return {p: max(hi, lo) for p, (lo, hi) in self.reported().items()
+                if hi > lo and (self._probed.get(p) is None or self._probed[p][0] != hi)}
 
     def lows_and_ends(self) -> tuple[Offsets, Offsets]:
         """(earliest offsets, true end offsets) per partition."""
@@ -454,6 +596,7 @@ class PartitionEnds:
         reported = self.reported()
         lows = {p: lo for p, (lo, _) in reported.items()}
         ends = {p: max(hi, lo) for p, (lo, hi) in reported.items()}
+        fetched = self._clients.round_probed or {}
         # Partitions ListOffsets calls empty are: Tansu's value is then 0 as
         # well. Probe the others from the last reported offset: that message
         # exists, so the Fetch answers at once and carries the high watermark.
@@ -466,6 +609,10 @@ class PartitionEnds:
             last = self._probed.get(p)
             if last is not None and last[0] == hi:
                 ends[p] = max(ends[p], last[1])
+            elif hi > lo and (topic, p) in fetched:  # fetched with every topic's (ProbeClients.probe_ends)
+                reported_end = ends[p]
+                ends[p] = max(reported_end, fetched[(topic, p)])
+                self._probed[p] = (reported_end, ends[p])
             elif hi > lo:
                 probe.append(p)
         if not probe:
@@ -488,6 +635,8 @@ class PartitionEnds:
                     log.warning("probing the end of %s[%s]: %s", topic, msg.partition(), err)
                     if msg.partition() is None or msg.topic() != topic:
                         continue  # a client-level event, not this partition's answer
+                if msg.topic() != topic:
+                    continue  # a late answer to a shared consumer's probe of another topic
                 pending.discard(msg.partition())
             for p in probe:
                 if p in pending:
@@ -506,18 +655,19 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """See the module docstring. Driver-side state (probe, availableNow target)
     lives only in Spark's long-lived source process; executors only ``read``."""
 
-    def __init__(self, opts: SourceOptions):
+    def __init__(self, opts: SourceOptions, clients: ProbeClients | None = None):
         self._opts = opts
+        self._clients = clients  # shared probe clients (one query over many topics), or None: its own
         self._ends: PartitionEnds | None = None
         self._target: Offsets | None = None
         self._last_ends: Offsets | None = None
 
     def __getstate__(self) -> dict:
-        return {"_opts": self._opts, "_ends": None, "_target": None, "_last_ends": None}
+        return {"_opts": self._opts, "_clients": None, "_ends": None, "_target": None, "_last_ends": None}
 
     def _probe(self) -> PartitionEnds:
         if self._ends is None:
-            self._ends = PartitionEnds(self._opts)
+            self._ends = PartitionEnds(self._opts, clients=self._clients)
         return self._ends
 
     # -- driver
@@ -530,7 +680,14 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         elif how == "latest":
             start = ends
         else:
-            given = offsets_from_json(json.loads(how))
+            given_json = json.loads(how)
+            given = offsets_from_json(given_json)
+            if recreated(given_json, {TOPIC_ID: topic_id}):
+                # Offsets counted in a lost incarnation of the topic: the new one is read whole.
+                log.warning("%s: the starting offsets %s were counted in topic id %s, which is gone (now %s): "
+                            "reading the topic from its earliest offsets", self._opts.topic, given,
+                            given_json.get(TOPIC_ID), topic_id)
+                given = {}
             start = {p: given.get(p, lows[p]) for p in lows}
             outside = {p: o for p, o in start.items() if not lows[p] <= o <= ends[p]}
             if outside:
@@ -628,12 +785,16 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def reportLatestOffset(self) -> dict | None:
         return offsets_to_json(self._last_ends) if self._last_ends is not None else None
 
-    def partitions(self, start: dict, end: dict) -> list[OffsetRange]:
+    def ranges(self, start: dict | None, end: dict) -> list[OffsetRange]:
+        """The batch's offset ranges, before small ones are bundled into one task."""
         begin = offsets_from_json(start)
         if recreated(start, end):
             begin = {p: 0 for p in begin}
-        ranges = plan_ranges(self._opts.topic, begin, offsets_from_json(end), self._opts.max_offsets_per_task,
-                             (end or {}).get(TOPIC_ID))
+        return plan_ranges(self._opts.topic, begin, offsets_from_json(end), self._opts.max_offsets_per_task,
+                           (end or {}).get(TOPIC_ID))
+
+    def partitions(self, start: dict, end: dict) -> list[OffsetRange]:
+        ranges = self.ranges(start, end)
         return ranges if self._opts.max_offsets_per_task else bundle_small(ranges)
 
     def commit(self, end: dict) -> None:
@@ -646,7 +807,7 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     # -- executors
     def read(self, partition: OffsetRange | OffsetRanges) -> Iterator[Any]:
         if isinstance(partition, OffsetRanges):
-            return itertools.chain.from_iterable(read_offset_range(self._opts, r) for r in partition.ranges)
+            return read_offset_ranges(lambda _: self._opts, partition.ranges)
         return read_offset_range(self._opts, partition)
 
 
@@ -742,6 +903,47 @@ def _incarnation_gone(opts: SourceOptions, task: OffsetRange) -> bool:
                     task.topic, task.partition, task.start, task.end, task.topic_id, current)
         return True
     return False
+
+
+def _incarnations_gone(opts_of: Callable[[str], SourceOptions], ranges: Sequence[OffsetRange]) -> set[int]:
+    """:func:`_incarnation_gone` of many ranges, every topic asked in one
+    request: the indexes of the ranges whose incarnation is gone."""
+    watched = [(i, r) for i, r in enumerate(ranges) if r.topic_id and opts_of(r.topic).on_data_loss == "follow"]
+    if not watched:
+        return set()
+    conf = opts_of(watched[0][1].topic).client_conf()
+    admin = _admins.get(_conf_key(conf))
+    if admin is None:
+        admin = _admins[_conf_key(conf)] = AdminClient(conf)
+    current = topic_ids(admin, {r.topic for _, r in watched}, 30.0)
+    gone = set()
+    for i, r in watched:
+        now = current[r.topic]
+        if isinstance(now, LookupError):
+            now = None
+        elif isinstance(now, Exception):
+            raise now
+        if now != r.topic_id:
+            log.warning("%s[%d] [%d, %d): the topic was recreated (id %s, now %s); its messages are gone",
+                        r.topic, r.partition, r.start, r.end, r.topic_id, now)
+            gone.add(i)
+    return gone
+
+
+def read_offset_ranges(opts_of: Callable[[str], SourceOptions], ranges: Sequence[OffsetRange]) -> Iterator[Any]:
+    """The ranges of a small batch read by one task (:func:`bundle_small`),
+    in turn. Their topics' incarnations are looked up all at once before and
+    after the reads (two requests, not two per range: with many topics the
+    looks were most of a small batch's time); the rows are held until the
+    look after, so none of an incarnation gone meanwhile is handed over (a
+    bundle holds at most ``SMALL_BATCH_OFFSETS`` messages)."""
+    before = _incarnations_gone(opts_of, ranges)
+    read = [(r, list(read_offset_range(opts_of(r.topic), r, looked_up=True)))
+            for i, r in enumerate(ranges) if i not in before]
+    after = _incarnations_gone(opts_of, [r for r, _ in read])
+    for i, (_, batches) in enumerate(read):
+        if i not in after:
+            yield from batches
 
 
 def _range_consumer(opts: SourceOptions):
@@ -858,11 +1060,13 @@ _TRANSIENT = frozenset({KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, Kaf
                         KafkaError.REQUEST_TIMED_OUT, KafkaError._RESOLVE})
 
 
-def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
+def read_offset_range(opts: SourceOptions, task: OffsetRange, looked_up: bool = False) -> Iterator[Any]:
     """Arrow record batches (:data:`RAW_SCHEMA`) of every message in
-    ``task``'s range, in offset order (executor side)."""
+    ``task``'s range, in offset order (executor side). ``looked_up``: the
+    caller looks the incarnation up before and after and holds the rows
+    (:func:`read_offset_ranges`)."""
     topic, partition, end = task.topic, task.partition, task.end
-    if _incarnation_gone(opts, task):
+    if not looked_up and _incarnation_gone(opts, task):
         return
     rows = RawRows(topic, partition)
     consumer = _range_consumer(opts)
@@ -920,7 +1124,7 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
                 next_offset = offset + 1
             idle_since = time.monotonic() if msgs else idle_since
             if rows.count >= ARROW_BATCH_ROWS:
-                if _incarnation_gone(opts, task):
+                if not looked_up and _incarnation_gone(opts, task):
                     return  # see below
                 yield rows.to_record_batch()
         # A consumer fetches by topic name and offset: a topic recreated while
@@ -930,7 +1134,7 @@ def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
         # as replays. So rows are handed over only while the incarnation
         # stands; those read since the last look are dropped (the driver plans
         # the new incarnation from offset 0).
-        if rows.count and not _incarnation_gone(opts, task):
+        if rows.count and (looked_up or not _incarnation_gone(opts, task)):
             yield rows.to_record_batch()
     finally:
         consumer.unassign()

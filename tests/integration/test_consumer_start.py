@@ -18,9 +18,10 @@ from schemas.config import parse_config
 from schemas.failures import TARGET, Failure
 from schemas.retry import RetryPolicy
 from spark_consumer.apply_driver import apply_batch
-from spark_consumer.job import ShapeApplier, Stopped, _wait_for_schemas
+from spark_consumer.job import ShapeApplier
 from spark_consumer.kafka_source import SourceOptions, discover_schemas
 from spark_consumer.progress import ensure_progress
+from spark_consumer.starting import Stopped, wait_for_schemas
 from spark_consumer.target_layout import ensure_table
 from tests.helpers import make_config, wait_for
 from tests.integration.test_target_apply import TOPIC, change, items_target, part
@@ -99,7 +100,7 @@ def test_the_start_waits_for_a_broker_that_is_down_and_goes_on_when_it_is_back(p
 
     def start() -> None:
         try:
-            outcome.append(_wait_for_schemas(opts, functools.partial(discover_schemas, timeout=1.0),
+            outcome.append(wait_for_schemas(opts, functools.partial(discover_schemas, timeout=1.0),
                                              RetryPolicy(max_backoff=1.0), stop))
         except BaseException as e:  # noqa: BLE001 - the test reads it
             outcome.append(e)

@@ -196,17 +196,22 @@ def test_consumer_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sourc
             consumer.stop()
     if apply_mode == "pipelined":
         assert "never committed all of it" in log.read_text()
+    assert_applied_once(target_db, kafka_broker.bootstrap, topic_prefix)
+
+
+def assert_applied_once(target_db, bootstrap: str, topic_prefix: str) -> None:
+    """No streamed pgbench_history insert applied twice, and every live
+    pgbench_accounts row written by exactly the newest message of its key in
+    Kafka (position and Kafka origin recorded in the bookkeeping columns)."""
     with psycopg.connect(target_db) as conn:
         history = conn.execute("SELECT count(*), count(DISTINCT (_wb_lsn, _wb_op_index)) FROM public.pgbench_history"
                                " WHERE _wb_snapshot_id IS NULL").fetchone()
-        assert history[0] == history[1] > 0  # no streamed insert applied twice
+        assert history[0] == history[1] > 0
         applied = {r[0]: ((r[1], r[2]), r[3], r[4]) for r in conn.execute(
             "SELECT aid, _wb_lsn, _wb_op_index, _wb_partition, _wb_offset FROM public.pgbench_accounts")}
-    # Every live row was written by exactly the newest message of its key in Kafka
-    # (position and Kafka origin recorded in the bookkeeping columns).
     newest = {}
-    for r in data_records(read_topic(kafka_broker.bootstrap, f"{topic_prefix}.public.pgbench_accounts",
-                                     topic_prefix, timeout=180)):
+    for r in data_records(read_topic(bootstrap, f"{topic_prefix}.public.pgbench_accounts", topic_prefix,
+                                     timeout=180)):
         newest[r.key["aid"]] = (r.position, r.partition, r.offset)  # partition order = position order per key
     assert applied == newest
 

@@ -62,6 +62,7 @@ from spark_consumer.kafka_source import (
     bundle_small,
     plan_end_offsets,
     plan_ranges,
+    read_offset_ranges,
     schema_lookup,
 )
 
@@ -829,10 +830,37 @@ def test_reader_bundles_only_without_a_per_task_cut():
 def test_a_bundled_task_reads_its_ranges_in_turn(monkeypatch):
     read = []
     monkeypatch.setattr("spark_consumer.kafka_source.read_offset_range",
-                        lambda opts, r: iter([read.append((r.partition, r.start)) or r.partition]))
+                        lambda opts, r, looked_up=False: iter([read.append((r.partition, r.start)) or r.partition]))
     r = _reader()
     task = OffsetRanges((OffsetRange(TOPIC, 0, 0, 4), OffsetRange(TOPIC, 1, 2, 3)))
     assert list(r.read(task)) == [0, 1] and read == [(0, 0), (1, 2)]
+
+
+def test_a_bundle_looks_its_topics_up_twice_and_hands_over_nothing_of_an_incarnation_gone(monkeypatch):
+    other = "wb.public.u"
+    looks = []
+    answers = iter([{TOPIC: "a", other: "b"}, {TOPIC: "a", other: "b2"}])  # u recreated while read
+
+    def topic_ids(admin, topics, timeout):
+        looks.append(sorted(topics))
+        return next(answers)
+
+    monkeypatch.setattr("spark_consumer.kafka_source.topic_ids", topic_ids)
+    monkeypatch.setattr("spark_consumer.kafka_source.read_offset_range",
+                        lambda opts, r, looked_up=False: iter([(r.topic, r.partition, looked_up)]))
+    opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb", on_data_loss="follow")
+    ranges = [OffsetRange(TOPIC, 0, 0, 4, "a"), OffsetRange(other, 0, 0, 2, "b"), OffsetRange(TOPIC, 1, 0, 1, "a")]
+    assert list(read_offset_ranges(lambda _: opts, ranges)) == [(TOPIC, 0, True), (TOPIC, 1, True)]
+    assert looks == [[TOPIC, other], [TOPIC, other]]  # one request before, one after, for every range
+
+
+def test_a_bundle_skips_a_range_whose_topic_is_already_gone(monkeypatch):
+    monkeypatch.setattr("spark_consumer.kafka_source.topic_ids",
+                        lambda admin, topics, timeout: {TOPIC: LookupError("gone")})
+    monkeypatch.setattr("spark_consumer.kafka_source.read_offset_range",
+                        lambda opts, r, looked_up=False: pytest.fail("read an incarnation that is gone"))
+    opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb", on_data_loss="follow")
+    assert list(read_offset_ranges(lambda _: opts, [OffsetRange(TOPIC, 0, 0, 4, "a")])) == []
 
 
 class FakeEnds:
@@ -880,6 +908,15 @@ def test_reader_offsets_and_limits():
     assert _reader(starting='{"1": 7}').initialOffset() == {"0": 0, "1": 7}
     with pytest.raises(ValueError, match=r"\[0\] 500 not in \[0, 100\]"):
         _reader(starting='{"1": 7, "0": 500}').initialOffset()
+
+
+def test_starting_offsets_of_a_lost_topic_incarnation_read_the_new_one_whole():
+    r = _reader(starting='{"1": 7, "topic_id": "gone"}')
+    r._ends.id = "new"
+    assert r.initialOffset() == {"0": 0, "1": 0, "topic_id": "new"}
+    r = _reader(starting='{"1": 7, "topic_id": "same"}')
+    r._ends.id = "same"
+    assert r.initialOffset() == {"0": 0, "1": 7, "topic_id": "same"}
 
 
 def test_reader_available_now_stops_at_the_ends_seen_at_its_start():

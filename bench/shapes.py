@@ -1,0 +1,190 @@
+"""Cost and latency against the number of shapes: one Spark query per shape
+(``[consumer] queries = "per_shape"``) against one query over all of them
+(``"one"``), in the same run.
+
+    flock /tmp/wb-tests.lock .venv/bin/python bench/shapes.py [--counts 5,50,200] [--modes per_shape,one]
+
+For each shape count N and mode, on a fresh embedded PostgreSQL (durable) and
+Tansu broker (4 partitions):
+- N tables ``public.t<i> (id int primary key, v text)`` of ``--rows`` rows
+  each (default 1,000), one shape each.
+- The producer runs as its own process (``walbridge producer``), the Spark
+  consumer ``local[*]`` in this one, both as ``walbridge up`` configures them.
+- ``snapshot_applied_s``: from the start of both to every target table
+  holding its rows (polled every 0.25 s).
+- ``idle_cpu_cores``: after ``--settle`` s, the CPU the consumer (this
+  process, its Spark JVM and Python workers; not PostgreSQL, the broker or
+  the producer) uses over ``--idle`` s, read from /proc.
+- ``insert_visible_s``: one transaction inserting one row into every table,
+  from its commit to the last table showing its row (polled every 0.05 s).
+Results go to bench/out/shapes.json and are printed; ratios against the
+5-shape figures of the same mode are added when 5 is among the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from schemas.config import parse_config  # noqa: E402
+from tests.helpers import write_toml  # noqa: E402
+from walbridge.embedded import PostgresCluster, TansuBroker  # noqa: E402
+from walbridge.runtime import consumer_service  # noqa: E402
+
+PREFIX = "shp"
+GROUP = "walbridge-spark"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> tuple[int, str, float] | None:
+    """(parent pid, command name, CPU seconds) of a live process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    comm = text[text.index("(") + 1:text.rindex(")")]
+    fields = text[text.rindex(")") + 2:].split()
+    return int(fields[1]), comm, (int(fields[11]) + int(fields[12])) / TICK
+
+
+def consumer_cpu(exclude: set[int]) -> float:
+    """CPU seconds of this process and its descendants, but the subtrees of
+    ``exclude`` (PostgreSQL, the broker, the producer)."""
+    procs = {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := _stat(int(p))) is not None}
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        if pid in exclude or pid not in procs:
+            continue
+        if procs[pid][1].startswith("postgres"):
+            continue
+        total += procs[pid][2]
+        todo += children.get(pid, [])
+    return total
+
+
+def counts(conn, n: int) -> list[int]:
+    """Rows of every target table (0 for one not created yet)."""
+    query = sql.SQL(" UNION ALL ").join(
+        sql.SQL("SELECT {i}, count(*) FROM public.{t}").format(i=sql.Literal(i), t=sql.Identifier(f"t{i}"))
+        for i in range(n))
+    try:
+        return [c for _, c in sorted(conn.execute(query).fetchall())]
+    except psycopg.errors.UndefinedTable:
+        return [0] * n
+
+
+def run_one(n: int, mode: str, rows: int, settle: float, idle: float) -> dict:
+    base = Path(tempfile.mkdtemp(prefix=f"wb-bench-shapes-{n}-{mode}-"))
+    out: dict = {"shapes": n, "mode": mode}
+    stop = threading.Event()
+    failed: list = []
+    with PostgresCluster(base / "pg", durable=True) as pg, TansuBroker(base / "kafka") as broker:
+        with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
+            conn.execute("CREATE DATABASE app")
+            conn.execute("CREATE DATABASE warehouse")
+        with psycopg.connect(pg.dsn("app"), autocommit=True) as conn:
+            for i in range(n):
+                conn.execute(sql.SQL("CREATE TABLE {} (id int PRIMARY KEY, v text)").format(sql.Identifier(f"t{i}")))
+                conn.execute(sql.SQL("INSERT INTO {} SELECT g, md5(g::text) FROM generate_series(1, %s) g").format(
+                    sql.Identifier(f"t{i}")), (rows,))
+        data = {
+            "source": {"dsn": pg.dsn("app"), "slot": "walbridge", "publication": "walbridge"},
+            "kafka": {"bootstrap_servers": broker.bootstrap, "topic_prefix": PREFIX, "partitions": 4},
+            "shapes": [{"table": f"public.t{i}"} for i in range(n)],
+            "consumer": {"group": GROUP, "target_dsn": pg.dsn("warehouse"), "checkpoint_dir": str(base / "cp"),
+                         "queries": mode},
+            "ack": {"consumer_groups": [GROUP], "interval": 0.5},
+        }
+        path = write_toml(data, base / "wb.toml")
+        config = parse_config(data)
+        with open(base / "producer.log", "ab") as plog:
+            producer = subprocess.Popen([sys.executable, "-m", "walbridge.cli", "producer", "-c", str(path)],
+                                        stdout=plog, stderr=subprocess.STDOUT, cwd=ROOT)
+
+        def consume():
+            try:
+                consumer_service(config, "local[*]", stop, [])
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failed.append(e)
+
+        consumer = threading.Thread(target=consume, daemon=True)
+        t0 = time.monotonic()
+        consumer.start()
+        try:
+            with psycopg.connect(pg.dsn("warehouse"), autocommit=True) as conn:
+                while min(counts(conn, n)) < rows:
+                    if failed or producer.poll() is not None:
+                        raise RuntimeError(f"pipeline failed: {failed or producer.returncode}")
+                    time.sleep(0.25)
+                out["snapshot_applied_s"] = round(time.monotonic() - t0, 1)
+                time.sleep(settle)
+                exclude = {producer.pid, broker.pid}
+                c0, w0 = consumer_cpu(exclude), time.monotonic()
+                time.sleep(idle)
+                out["idle_cpu_cores"] = round((consumer_cpu(exclude) - c0) / (time.monotonic() - w0), 3)
+                with psycopg.connect(pg.dsn("app")) as src:
+                    for i in range(n):
+                        src.execute(sql.SQL("INSERT INTO {} VALUES (%s, 'new')").format(sql.Identifier(f"t{i}")),
+                                    (rows + 1,))
+                    src.commit()
+                committed = time.monotonic()
+                while min(counts(conn, n)) < rows + 1:
+                    if failed:
+                        raise RuntimeError(f"pipeline failed: {failed}")
+                    time.sleep(0.05)
+                out["insert_visible_s"] = round(time.monotonic() - committed, 2)
+        finally:
+            stop.set()
+            consumer.join(180)
+            producer.terminate()
+            producer.wait(60)
+    shutil.rmtree(base, ignore_errors=True)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--counts", default="5,50,200")
+    ap.add_argument("--modes", default="per_shape,one")
+    ap.add_argument("--rows", type=int, default=1000)
+    ap.add_argument("--settle", type=float, default=10.0)
+    ap.add_argument("--idle", type=float, default=20.0)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "shapes.json")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    results = [run_one(n, mode, args.rows, args.settle, args.idle)
+               for mode in args.modes.split(",") for n in (int(c) for c in args.counts.split(","))]
+    for mode in {r["mode"] for r in results}:
+        ref = next((r for r in results if r["mode"] == mode and r["shapes"] == 5), None)
+        for r in results:
+            if ref is not None and r["mode"] == mode:
+                r["snapshot_ratio_to_5"] = round(r["snapshot_applied_s"] / ref["snapshot_applied_s"], 2)
+                r["visible_ratio_to_5"] = round(r["insert_visible_s"] / ref["insert_visible_s"], 2)
+    text = json.dumps(results, indent=2)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
