@@ -105,7 +105,7 @@ import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition
@@ -475,30 +475,8 @@ class ProbeClients:
             except (LookupError, KafkaException):
                 continue  # its own probe raises (or waits out) the error
         self.round_probed = {}
-        if not wanted:
-            return
-        c = self.consumer()
-        c.assign([TopicPartition(t, p, hi - 1) for (t, p), hi in wanted.items()])
-        try:
-            pending = set(wanted)
-            deadline = time.monotonic() + timeout
-            while pending and time.monotonic() < deadline:
-                msg = c.poll(0.5)
-                if msg is None:
-                    continue
-                err = msg.error()
-                if err is not None and err.code() != KafkaError._PARTITION_EOF:
-                    if err.fatal():
-                        raise KafkaException(err)
-                    log.warning("probing the end of %s[%s]: %s", msg.topic(), msg.partition(), err)
-                    if msg.partition() is None:
-                        continue  # a client-level event, not a partition's answer
-                pending.discard((msg.topic(), msg.partition()))
-            for t, p in wanted:
-                if (t, p) not in pending:
-                    self.round_probed[(t, p)] = c.get_watermark_offsets(TopicPartition(t, p), cached=True)[1]
-        finally:
-            c.unassign()
+        if wanted:
+            self.round_probed = fetch_ends(self.consumer(), {tp: hi - 1 for tp, hi in wanted.items()}, timeout)
 
     def end_round(self) -> None:
         self.round_ids = self.round_reported = self.round_probed = None
@@ -596,7 +574,6 @@ class PartitionEnds:
         reported = self.reported()
         lows = {p: lo for p, (lo, _) in reported.items()}
         ends = {p: max(hi, lo) for p, (lo, hi) in reported.items()}
-        fetched = self._clients.round_probed or {}
         # Partitions ListOffsets calls empty are: Tansu's value is then 0 as
         # well. Probe the others from the last reported offset: that message
         # exists, so the Fetch answers at once and carries the high watermark.
@@ -609,46 +586,51 @@ class PartitionEnds:
             last = self._probed.get(p)
             if last is not None and last[0] == hi:
                 ends[p] = max(ends[p], last[1])
-            elif hi > lo and (topic, p) in fetched:  # fetched with every topic's (ProbeClients.probe_ends)
-                reported_end = ends[p]
-                ends[p] = max(reported_end, fetched[(topic, p)])
-                self._probed[p] = (reported_end, ends[p])
             elif hi > lo:
                 probe.append(p)
-        if not probe:
-            return lows, ends
-        c = self._client()
-        c.assign([TopicPartition(topic, p, ends[p] - 1) for p in probe])
-        try:
-            pending = set(probe)
-            deadline = time.monotonic() + self._timeout
-            while pending and time.monotonic() < deadline:
-                # poll, not consume(n): consume waits for n messages or its whole
-                # timeout, 0.5 s of every trigger (bench/RESULTS.md, "End-to-end latency").
-                msg = c.poll(0.5)
-                if msg is None:
-                    continue
-                err = msg.error()
-                if err is not None and err.code() != KafkaError._PARTITION_EOF:
-                    if err.fatal():
-                        raise KafkaException(err)
-                    log.warning("probing the end of %s[%s]: %s", topic, msg.partition(), err)
-                    if msg.partition() is None or msg.topic() != topic:
-                        continue  # a client-level event, not this partition's answer
-                if msg.topic() != topic:
-                    continue  # a late answer to a shared consumer's probe of another topic
-                pending.discard(msg.partition())
-            for p in probe:
-                if p in pending:
-                    log.warning("probing the end of %s[%d] timed out; using the reported end %d", topic, p, ends[p])
-                    continue
-                _, hwm = c.get_watermark_offsets(TopicPartition(topic, p), cached=True)
-                reported_end = ends[p]
-                ends[p] = max(reported_end, hwm)
-                self._probed[p] = (reported_end, ends[p])
-        finally:
-            c.unassign()
+        # Fetched with every topic's this round (ProbeClients.probe_ends), or now.
+        fetched = {p: hwm for (t, p), hwm in (self._clients.round_probed or {}).items() if t == topic and p in probe}
+        own = {(topic, p): ends[p] - 1 for p in probe if p not in fetched}
+        if own:
+            fetched.update({p: hwm for (_, p), hwm in fetch_ends(self._client(), own, self._timeout).items()})
+        for p in probe:
+            if p not in fetched:
+                log.warning("probing the end of %s[%d] timed out; using the reported end %d", topic, p, ends[p])
+                continue
+            reported_end = ends[p]
+            ends[p] = max(reported_end, fetched[p])
+            self._probed[p] = (reported_end, ends[p])
         return lows, ends
+
+
+def fetch_ends(consumer, starts: Mapping[tuple[str, int], int], timeout: float) -> dict[tuple[str, int], int]:
+    """The high watermark of each (topic, partition) of ``starts``, fetched
+    from the offset given (the last reported one: that message exists, so the
+    broker answers at once), all in one assignment; a partition that did not
+    answer within ``timeout`` seconds is absent."""
+    consumer.assign([TopicPartition(t, p, o) for (t, p), o in starts.items()])
+    try:
+        pending = set(starts)
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            # poll, not consume(n): consume waits for n messages or its whole
+            # timeout, 0.5 s of every trigger (bench/RESULTS.md, "End-to-end latency").
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            err = msg.error()
+            if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                if err.fatal():
+                    raise KafkaException(err)
+                log.warning("probing the end of %s[%s]: %s", msg.topic(), msg.partition(), err)
+                if msg.partition() is None:
+                    continue  # a client-level event, not a partition's answer
+            # (a late answer to an earlier probe of a shared consumer is in no one's pending set)
+            pending.discard((msg.topic(), msg.partition()))
+        return {(t, p): consumer.get_watermark_offsets(TopicPartition(t, p), cached=True)[1]
+                for t, p in starts if (t, p) not in pending}
+    finally:
+        consumer.unassign()
 
 
 class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
