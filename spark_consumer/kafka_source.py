@@ -78,6 +78,12 @@ Invariants:
   partitions in proportion to their backlog; ``Trigger.AvailableNow`` records the
   ends at its start and never reads beyond them. A partition added to the topic
   joins with an empty range at its earliest offset and is read from the next batch.
+- A task reads all its ranges (one, or a small batch's several, of many
+  topics: :func:`bundle_small`) with one assignment on one consumer, each
+  partition with its own bookkeeping: read from its range's start, fetched
+  once more from its next offset before a skip is taken as the log's own
+  (compaction), done at its range's end (or at an end of partition that
+  reaches it), then unassigned. A message outside the range is never handed over.
 - Clients are created lazily where they are used: the end-offset probe in the
   driver's long-lived Python process, consumers and the DLQ producer in executor
   workers (cached per worker process, reused across tasks). Nothing with a
@@ -104,6 +110,7 @@ import json
 import logging
 import time
 import uuid
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -155,8 +162,8 @@ RANGE_FETCH_WAIT_MS = 50  # librdkafka fetch.wait.max.ms of the executors' range
 # trigger in latestOffset (bench/RESULTS.md, issue 17).
 PROBE_FETCH_WAIT_MS = 50
 LOST_DATA_RETRIES = 3
-# A batch of at most this many offsets is read by one task (its partitions one
-# after the other): each task's fixed cost (a Python worker's turn, the topic-id
+# A batch of at most this many offsets is read by one task (all its partitions
+# in one assignment): each task's fixed cost (a Python worker's turn, the topic-id
 # looks, a fetch round trip) dominates small batches, and every shape's query
 # shares the same few cores (bench/RESULTS.md, "End-to-end latency").
 SMALL_BATCH_OFFSETS = 10_000
@@ -914,23 +921,33 @@ def _incarnations_gone(opts_of: Callable[[str], SourceOptions], ranges: Sequence
 
 def read_offset_ranges(opts_of: Callable[[str], SourceOptions], ranges: Sequence[OffsetRange]) -> Iterator[Any]:
     """The ranges of a small batch read by one task (:func:`bundle_small`),
-    in turn. Their topics' incarnations are looked up all at once before and
-    after the reads (two requests, not two per range: with many topics the
-    looks were most of a small batch's time); the rows are held until the
-    look after, so none of an incarnation gone meanwhile is handed over (a
-    bundle holds at most ``SMALL_BATCH_OFFSETS`` messages)."""
+    all at once: one assignment on one consumer (:func:`_read_together`; read
+    one after the other, each range cost a fetch round, ~51 ms on a used
+    consumer and ~1 s on one new to the topic: issue 17). Their topics'
+    incarnations are looked up all at once before and after the read (two
+    requests, not two per range: with many topics the looks were most of a
+    small batch's time); the rows are held until the look after, so none of
+    an incarnation gone meanwhile is handed over (a bundle holds at most
+    ``SMALL_BATCH_OFFSETS`` messages)."""
     before = _incarnations_gone(opts_of, ranges)
-    read = [(r, list(read_offset_range(opts_of(r.topic), r, looked_up=True)))
-            for i, r in enumerate(ranges) if i not in before]
-    after = _incarnations_gone(opts_of, [r for r, _ in read])
-    for i, (_, batches) in enumerate(read):
+    live = [r for i, r in enumerate(ranges) if i not in before]
+    held: list[list] = [[] for _ in live]
+    if live:
+        for i, batch in _read_together(opts_of, live):
+            held[i].append(batch)
+    after = _incarnations_gone(opts_of, live)
+    for i, batches in enumerate(held):
         if i not in after:
             yield from batches
 
 
+def _consumer_key(opts: SourceOptions) -> str:
+    """Which range consumer reads for ``opts``: one per query run and client configuration."""
+    return f"{opts.run}/{_conf_key(opts.client_conf())}"
+
+
 def _range_consumer(opts: SourceOptions):
-    conf = opts.client_conf()
-    key = f"{opts.run}/{_conf_key(conf)}"
+    key = _consumer_key(opts)
     consumer = _consumers.pop(key, None)
     if consumer is None:
         while len(_consumers) >= RANGE_CONSUMERS_KEPT:  # runs of restarted queries: the least recently used
@@ -942,7 +959,7 @@ def _range_consumer(opts: SourceOptions):
             # A consumer reused for the next range must not wait out the default
             # 1 s queue back-off before its first messages (bench/RESULTS.md).
             "fetch.queue.backoff.ms": RANGE_FETCH_QUEUE_BACKOFF_MS,
-            **conf, "group.id": f"walbridge-source-{uuid.uuid4().hex}", "enable.auto.commit": False,
+            **opts.client_conf(), "group.id": f"walbridge-source-{uuid.uuid4().hex}", "enable.auto.commit": False,
             "enable.auto.offset.store": False, "enable.partition.eof": True,
             # An offset that is no longer there is data loss: fail, never skip.
             "auto.offset.reset": "error"})
@@ -1042,82 +1059,150 @@ _TRANSIENT = frozenset({KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, Kaf
                         KafkaError.REQUEST_TIMED_OUT, KafkaError._RESOLVE})
 
 
-def read_offset_range(opts: SourceOptions, task: OffsetRange, looked_up: bool = False) -> Iterator[Any]:
+def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
     """Arrow record batches (:data:`RAW_SCHEMA`) of every message in
-    ``task``'s range, in offset order (executor side). ``looked_up``: the
-    caller looks the incarnation up before and after and holds the rows
-    (:func:`read_offset_ranges`)."""
-    topic, partition, end = task.topic, task.partition, task.end
-    if not looked_up and _incarnation_gone(opts, task):
+    ``task``'s range, in offset order (executor side)."""
+    if _incarnation_gone(opts, task):
         return
-    rows = RawRows(topic, partition)
-    consumer = _range_consumer(opts)
-    consumer.assign([TopicPartition(topic, partition, task.start)])
+    with closing(_read_together(lambda _: opts, [task])) as batches:
+        for _, batch in batches:
+            # A consumer fetches by topic name and offset: a topic recreated while
+            # it read hands it the new incarnation's messages from the next offset
+            # on. Applied as this range's, they would lift the partition's applied
+            # position above the new incarnation's first messages, later skipped
+            # as replays. So rows are handed over only while the incarnation
+            # stands; those read since the last look are dropped (the driver plans
+            # the new incarnation from offset 0).
+            if _incarnation_gone(opts, task):
+                return
+            yield batch
+
+
+@dataclass
+class _RangeRead:
+    """One range's read in progress (:func:`_read_together`): its partition's
+    own bookkeeping on a consumer that may read other partitions too."""
+
+    range: OffsetRange
+    opts: SourceOptions
+    rows: RawRows
+    next_offset: int
+    heard_at: float  # when the consumer last returned anything of this partition
+    eof_at: int | None = None  # the broker's end of partition, last reported
+    # The next offset at which the read was fetched again: a read that would
+    # skip offsets (a message beyond the next offset, an end-of-partition
+    # past it) fetches once more from the next offset first. What a reused
+    # consumer still held from an earlier read cannot skip a message so; a
+    # skip that comes back is the log's own (compaction, deleted records).
+    refetched_at: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.next_offset >= self.range.end
+
+    def take(self, msg, consumer) -> bool:
+        """Read ``msg`` (of this range's partition). True when the partition was
+        fetched again from the next offset: what else the consumer returned of
+        it with ``msg`` predates that and is not read."""
+        r = self.range
+        err = msg.error()
+        if err is not None:
+            if err.code() == KafkaError._PARTITION_EOF:
+                self.eof_at = msg.offset()
+                if self.eof_at < r.end:
+                    return False
+                if self._refetch(consumer):
+                    return True
+                self.next_offset = r.end  # the rest of the range holds no visible message
+                return False
+            if not err.fatal() and err.code() in _TRANSIENT:
+                log.warning("%s[%d]: %s (retrying)", r.topic, r.partition, err.str())
+                return False
+            if _incarnation_gone(self.opts, r):
+                self.next_offset = r.end  # lost mid-read: its rows are not handed over
+                return False
+            raise KafkaException(err)
+        offset = msg.offset()
+        if offset < self.next_offset:
+            return False
+        if offset > self.next_offset and self._refetch(consumer):
+            return True
+        if offset >= r.end:
+            self.next_offset = r.end
+            return False
+        self.rows.add(offset, msg.key(), msg.value(), msg.headers())
+        self.next_offset = offset + 1
+        return False
+
+    def _refetch(self, consumer) -> bool:
+        """Fetch again from the next offset, once per next offset; False when
+        done already there or it cannot seek now (the skip then stands)."""
+        if self.refetched_at == self.next_offset or not _refetch(
+                consumer, self.range.topic, self.range.partition, self.next_offset):
+            return False
+        self.refetched_at = self.next_offset
+        return True
+
+
+def _read_together(opts_of: Callable[[str], SourceOptions], ranges: Sequence[OffsetRange]
+                   ) -> Iterator[tuple[int, Any]]:
+    """(index in ``ranges``, Arrow record batch) of every message of each
+    range, each range's in offset order, its last batch once it is read
+    (executor side). Every range is assigned at once on one range consumer
+    (one fetch round for all of them, not one per range) and read with its
+    own bookkeeping (:class:`_RangeRead`). A partition whose range is read
+    is unassigned (not paused: a pause outlives the assignment, and the
+    consumer is reused). One silent for its ``read_idle_timeout_s`` fails
+    the read, unless its incarnation is gone: then it is read no further,
+    and its rows must not be handed over. ``ranges`` are one query's (one
+    client configuration), at most one per partition. Incarnations are the
+    caller's to check."""
+    if len({(r.topic, r.partition) for r in ranges}) < len(ranges):
+        raise ValueError("ranges read together must be of different partitions")
+    if len({_consumer_key(opts_of(r.topic)) for r in ranges}) > 1:
+        raise ValueError("ranges read together must share their client configuration")
+    now = time.monotonic()
+    reads = {(r.topic, r.partition): _RangeRead(r, opts_of(r.topic), RawRows(r.topic, r.partition), r.start, now)
+             for r in ranges}
+    index = {tp: i for i, tp in enumerate(reads)}
+    consumer = _range_consumer(opts_of(ranges[0].topic))
+    consumer.assign([TopicPartition(r.topic, r.partition, r.start) for r in ranges])
     try:
-        next_offset = task.start
-        eof_at = None
-        # The next offset at which the read was fetched again: a read that would
-        # skip offsets (a message beyond the next offset, an end-of-partition
-        # past it) fetches once more from the next offset first. What a reused
-        # consumer still held from an earlier read cannot skip a message so; a
-        # skip that comes back is the log's own (compaction, deleted records).
-        refetched_at = None
-        idle_since = time.monotonic()
-        while next_offset < end:
-            msgs = consumer.consume(num_messages=min(CONSUME_BATCH, end - next_offset), timeout=RANGE_CONSUME_WAIT_S)
-            if not msgs and time.monotonic() - idle_since > opts.read_idle_timeout_s:
-                if _incarnation_gone(opts, task):
-                    break
-                raise TimeoutError(
-                    f"{topic}[{partition}]: {READ_GAP} {next_offset} for {opts.read_idle_timeout_s}s "
-                    f"(batch range ends at {end}; broker end of partition {eof_at}): the broker lost data?")
+        pending = {tp: rr for tp, rr in reads.items() if not rr.done}
+        while pending:
+            # At most what is left to read: consume returns as soon as it is all there.
+            left = sum(rr.range.end - rr.next_offset for rr in pending.values())
+            msgs = consumer.consume(num_messages=min(CONSUME_BATCH, left), timeout=RANGE_CONSUME_WAIT_S)
+            now = time.monotonic()
+            fetched_again = set()
             for msg in msgs:
-                if msg.partition() != partition or msg.topic() != topic:
-                    continue  # left over from the consumer's previous range (it is reused)
-                err = msg.error()
-                if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        eof_at = msg.offset()
-                        if eof_at < end:
-                            continue
-                        if refetched_at != next_offset and _refetch(consumer, topic, partition, next_offset):
-                            refetched_at = next_offset
-                            break
-                        next_offset = end  # the rest of the range holds no visible message
-                        break
-                    if not err.fatal() and err.code() in _TRANSIENT:
-                        log.warning("%s[%d]: %s (retrying)", topic, partition, err.str())
-                        continue
-                    if _incarnation_gone(opts, task):
-                        next_offset = end  # lost mid-read
-                        break
-                    raise KafkaException(err)
-                offset = msg.offset()
-                if offset < next_offset:
+                tp = (msg.topic(), msg.partition())
+                rr = pending.get(tp)
+                if rr is None or rr.done or tp in fetched_again:
+                    # another partition's, left over from the consumer's previous
+                    # range (it is reused); one read already; or predating a seek
                     continue
-                if offset > next_offset and refetched_at != next_offset and _refetch(
-                        consumer, topic, partition, next_offset):
-                    refetched_at = next_offset
-                    break
-                if offset >= end:
-                    next_offset = end
-                    break
-                rows.add(offset, msg.key(), msg.value(), msg.headers())
-                next_offset = offset + 1
-            idle_since = time.monotonic() if msgs else idle_since
-            if rows.count >= ARROW_BATCH_ROWS:
-                if not looked_up and _incarnation_gone(opts, task):
-                    return  # see below
-                yield rows.to_record_batch()
-        # A consumer fetches by topic name and offset: a topic recreated while
-        # it read hands it the new incarnation's messages from the next offset
-        # on. Applied as this range's, they would lift the partition's applied
-        # position above the new incarnation's first messages, later skipped
-        # as replays. So rows are handed over only while the incarnation
-        # stands; those read since the last look are dropped (the driver plans
-        # the new incarnation from offset 0).
-        if rows.count and (looked_up or not _incarnation_gone(opts, task)):
-            yield rows.to_record_batch()
+                rr.heard_at = now
+                if rr.take(msg, consumer):
+                    fetched_again.add(tp)
+            for tp, rr in list(pending.items()):
+                if rr.rows.count >= ARROW_BATCH_ROWS:
+                    yield index[tp], rr.rows.to_record_batch()
+                if not rr.done:
+                    if now - rr.heard_at <= rr.opts.read_idle_timeout_s:
+                        continue
+                    r = rr.range
+                    if not _incarnation_gone(rr.opts, r):
+                        raise TimeoutError(
+                            f"{r.topic}[{r.partition}]: {READ_GAP} {rr.next_offset} for "
+                            f"{rr.opts.read_idle_timeout_s}s (batch range ends at {r.end}; broker end of "
+                            f"partition {rr.eof_at}): the broker lost data?")
+                del pending[tp]
+                if pending:  # the others are still read: fetch nothing more of this one
+                    consumer.incremental_unassign([TopicPartition(*tp)])
+        for tp, rr in reads.items():
+            if rr.rows.count:
+                yield index[tp], rr.rows.to_record_batch()
     finally:
         consumer.unassign()
 

@@ -35,7 +35,9 @@ Invariants:
 - ``max_offsets_per_trigger`` bounds each topic's share of a batch, not the
   whole batch (a first cut: a batch holds at most that many offsets per topic).
 - Small batches are bundled across topics: all ranges of a batch holding at
-  most ``SMALL_BATCH_OFFSETS`` offsets together are read by one task.
+  most ``SMALL_BATCH_OFFSETS`` offsets together are read by one task, with
+  one assignment of them all on one consumer
+  (:func:`~spark_consumer.kafka_source.read_offset_ranges`).
 - The driver's probes of all topics share one consumer and one admin client,
   and each trigger asks every topic's id, partitions and offsets in a few
   requests for all of them (:meth:`~spark_consumer.kafka_source.ProbeClients.prefetch`),

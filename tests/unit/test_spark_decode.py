@@ -827,13 +827,22 @@ def test_reader_bundles_only_without_a_per_task_cut():
         (0, 0, 50), (0, 50, 100), (1, 0, 50)]
 
 
-def test_a_bundled_task_reads_its_ranges_in_turn(monkeypatch):
-    read = []
-    monkeypatch.setattr("spark_consumer.kafka_source.read_offset_range",
-                        lambda opts, r, looked_up=False: iter([read.append((r.partition, r.start)) or r.partition]))
+def _read_together_by_index(calls: list):
+    """A stand-in for _read_together: each range's partition as its one batch,
+    handed out in reverse (the bundle must still hand them over in order)."""
+    def read_together(opts_of, ranges):
+        calls.append([(r.topic, r.partition, r.start) for r in ranges])
+        return iter([(i, (r.topic, r.partition)) for i, r in enumerate(ranges)][::-1])
+    return read_together
+
+
+def test_a_bundled_task_reads_its_ranges_together(monkeypatch):
+    calls = []
+    monkeypatch.setattr("spark_consumer.kafka_source._read_together", _read_together_by_index(calls))
     r = _reader()
     task = OffsetRanges((OffsetRange(TOPIC, 0, 0, 4), OffsetRange(TOPIC, 1, 2, 3)))
-    assert list(r.read(task)) == [0, 1] and read == [(0, 0), (1, 2)]
+    assert list(r.read(task)) == [(TOPIC, 0), (TOPIC, 1)]
+    assert calls == [[(TOPIC, 0, 0), (TOPIC, 1, 2)]]  # one read of all the ranges
 
 
 def test_a_bundle_looks_its_topics_up_twice_and_hands_over_nothing_of_an_incarnation_gone(monkeypatch):
@@ -846,19 +855,20 @@ def test_a_bundle_looks_its_topics_up_twice_and_hands_over_nothing_of_an_incarna
         return next(answers)
 
     monkeypatch.setattr("spark_consumer.kafka_source.topic_ids", topic_ids)
-    monkeypatch.setattr("spark_consumer.kafka_source.read_offset_range",
-                        lambda opts, r, looked_up=False: iter([(r.topic, r.partition, looked_up)]))
+    calls = []
+    monkeypatch.setattr("spark_consumer.kafka_source._read_together", _read_together_by_index(calls))
     opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb", on_data_loss="follow")
     ranges = [OffsetRange(TOPIC, 0, 0, 4, "a"), OffsetRange(other, 0, 0, 2, "b"), OffsetRange(TOPIC, 1, 0, 1, "a")]
-    assert list(read_offset_ranges(lambda _: opts, ranges)) == [(TOPIC, 0, True), (TOPIC, 1, True)]
+    assert list(read_offset_ranges(lambda _: opts, ranges)) == [(TOPIC, 0), (TOPIC, 1)]
+    assert len(calls) == 1
     assert looks == [[TOPIC, other], [TOPIC, other]]  # one request before, one after, for every range
 
 
 def test_a_bundle_skips_a_range_whose_topic_is_already_gone(monkeypatch):
     monkeypatch.setattr("spark_consumer.kafka_source.topic_ids",
                         lambda admin, topics, timeout: {TOPIC: LookupError("gone")})
-    monkeypatch.setattr("spark_consumer.kafka_source.read_offset_range",
-                        lambda opts, r, looked_up=False: pytest.fail("read an incarnation that is gone"))
+    monkeypatch.setattr("spark_consumer.kafka_source._read_together",
+                        lambda opts_of, ranges: pytest.fail("read an incarnation that is gone"))
     opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb", on_data_loss="follow")
     assert list(read_offset_ranges(lambda _: opts, [OffsetRange(TOPIC, 0, 0, 4, "a")])) == []
 
