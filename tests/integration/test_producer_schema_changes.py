@@ -158,8 +158,13 @@ def test_ddl_under_load_becomes_versions_aliases_backfills_and_stopped_shapes(so
         _sql(source_db, "TRUNCATE acct")
         wait_for(lambda: _status(bootstrap, topic_prefix)["events"].get("public.acct", {}).get("t"),
                  what="the truncate produced")
+        # The load stops first: the topic is compared with the source below, once
+        # the producer (stopped with this block) has published every row of it.
+        load.stop.set()
+        load.join(30)
         _sql(source_db, "INSERT INTO acct (id, a) VALUES (-1, -1)")
-        wait_for(lambda: -1 in _ids(bootstrap, acct, topic_prefix), what="the marker row")
+        source_ids = {r[0] for r in _sql(source_db, "SELECT id FROM acct")}
+        wait_for(lambda: source_ids <= _ids(bootstrap, acct, topic_prefix), what="every source row, the marker last")
         assert producer.thread.is_alive()
     # What was asked for: a re-read of public.acct for each change whose rows changed without WAL, and one of
     # each stopped shape for after the fix (not run while it is stopped).
