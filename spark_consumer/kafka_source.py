@@ -32,8 +32,8 @@ settings, credentials among them: Spark redacts options so named),
 ``latest``, or JSON ``{"<partition>": next offset}``, unlisted partitions earliest;
 an offset outside [earliest, end] is an error, never silently moved),
 ``max_offsets_per_task`` (cut a partition's range into tasks of at most this
-many offsets; default one task per partition and batch, and one task for
-the whole batch when it holds at most ``SMALL_BATCH_OFFSETS``), ``read_idle_timeout_s``
+many offsets; default: the batch's ranges packed into tasks of about
+``SMALL_BATCH_OFFSETS`` offsets, :func:`plan_tasks`), ``read_idle_timeout_s``
 (default 120: a task that gets no message for that long fails), ``on_data_loss``
 (``fail`` (default) or ``follow``, see below).
 
@@ -78,8 +78,8 @@ Invariants:
   partitions in proportion to their backlog; ``Trigger.AvailableNow`` records the
   ends at its start and never reads beyond them. A partition added to the topic
   joins with an empty range at its earliest offset and is read from the next batch.
-- A task reads all its ranges (one, or a small batch's several, of many
-  topics: :func:`bundle_small`) with one assignment on one consumer, each
+- A task reads all its ranges (one or several, of one topic or many:
+  :func:`plan_tasks`) with one assignment on one consumer, each
   partition with its own bookkeeping: read from its range's start, fetched
   once more from its next offset before a skip is taken as the log's own
   (compaction), done at its range's end (or at an end of partition that
@@ -106,6 +106,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import heapq
 import json
 import logging
 import time
@@ -163,10 +164,14 @@ RANGE_FETCH_WAIT_MS = 50  # librdkafka fetch.wait.max.ms of the executors' range
 PROBE_FETCH_WAIT_MS = 50
 LOST_DATA_RETRIES = 3
 # A batch of at most this many offsets is read by one task (all its partitions
-# in one assignment): each task's fixed cost (a Python worker's turn, the topic-id
-# looks, a fetch round trip) dominates small batches, and every shape's query
-# shares the same few cores (bench/RESULTS.md, "End-to-end latency").
+# in one assignment), a larger one by tasks of about this many: each task's
+# fixed cost (a Python worker's turn, the topic-id looks, a fresh consumer's
+# first fetch of a topic, ~1 s) dominates small reads, and every shape's query
+# shares the same few cores (bench/RESULTS.md, "End-to-end latency", "Many shapes").
 SMALL_BATCH_OFFSETS = 10_000
+# A task hands its rows over after a look at their topics' incarnations, at
+# least once per this many rows read (and at the end).
+HELD_ROWS = SMALL_BATCH_OFFSETS
 
 # What the source yields: one row per message, as it is on the wire. Decoding
 # happens per micro-batch (decode_batches), so a new writer schema never
@@ -383,7 +388,7 @@ class OffsetRange(InputPartition):
 
 @dataclass
 class OffsetRanges(InputPartition):
-    """One Spark task reading several :class:`OffsetRange` in turn (a small batch)."""
+    """One Spark task reading several :class:`OffsetRange` together (:func:`plan_tasks`)."""
 
     ranges: tuple[OffsetRange, ...]
 
@@ -391,12 +396,26 @@ class OffsetRanges(InputPartition):
         InputPartition.__init__(self, tuple(r.value for r in self.ranges))
 
 
-def bundle_small(ranges: list[OffsetRange], max_offsets: int = SMALL_BATCH_OFFSETS) -> list:
-    """The batch's tasks: all of ``ranges`` in one task when they hold at most
-    ``max_offsets`` offsets together, else one task each."""
-    if len(ranges) > 1 and sum(r.end - r.start for r in ranges) <= max_offsets:
-        return [OffsetRanges(tuple(ranges))]
-    return list(ranges)
+def plan_tasks(ranges: list[OffsetRange], task_offsets: int = SMALL_BATCH_OFFSETS) -> list:
+    """The batch's Spark tasks: ``ranges`` packed into ``ceil(offsets /
+    task_offsets)`` tasks (at most one per range) of near-equal offsets, the
+    largest range first onto the task holding fewest; a task of several ranges
+    is an :class:`OffsetRanges`, read in one assignment. So a small batch is one
+    task, and a large one over many topics does not pay a task's fixed cost per
+    partition (200 one-partition tasks were most of a 50-shape snapshot:
+    bench/RESULTS.md, "Many shapes")."""
+    total = sum(r.end - r.start for r in ranges)
+    count = min(len(ranges), -(-total // task_offsets))
+    if count == len(ranges):
+        return list(ranges)
+    tasks: list[tuple[int, int, list[OffsetRange]]] = [(0, i, []) for i in range(count)]  # (offsets, order, ranges)
+    for r in sorted(ranges, key=lambda r: r.end - r.start, reverse=True):
+        held, order, group = heapq.heappop(tasks)
+        group.append(r)
+        heapq.heappush(tasks, (held + r.end - r.start, order, group))
+    groups = [g for _, _, g in sorted(tasks, key=lambda t: t[1])]
+    return [OffsetRanges(tuple(sorted(g, key=lambda r: (r.topic, r.partition)))) if len(g) > 1 else g[0]
+            for g in groups]
 
 
 def plan_ranges(topic: str, start: Offsets, end: Offsets, max_per_task: int | None = None,
@@ -775,7 +794,7 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return offsets_to_json(self._last_ends) if self._last_ends is not None else None
 
     def ranges(self, start: dict | None, end: dict) -> list[OffsetRange]:
-        """The batch's offset ranges, before small ones are bundled into one task."""
+        """The batch's offset ranges, before they are packed into tasks."""
         begin = offsets_from_json(start)
         if recreated(start, end):
             begin = {p: 0 for p in begin}
@@ -784,7 +803,7 @@ class ShapeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def partitions(self, start: dict, end: dict) -> list[OffsetRange]:
         ranges = self.ranges(start, end)
-        return ranges if self._opts.max_offsets_per_task else bundle_small(ranges)
+        return ranges if self._opts.max_offsets_per_task else plan_tasks(ranges)
 
     def commit(self, end: dict) -> None:
         """Nothing to do: the apply step commits group offsets after its target commits."""
@@ -920,25 +939,43 @@ def _incarnations_gone(opts_of: Callable[[str], SourceOptions], ranges: Sequence
 
 
 def read_offset_ranges(opts_of: Callable[[str], SourceOptions], ranges: Sequence[OffsetRange]) -> Iterator[Any]:
-    """The ranges of a small batch read by one task (:func:`bundle_small`),
-    all at once: one assignment on one consumer (:func:`_read_together`; read
-    one after the other, each range cost a fetch round, ~51 ms on a used
-    consumer and ~1 s on one new to the topic: issue 17). Their topics'
-    incarnations are looked up all at once before and after the read (two
-    requests, not two per range: with many topics the looks were most of a
-    small batch's time); the rows are held until the look after, so none of
-    an incarnation gone meanwhile is handed over (a bundle holds at most
-    ``SMALL_BATCH_OFFSETS`` messages)."""
+    """Arrow record batches (:data:`RAW_SCHEMA`) of every message of
+    ``ranges``, each range's in offset order (executor side), read all at
+    once: one assignment on one consumer (:func:`_read_together`; read one
+    after the other, each range cost a fetch round, ~51 ms on a used consumer
+    and ~1 s on one new to the topic: issue 17).
+
+    A consumer fetches by topic name and offset: a topic recreated while it
+    is read hands the new incarnation's messages on from the next offset.
+    Applied as this range's, they would lift the partition's applied position
+    above the new incarnation's first messages, later skipped as replays. So
+    rows are handed over only while their incarnation stands: read rows are
+    held until a look at every range's topic (one request for all of them),
+    taken every ``HELD_ROWS`` rows and at the end, and those of an incarnation
+    gone by then are dropped with the rest of their range (the driver plans
+    the new incarnation from offset 0). A range already gone before the read
+    is not read."""
     before = _incarnations_gone(opts_of, ranges)
     live = [r for i, r in enumerate(ranges) if i not in before]
-    held: list[list] = [[] for _ in live]
-    if live:
-        for i, batch in _read_together(opts_of, live):
-            held[i].append(batch)
-    after = _incarnations_gone(opts_of, live)
-    for i, batches in enumerate(held):
-        if i not in after:
-            yield from batches
+    if not live:
+        return
+    gone: set[int] = set()
+    held: list[tuple[int, Any]] = []
+
+    def standing() -> list:
+        gone.update(_incarnations_gone(opts_of, live))
+        return [batch for i, batch in sorted(held, key=lambda h: h[0]) if i not in gone]
+
+    with closing(_read_together(opts_of, live)) as batches:
+        for i, batch in batches:
+            if i in gone:
+                continue
+            held.append((i, batch))
+            if sum(b.num_rows for _, b in held) >= HELD_ROWS:
+                yield from standing()
+                held = []
+    if held:
+        yield from standing()
 
 
 def _consumer_key(opts: SourceOptions) -> str:
@@ -1060,22 +1097,8 @@ _TRANSIENT = frozenset({KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, Kaf
 
 
 def read_offset_range(opts: SourceOptions, task: OffsetRange) -> Iterator[Any]:
-    """Arrow record batches (:data:`RAW_SCHEMA`) of every message in
-    ``task``'s range, in offset order (executor side)."""
-    if _incarnation_gone(opts, task):
-        return
-    with closing(_read_together(lambda _: opts, [task])) as batches:
-        for _, batch in batches:
-            # A consumer fetches by topic name and offset: a topic recreated while
-            # it read hands it the new incarnation's messages from the next offset
-            # on. Applied as this range's, they would lift the partition's applied
-            # position above the new incarnation's first messages, later skipped
-            # as replays. So rows are handed over only while the incarnation
-            # stands; those read since the last look are dropped (the driver plans
-            # the new incarnation from offset 0).
-            if _incarnation_gone(opts, task):
-                return
-            yield batch
+    """:func:`read_offset_ranges` of one range."""
+    return read_offset_ranges(lambda _: opts, [task])
 
 
 @dataclass

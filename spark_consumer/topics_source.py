@@ -34,10 +34,11 @@ Invariants:
   topics (the others' rows would be ignored by the apply anyway).
 - ``max_offsets_per_trigger`` bounds each topic's share of a batch, not the
   whole batch (a first cut: a batch holds at most that many offsets per topic).
-- Small batches are bundled across topics: all ranges of a batch holding at
-  most ``SMALL_BATCH_OFFSETS`` offsets together are read by one task, with
-  one assignment of them all on one consumer
-  (:func:`~spark_consumer.kafka_source.read_offset_ranges`).
+- A batch's ranges are packed into tasks across topics, about
+  ``SMALL_BATCH_OFFSETS`` offsets each (one task for a small batch), each
+  task's ranges read with one assignment on one consumer
+  (:func:`~spark_consumer.kafka_source.plan_tasks`,
+  :func:`~spark_consumer.kafka_source.read_offset_ranges`).
 - The driver's probes of all topics share one consumer and one admin client,
   and each trigger asks every topic's id, partitions and offsets in a few
   requests for all of them (:meth:`~spark_consumer.kafka_source.ProbeClients.prefetch`),
@@ -67,7 +68,7 @@ from spark_consumer.kafka_source import (
     ProbeClients,
     ShapeStreamReader,
     SourceOptions,
-    bundle_small,
+    plan_tasks,
     read_offset_range,
     read_offset_ranges,
 )
@@ -216,7 +217,7 @@ class TopicsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             ranges += readers[t].ranges(first, last)
         if any(o.max_offsets_per_task for o in self._opts.values()):
             return ranges
-        return bundle_small(ranges)
+        return plan_tasks(ranges)
 
     def commit(self, end: dict) -> None:
         """Nothing to do: the apply commits group offsets after the target commits."""

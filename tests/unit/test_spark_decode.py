@@ -59,9 +59,9 @@ from spark_consumer.kafka_source import (
     OffsetRanges,
     ShapeStreamReader,
     SourceOptions,
-    bundle_small,
     plan_end_offsets,
     plan_ranges,
+    plan_tasks,
     read_offset_ranges,
     schema_lookup,
 )
@@ -807,14 +807,29 @@ def test_plan_ranges_cuts_long_ranges_into_tasks():
         assert all(a.end == b.start for a, b in zip(cut, cut[1:]))
 
 
-def test_small_batches_are_read_by_one_task_large_ones_per_partition():
+def test_small_batches_are_read_by_one_task_large_ones_by_tasks_of_about_as_many_offsets():
     small = plan_ranges(TOPIC, {0: 0, 1: 5, 2: 9}, {0: 4, 1: 5, 2: 12})
-    [task] = bundle_small(small, max_offsets=7)
+    [task] = plan_tasks(small, task_offsets=7)
     assert task == OffsetRanges((OffsetRange(TOPIC, 0, 0, 4), OffsetRange(TOPIC, 2, 9, 12)))
     assert pickle.loads(pickle.dumps(task)) == task
-    assert bundle_small(small, max_offsets=6) == small  # 7 offsets: one task per partition
-    assert bundle_small(small[:1], max_offsets=100) == small[:1]  # one range stays as it is
-    assert bundle_small([]) == []
+    assert plan_tasks(small, task_offsets=6) == small  # 7 offsets: two tasks, one range each
+    assert plan_tasks(small[:1], task_offsets=100) == small[:1]  # one range stays as it is
+    assert plan_tasks([]) == []
+
+
+def test_many_ranges_are_packed_into_tasks_of_near_equal_offsets():
+    sizes = [900, 50, 400, 300, 300, 20, 20, 10] + [1] * 100
+    ranges = [OffsetRange(f"wb.public.t{i}", 0, 7, 7 + n, f"id{i}") for i, n in enumerate(sizes)]
+    tasks = plan_tasks(ranges, task_offsets=600)
+    assert len(tasks) == 4  # 2100 offsets
+    read = [t.ranges if isinstance(t, OffsetRanges) else (t,) for t in tasks]
+    assert sorted(r.value for rs in read for r in rs) == sorted(r.value for r in ranges)  # every range once
+    loads = sorted(sum(r.end - r.start for r in rs) for rs in read)
+    assert loads[-1] == 900 and loads[0] >= 350  # the largest range alone, the rest balanced
+    assert all(len({(r.topic, r.partition) for r in rs}) == len(rs) for rs in read)
+    assert plan_tasks(ranges, task_offsets=600) == tasks  # the same batch, the same tasks
+    one_topic = plan_ranges(TOPIC, {p: 0 for p in range(4)}, {p: 1_000_000 for p in range(4)})
+    assert plan_tasks(one_topic) == one_topic  # a large partition is a task of its own, as before
 
 
 def test_reader_bundles_only_without_a_per_task_cut():
@@ -827,12 +842,16 @@ def test_reader_bundles_only_without_a_per_task_cut():
         (0, 0, 50), (0, 50, 100), (1, 0, 50)]
 
 
+class _Batch(tuple):
+    num_rows = 1
+
+
 def _read_together_by_index(calls: list):
     """A stand-in for _read_together: each range's partition as its one batch,
     handed out in reverse (the bundle must still hand them over in order)."""
     def read_together(opts_of, ranges):
         calls.append([(r.topic, r.partition, r.start) for r in ranges])
-        return iter([(i, (r.topic, r.partition)) for i, r in enumerate(ranges)][::-1])
+        yield from [(i, _Batch((r.topic, r.partition))) for i, r in enumerate(ranges)][::-1]
     return read_together
 
 
@@ -862,6 +881,28 @@ def test_a_bundle_looks_its_topics_up_twice_and_hands_over_nothing_of_an_incarna
     assert list(read_offset_ranges(lambda _: opts, ranges)) == [(TOPIC, 0), (TOPIC, 1)]
     assert len(calls) == 1
     assert looks == [[TOPIC, other], [TOPIC, other]]  # one request before, one after, for every range
+
+
+def test_a_large_read_hands_rows_over_in_steps_each_after_a_look_and_none_of_an_incarnation_gone(monkeypatch):
+    other = "wb.public.u"
+    answers = iter([{TOPIC: "a", other: "b"}, {TOPIC: "a", other: "b"}, {TOPIC: "a2", other: "b"}])
+    looks = []
+
+    def topic_ids(admin, topics, timeout):
+        looks.append(sorted(topics))
+        return next(answers)
+
+    def read_together(opts_of, ranges):  # TOPIC's range in two batches, other's between them
+        yield from [(0, _Batch(("t", 1))), (1, _Batch(("u", 1))), (0, _Batch(("t", 2)))]
+
+    monkeypatch.setattr("spark_consumer.kafka_source.topic_ids", topic_ids)
+    monkeypatch.setattr("spark_consumer.kafka_source._read_together", read_together)
+    monkeypatch.setattr("spark_consumer.kafka_source.HELD_ROWS", 1)
+    opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb", on_data_loss="follow")
+    ranges = [OffsetRange(TOPIC, 0, 0, 9, "a"), OffsetRange(other, 0, 0, 9, "b")]
+    # t recreated after its first batch was handed over: its second is not, u's is.
+    assert list(read_offset_ranges(lambda _: opts, ranges)) == [("t", 1), ("u", 1)]
+    assert len(looks) == 3  # before the read, then one per hand-over; none for what is already gone
 
 
 def test_a_bundle_skips_a_range_whose_topic_is_already_gone(monkeypatch):
