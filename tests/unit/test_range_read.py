@@ -78,7 +78,7 @@ class ScriptedConsumer:
 
 
 def read(monkeypatch, consumer: ScriptedConsumer, start: int, end: int) -> list[int]:
-    monkeypatch.setattr(kafka_source, "_range_consumer", lambda opts: consumer)
+    monkeypatch.setattr(kafka_source, "_range_consumer", lambda opts, topics: consumer)
     opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092")
     batches = read_offset_range(opts, OffsetRange(TOPIC, 0, start, end))
     return [o for b in batches for o in b.column("_wb_offset").to_pylist()]
@@ -173,7 +173,7 @@ class PartitionsConsumer:
 
 
 def read_bundle(monkeypatch, consumer: PartitionsConsumer, ranges: list[OffsetRange], **options) -> list[tuple]:
-    monkeypatch.setattr(kafka_source, "_range_consumer", lambda opts: consumer)
+    monkeypatch.setattr(kafka_source, "_range_consumer", lambda opts, topics: consumer)
     opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", **options)
     batches = read_offset_ranges(lambda _: opts, ranges)
     return [(t, p, o) for b in batches for t, p, o in zip(b.column("_wb_topic").to_pylist(),
@@ -260,3 +260,29 @@ def test_ranges_read_together_are_of_different_partitions(monkeypatch):
     consumer = PartitionsConsumer({(TOPIC, 0): list(range(10))})
     with pytest.raises(ValueError, match="different partitions"):
         read_bundle(monkeypatch, consumer, [OffsetRange(TOPIC, 0, 0, 5), OffsetRange(TOPIC, 0, 5, 10)])
+
+
+def test_a_range_consumer_asks_for_every_topics_metadata_once_per_topic_new_to_it(monkeypatch):
+    class MetadataConsumer:
+        fail = False
+
+        def __init__(self, conf):
+            self.listed = 0
+
+        def list_topics(self, timeout):
+            self.listed += 1
+            if self.fail:
+                raise KafkaException(KafkaError(KafkaError._TRANSPORT))
+
+    monkeypatch.setattr(kafka_source, "Consumer", MetadataConsumer)
+    monkeypatch.setattr(kafka_source, "_consumers", {})
+    monkeypatch.setattr(kafka_source, "_consumer_topics", {})
+    opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092")
+    consumer = kafka_source._range_consumer(opts, frozenset({TOPIC, OTHER}))
+    assert consumer.listed == 1
+    assert kafka_source._range_consumer(opts, frozenset({TOPIC})) is consumer and consumer.listed == 1
+    MetadataConsumer.fail = True  # not fatal to the read; asked again next time
+    kafka_source._range_consumer(opts, frozenset({TOPIC, "p.public.new"}))
+    MetadataConsumer.fail = False
+    kafka_source._range_consumer(opts, frozenset({"p.public.new"}))
+    assert consumer.listed == 3
