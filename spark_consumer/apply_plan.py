@@ -53,11 +53,15 @@ Invariants:
   live appends by position); ``d`` removes one row equal to the old row
   (``_wb_before`` if given, else the row columns, which the decoder fills from
   the envelope's ``before``); ``u`` removes one row equal to ``_wb_before``
-  (required: without the old row an update of a keyless row cannot be applied;
-  its special values come from ``_wb_before_special``, as the new row's from
-  ``_wb_special``) and appends the new row. Inside the batch, a removal first cancels an earlier
-  pending append of an equal row (across partitions); what remains removes
-  target rows older than the removal (the shell runs it after the appends).
+  (its special values come from ``_wb_before_special``, as the new row's from
+  ``_wb_special``) and appends the new row. A ``u`` without an old row was
+  written while the table still had a key (the batch is decoded into the
+  newest, keyless layout): it only appends, and the re-read the producer
+  starts when a table loses its key cuts everything of that time. Inside the
+  batch, a removal first cancels an earlier pending append of an equal row
+  (across partitions); what remains removes target rows older than the
+  removal (the shell runs it after the appends) or, finding none, waits for
+  its row in the shape's tombstones (:mod:`spark_consumer.target_layout`).
 - Control rows (``_wb_op`` null, ``_wb_control`` set) are returned in
   ``controls`` for the job; ``dlq`` rows (undecodable messages) are only
   counted: their offsets are covered by progress, their content is not applied.
@@ -69,11 +73,9 @@ Invariants:
   ``STAGE_EXTRA``) so the shell can COPY them as they are; ``ApplyPlan.rows``
   gives readable :class:`PlannedRow` views. Planning is linear in the batch
   (one dict lookup per keyed row; only keys changed more than once are sorted).
-- Known limits: a keyless removal can only find rows that are applied; a
-  removal whose row arrives in a later batch (another partition lagging)
-  finds nothing and the row stays. An upsert whose unchanged-TOAST column
-  neither the batch nor the target can supply (the key is new to the target)
-  writes NULL there: the value is not in the stream.
+- Known limits: an upsert whose unchanged-TOAST column neither the batch nor
+  the target can supply (the key is new to the target) writes NULL there: the
+  value is not in the stream.
 """
 
 from __future__ import annotations
@@ -615,11 +617,11 @@ def plan_batch(target: ShapeTarget, rows: Iterable, *,
         elif op == "d":
             old = values
         else:
-            raise PlanError(f"{target.shape}: keyless update at {topic}[{p}]@{off} needs the old row in "
-                            "_wb_before (REPLICA IDENTITY FULL) to know which row to replace")
-        append(old + ("x", None, lsn, opi, p, off, snap))
+            old = None  # written while the table had a key: the key-loss re-read replaces it
+        if old is not None:
+            append(old + ("x", None, lsn, opi, p, off, snap))
         if op == "u":
-            if unch:  # REPLICA IDENTITY FULL: the old row holds them
+            if unch and old is not None:  # REPLICA IDENTITY FULL: the old row holds them
                 new = list(values)
                 for i in unch:
                     new[i] = old[i]

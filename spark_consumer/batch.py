@@ -119,8 +119,9 @@ class PartResult:
     truncates: int = 0
     upserted: int = 0  # rows inserted or updated
     appended: int = 0  # keyless rows inserted
+    cancelled: int = 0  # keyless appends a pending removal (an earlier batch's) took instead
     deleted: int = 0  # live rows removed by deletes (keyed) or removals (keyless)
-    tombstoned: int = 0
+    tombstoned: int = 0  # deletes recorded (keyed); removals left pending, their row not yet applied (keyless)
     stale: int = 0  # changes not applied: the target had the key at an equal or newer position
     truncated: int = 0  # rows removed by this partition's cuts (scoped ones included)
     tombstones_dropped: int = 0
@@ -129,7 +130,7 @@ class PartResult:
 
     @property
     def applied(self) -> int:
-        return self.upserted + self.appended + self.deleted + self.tombstoned + self.truncated
+        return self.upserted + self.appended + self.cancelled + self.deleted + self.tombstoned + self.truncated
 
 
 @dataclass(frozen=True)
@@ -195,15 +196,16 @@ def fill_results(results: dict[tuple[str, int], PartResult], topic: str, staged:
     for (t, p), res in results.items():
         if t != topic:
             continue
-        for name in ("upserted", "appended", "deleted", "tombstoned", "truncated", "tombstones_dropped"):
+        for name in ("upserted", "appended", "cancelled", "deleted", "tombstoned", "truncated",
+                     "tombstones_dropped"):
             setattr(res, name, getattr(res, name) + applied.get(name, Counter()).get(p, 0))
         kinds = staged.get(p, Counter())
-        if applied.get("tombstoned") is not None:  # keyed
+        if "upserted" in applied:  # keyed
             res.stale += (kinds[UPSERT] - applied["upserted"].get(p, 0)) + (
                 kinds[DELETE] - applied["tombstoned"].get(p, 0))
         else:
-            res.stale += (kinds[APPEND] - applied["appended"].get(p, 0)) + (
-                kinds[REMOVE] - applied["deleted"].get(p, 0))
+            res.stale += (kinds[APPEND] - applied["appended"].get(p, 0) - applied["cancelled"].get(p, 0)) + (
+                kinds[REMOVE] - applied["deleted"].get(p, 0) - applied["tombstoned"].get(p, 0))
 
 
 def progress_update(part: Part, prog: Progress, res: PartResult, max_position: Position | None,

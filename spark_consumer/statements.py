@@ -214,33 +214,60 @@ def _insert_columns(target: ShapeTarget) -> tuple[sql.Composable, sql.Composable
 
 
 def _apply_keyless(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier) -> dict[str, Counter]:
-    t = table_ident(target)
+    t, tb = table_ident(target), tombstones_ident(target)
     names = target.names
     all_cols, s_cols = _insert_columns(target)
-    out: dict[str, Counter] = {}
-    # Appends first: a removal later in the batch (on any partition) may target them.
-    out["appended"] = _counts(cur, sql.SQL(
-        "INSERT INTO {t} AS t ({cols}) SELECT {s_cols} FROM {s} AS s WHERE s._wb_kind = 'a' "
-        "ON CONFLICT (_wb_lsn, _wb_op_index) WHERE _wb_snapshot_id IS NULL DO NOTHING RETURNING t._wb_partition"
-    ).format(t=t, cols=all_cols, s_cols=s_cols, s=stage))
+    out: dict[str, Counter] = {"cancelled": Counter()}
 
     def content(alias: str) -> sql.Composable:
         return sql.SQL("ROW({})::text").format(sql.SQL(", ").join(
             sql.SQL("{}.{}").format(sql.Identifier(alias), sql.Identifier(c)) for c in names))
 
+    # An append whose removal came first (an earlier batch, another partition:
+    # its pending removal waits in the tombstones) never lands: the k-th
+    # append of a row value (by position) meets the k-th pending removal of
+    # it, if the append is the older.
+    if cur.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {})").format(tb)).fetchone()[0]:
+        out["cancelled"] = Counter(dict(cur.execute(sql.SQL(
+            "WITH a AS (SELECT s.ctid AS sid, {sc} AS c, s._wb_lsn, s._wb_op_index, "
+            "  row_number() OVER (PARTITION BY {sc} ORDER BY s._wb_lsn, s._wb_op_index, s._wb_partition, "
+            "  s._wb_offset) AS rn FROM {s} AS s WHERE s._wb_kind = 'a' AND {sc} IN (SELECT _wb_row FROM {tb})), "
+            "r AS (SELECT tb.ctid AS rid, tb._wb_row AS c, tb._wb_lsn, tb._wb_op_index, "
+            "  row_number() OVER (PARTITION BY tb._wb_row ORDER BY tb._wb_lsn, tb._wb_op_index) AS rn "
+            "  FROM {tb} AS tb WHERE tb._wb_row IN (SELECT c FROM a)), "
+            "m AS (SELECT a.sid, r.rid FROM a JOIN r ON r.c = a.c AND r.rn = a.rn "
+            "  WHERE (a._wb_lsn, a._wb_op_index) < (r._wb_lsn, r._wb_op_index)), "
+            "gone AS (DELETE FROM {tb} AS tb USING m WHERE tb.ctid = m.rid), "
+            "took AS (DELETE FROM {s} AS s USING m WHERE s.ctid = m.sid RETURNING s._wb_partition AS p) "
+            "SELECT p, count(*) FROM took GROUP BY p"
+        ).format(sc=content("s"), s=stage, tb=tb)).fetchall()))
+    # Appends first: a removal later in the batch (on any partition) may target them.
+    out["appended"] = _counts(cur, sql.SQL(
+        "INSERT INTO {t} AS t ({cols}) SELECT {s_cols} FROM {s} AS s WHERE s._wb_kind = 'a' "
+        "ON CONFLICT (_wb_lsn, _wb_op_index) WHERE _wb_snapshot_id IS NULL DO NOTHING RETURNING t._wb_partition"
+    ).format(t=t, cols=all_cols, s_cols=s_cols, s=stage))
     # The k-th removal of a row value (by position) takes the k-th oldest equal
-    # target row, if that row is older than the removal.
-    out["deleted"] = _counts(cur, sql.SQL(
-        "WITH r AS (SELECT {sc} AS c, s._wb_lsn, s._wb_op_index, s._wb_partition, "
+    # target row, if that row is older than the removal; a removal that takes
+    # none waits in the tombstones for its row.
+    out["deleted"], out["tombstoned"] = Counter(), Counter()
+    for outcome, p, n in cur.execute(sql.SQL(
+        "WITH r AS (SELECT {sc} AS c, s._wb_lsn, s._wb_op_index, s._wb_partition, s._wb_offset, "
         "  row_number() OVER (PARTITION BY {sc} ORDER BY s._wb_lsn, s._wb_op_index, s._wb_partition, s._wb_offset) AS rn "
         "  FROM {s} AS s WHERE s._wb_kind = 'x'), "
         "cand AS (SELECT t.ctid AS tid, {tc} AS c, {tpos} AS pos, "
         "  row_number() OVER (PARTITION BY {tc} ORDER BY {tpos}, t._wb_partition, t._wb_offset) AS rn "
         "  FROM {t} AS t WHERE {tc} IN (SELECT c FROM r)), "
-        "m AS (SELECT cand.tid, r._wb_partition FROM r JOIN cand ON cand.c = r.c AND cand.rn = r.rn "
-        "  WHERE cand.pos < (r._wb_lsn, r._wb_op_index)) "
-        "DELETE FROM {t} AS t USING m WHERE t.ctid = m.tid RETURNING m._wb_partition"
-    ).format(sc=content("s"), tc=content("t"), s=stage, t=t, tpos=_pos("t")))
+        "m AS (SELECT cand.tid, r.c, r.rn, r._wb_partition FROM r JOIN cand ON cand.c = r.c AND cand.rn = r.rn "
+        "  WHERE cand.pos < (r._wb_lsn, r._wb_op_index)), "
+        "del AS (DELETE FROM {t} AS t USING m WHERE t.ctid = m.tid RETURNING m._wb_partition AS p), "
+        "pend AS (INSERT INTO {tb} (_wb_row, _wb_lsn, _wb_op_index, _wb_partition, _wb_offset) "
+        "  SELECT r.c, r._wb_lsn, r._wb_op_index, r._wb_partition, r._wb_offset FROM r "
+        "  WHERE NOT EXISTS (SELECT 1 FROM m WHERE m.c = r.c AND m.rn = r.rn) "
+        "  ON CONFLICT DO NOTHING RETURNING _wb_partition AS p) "
+        "SELECT 'deleted', p, count(*) FROM del GROUP BY p "
+        "UNION ALL SELECT 'tombstoned', p, count(*) FROM pend GROUP BY p"
+    ).format(sc=content("s"), tc=content("t"), s=stage, t=t, tb=tb, tpos=_pos("t"))).fetchall():
+        out[outcome][p] = n
     return out
 
 
@@ -253,10 +280,8 @@ def _apply_cuts(cur: psycopg.Cursor, target: ShapeTarget, cuts: Iterable[Cut]) -
     cond = sql.SQL("t._wb_partition = c.p AND {} < (c.l, c.o)").format(_pos("t"))
     truncated = _counts(cur, sql.SQL("DELETE FROM {} AS t USING {} WHERE {} RETURNING c.p").format(
         table_ident(target), src, cond), params)
-    dropped = Counter()
-    if not target.keyless:
-        dropped = _counts(cur, sql.SQL("DELETE FROM {} AS t USING {} WHERE {} RETURNING c.p").format(
-            tombstones_ident(target), src, cond), params)
+    dropped = _counts(cur, sql.SQL("DELETE FROM {} AS t USING {} WHERE {} RETURNING c.p").format(
+        tombstones_ident(target), src, cond), params)
     return truncated, dropped
 
 
@@ -315,7 +340,7 @@ def record_backfills(cur: psycopg.Cursor, group: str, topic: str, target: ShapeT
         deleted = cur.execute(sql.SQL("DELETE FROM {} AS t WHERE {} < ({}, 0) AND {}").format(
             table_ident(target), _pos("t"), sql.Literal(start), in_scope(scope, "t"))).rowcount
         tombstones = 0
-        if not target.keyless:
+        if not (target.keyless and scope):  # a pending removal's row text cannot be tested for a scope
             tombstones = cur.execute(sql.SQL("DELETE FROM {} AS t WHERE (t._wb_lsn, t._wb_op_index) < ({}, 0) "
                                              "AND {}").format(tombstones_ident(target), sql.Literal(start),
                                                               in_scope(scope, "t"))).rowcount
@@ -333,8 +358,6 @@ def gc_tombstones(conn: psycopg.Connection, target: ShapeTarget, partition: int 
     replays (progress skips those anyway), backfill rows (which carry the
     backfill's start position) and keys moving between partitions. Drop them
     only below the start of any backfill that may still be running."""
-    if target.keyless:
-        return 0
     cond = [sql.SQL("TRUE")]
     params: list[Any] = []
     if partition is not None:

@@ -26,6 +26,13 @@ Layout in the target database
   key is ignored. Tombstones of a partition below a cut (TRUNCATE,
   ``snapshot_end``, ``backfill_end``; a scoped one: only in its scope) go with
   the cut; :func:`spark_consumer.statements.gc_tombstones` drops others.
+- The same table of a keyless shape holds its pending removals: ``_wb_row``
+  (the removed row as ``ROW(columns)::text``) and the removal's position,
+  partition and offset, primary key ``(_wb_lsn, _wb_op_index)``. A removal
+  that finds no equal target row older than itself waits there for its row
+  (appended by an older change on another partition, in a later batch), which
+  it then cancels; unscoped cuts of its partition and a completed unscoped
+  backfill drop it (its row, below the cut, is gone too).
 
 Invariants:
 - :func:`ensure_table` creates what is missing and makes an existing table
@@ -116,6 +123,11 @@ def ensure_table(conn: psycopg.Connection, target: ShapeTarget, on_dropped_colum
             conn.execute(sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} (_wb_lsn, _wb_op_index) "
                                  "WHERE _wb_snapshot_id IS NULL").format(
                 sql.Identifier(_short_name(target.table, "__wb_pos")), table_ident(target)))
+            defs = [sql.SQL("_wb_row text NOT NULL")] + [sql.SQL("{} {}").format(sql.Identifier(n), sql.SQL(d))
+                                                         for n, d in TOMBSTONE_DDL]
+            defs.append(sql.SQL("PRIMARY KEY (_wb_lsn, _wb_op_index)"))
+            conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
+                tombstones_ident(target), sql.SQL(", ").join(defs)))
         else:
             key_defs = [sql.SQL("{} {} NOT NULL").format(sql.Identifier(c.name), sql.SQL(t))
                         for c, t in zip(target.columns, types) if c.is_key]

@@ -126,10 +126,13 @@ def test_table_created_from_avro_schema(conn, items):
     ensure_table(conn, grown)
     assert conn.execute("SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = "
                         "'app.items'::regclass AND attname = 'extra'").fetchone()[0] == "bigint"
-    # Undotted names go to public; keyless tables get the position index and no tombstones.
+    # Undotted names go to public; keyless tables get the position index, and tombstones that hold rows
+    # (pending removals).
     ensure_table(conn, log_target())
     assert conn.execute("SELECT to_regclass('public.eventlog') IS NOT NULL").fetchone()[0]
-    assert conn.execute("SELECT to_regclass('public.eventlog__wb_tombstones') IS NULL").fetchone()[0]
+    assert conn.execute("SELECT array_agg(attname::text ORDER BY attnum) FROM pg_attribute WHERE attrelid = "
+                        "'public.eventlog__wb_tombstones'::regclass AND attnum > 0").fetchone()[0] == [
+        "_wb_row", "_wb_lsn", "_wb_op_index", "_wb_partition", "_wb_offset", "_wb_applied_at"]
     assert conn.execute("SELECT indexdef FROM pg_indexes WHERE tablename = 'eventlog'").fetchone()[0].endswith(
         "(_wb_lsn, _wb_op_index) WHERE (_wb_snapshot_id IS NULL)")
 
@@ -486,8 +489,39 @@ def test_keyless_append_dedupe_and_removals(conn):
         lchange("c", 202, p=0, off=5, a=4, b="z"), lchange("d", 203, p=1, off=5, a=4, b="z")]))
     assert res.total("deleted") == 2 and res.total("appended") == 1
     assert count() == [(1, "same", 3), (2, "x", 1), (3, "y", 1)]
+    # An older-positioned removal finds nothing older than itself: it waits for its row (see below).
     res = apply_batch(conn, GROUP, t, parts_from_rows([lchange("d", 90, p=0, off=6, a=2, b="x")]))
-    assert res.total("deleted") == 0 and count() == [(1, "same", 3), (2, "x", 1), (3, "y", 1)]
+    assert (res.total("deleted"), res.total("tombstoned")) == (0, 1)
+    assert count() == [(1, "same", 3), (2, "x", 1), (3, "y", 1)]
+
+
+def test_a_keyless_removal_that_comes_before_its_row_waits_for_it(conn):
+    # Keyless changes are spread over the partitions: an update's removal of the
+    # row an older change appended can be applied first (that partition lags).
+    t = log_target()
+    ensure_table(conn, t)
+    rows = lambda: conn.execute("SELECT a, b FROM eventlog ORDER BY a").fetchall()
+    pending = lambda: conn.execute("SELECT _wb_row, _wb_lsn, _wb_partition FROM eventlog__wb_tombstones "
+                                   "ORDER BY _wb_lsn").fetchall()
+    res = apply_batch(conn, GROUP, t, parts_from_rows([
+        lchange("u", 201, p=1, off=0, a=3, b="y", before={"a": 2, "b": "x"}),
+        lchange("d", 300, p=1, off=1, a=5, b="z"),
+        lchange("d", 310, p=1, off=2, a=6, b="w")]))
+    assert (res.total("appended"), res.total("tombstoned"), res.total("deleted")) == (1, 3, 0)
+    assert rows() == [(3, "y")] and pending() == [("(2,x)", 201, 1), ("(5,z)", 300, 1), ("(6,w)", 310, 1)]
+    # The lagging partition: its appends below a pending removal of their row are cancelled, a newer
+    # equal append lands.
+    res = apply_batch(conn, GROUP, t, parts_from_rows([
+        lchange("c", 100, p=0, off=0, a=2, b="x"), lchange("c", 290, p=0, off=1, a=5, b="z"),
+        lchange("c", 320, p=0, off=2, a=6, b="w")]))
+    assert (res.total("appended"), res.total("cancelled"), res.total("stale")) == (1, 2, 0)
+    assert rows() == [(3, "y"), (6, "w")] and pending() == [("(6,w)", 310, 1)]
+    # Replayed at new offsets (the producer re-sent them): nothing twice.
+    res = apply_batch(conn, GROUP, t, parts_from_rows([lchange("d", 310, p=1, off=3, a=6, b="w")]))
+    assert res.total("tombstoned") == 0 and pending() == [("(6,w)", 310, 1)]
+    # A cut of its partition takes a pending removal below it (its row, below the cut, is gone too).
+    res = apply_batch(conn, GROUP, t, parts_from_rows([lchange("t", 400, p=1, off=4)]))
+    assert res.parts[("wb.eventlog", 1)].tombstones_dropped == 1 and pending() == []
 
 
 # ---------------------------------------------------------------- staged path
@@ -566,8 +600,10 @@ def test_several_shapes_commit_or_fail_together(conn, items):
     t = log_target()
     ensure_table(conn, t)
     good = (items, [part([change("c", 100, id=1, off=0)], 0)])
-    bad = (t, parts_from_rows([lchange("u", 101, off=0, a=1, b="no before")]))  # keyless update without old row
-    with pytest.raises(Exception, match="_wb_before"):
+    unplannable = lchange("c", 101, off=0, a=1, b="toast")
+    unplannable["_wb_unchanged"] = ["b"]  # an insert never leaves a column unchanged
+    bad = (t, parts_from_rows([unplannable]))
+    with pytest.raises(Exception, match="unchanged TOAST"):
         apply_shapes(conn, GROUP, [good, bad])
     assert table_rows(conn) == [] and read_progress(conn, GROUP) == {}
     res = apply_shapes(conn, GROUP, [good, (t, parts_from_rows([lchange("c", 101, off=0, a=1, b="ok")]))])
