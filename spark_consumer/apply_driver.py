@@ -105,8 +105,9 @@ def apply_shapes(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
             if plan.stage_rows or plan.cuts or plan.scoped_cuts:
                 staged = staged_kinds(plan)
                 keys = upsert_keys(plan)
-                if only_new_keys(cur, target, plan, staged, keys):
-                    applied = insert_new_keys(conn, target, plan, staged)
+                types = only_new_keys(cur, target, plan, staged, keys)
+                if types is not None:
+                    applied = insert_new_keys(conn, target, plan, staged, types)
                 else:
                     stage = temp_stage(conn, target)
                     if plan.stage_rows:

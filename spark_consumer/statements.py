@@ -57,32 +57,39 @@ def upsert_keys(plan: ApplyPlan) -> list[int] | None:
 
 
 def only_new_keys(cur: psycopg.Cursor, target: ShapeTarget, plan: ApplyPlan, staged: Mapping[int, Counter],
-                  upsert_keys: list[int] | None) -> bool:
+                  upsert_keys: list[int] | None) -> dict[str, int] | None:
     """Is the plan upserts only (no deletes, cuts or kept TOAST columns) of
     keys neither the target nor its tombstones hold? Then each is an insert
     and nothing else can happen to the target (a snapshot or backfill into an
-    empty or disjoint table, appends of new keys)."""
+    empty or disjoint table, appends of new keys). Returns the target
+    table's column types (name → type oid) if so, else None."""
     if upsert_keys is None or plan.cuts or plan.scoped_cuts or any(k not in ((), None) for k in plan.keep_sets):
-        return False
+        return None
     if any(kind != UPSERT for counts in staged.values() for kind, c in counts.items() if c):
-        return False
-    # COPY FROM refuses a table under row-level security: such a table takes
-    # the stage's INSERT, which applies its policies.
-    secured = cur.execute("SELECT relrowsecurity FROM pg_class WHERE oid = %s::regclass",
-                          (table_ident(target).as_string(cur),)).fetchone()
-    if secured is None or secured[0]:
-        return False
-    return not _holds_any_key(cur, target, upsert_keys, tombstones=True)
+        return None
+    # One look at the table (this runs once per shape of every batch). COPY
+    # FROM refuses a table under row-level security: such a table takes the
+    # stage's INSERT, which applies its policies.
+    facts = cur.execute(
+        "SELECT c.relrowsecurity, array_agg(a.attname::text), array_agg(a.atttypid::int) FROM pg_class c "
+        "JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
+        "WHERE c.oid = %s::regclass GROUP BY c.relrowsecurity", (table_ident(target).as_string(cur),)).fetchone()
+    if facts is None or facts[0]:
+        return None
+    types = dict(zip(facts[1], facts[2]))
+    if _holds_any_key(cur, target, upsert_keys, tombstones=True, key_type=types.get(target.key_columns[0])):
+        return None
+    return types
 
 
 def insert_new_keys(conn: psycopg.Connection, target: ShapeTarget, plan: ApplyPlan,
-                    staged: Mapping[int, Counter]) -> dict[str, Counter]:
-    """:func:`only_new_keys` plans: COPY the rows straight into the target,
-    as the stage's INSERT would write them (``_wb_applied_at``: ``now()``)."""
+                    staged: Mapping[int, Counter], types: Mapping[str, int]) -> dict[str, Counter]:
+    """:func:`only_new_keys` plans (``types``: what it returned): COPY the rows
+    straight into the target, as the stage's INSERT would write them
+    (``_wb_applied_at``: its default, ``now()``)."""
     n = len(target.columns)
-    now = (conn.execute("SELECT now()").fetchone()[0],)
-    copy_rows(conn, target, table_ident(target), [t[:n] + t[n + 2:] + now for t in plan.stage_rows],
-              (*target.names, *STAGED_BOOKKEEPING, APPLIED_AT))
+    copy_rows(conn, target, table_ident(target), [t[:n] + t[n + 2:] for t in plan.stage_rows],
+              (*target.names, *STAGED_BOOKKEEPING), types)
     return {"deleted": Counter(), "tombstoned": Counter(), "truncated": Counter(), "tombstones_dropped": Counter(),
             "upserted": Counter({p: c[UPSERT] for p, c in staged.items()})}
 
@@ -180,16 +187,20 @@ def _apply_deletes(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifi
     ).format(tb=tb, keys=keys, s_keys=s_keys, s=stage, t=t, eq=_key_eq(target, "t", "s"), tbpos=_pos("tb")))
 
 
-def _holds_any_key(cur: psycopg.Cursor, target: ShapeTarget, keys: list[int], tombstones: bool = False) -> bool:
+def _holds_any_key(cur: psycopg.Cursor, target: ShapeTarget, keys: list[int], tombstones: bool = False,
+                   key_type: int | None = None) -> bool:
     """Does the target (or, with ``tombstones``, its tombstones) hold any of
-    ``keys``? True unless its key column is an integer column holding none.
-    A probe of the keys' range first (one index lookup, enough for appends
-    with rising keys), then the keys themselves (for a snapshot, whose
-    partitions interleave the parallel readers' key ranges)."""
+    ``keys``? True unless its key column is an integer column holding none
+    (``key_type``: its type oid, when the caller knows it). A probe of the
+    keys' range first (one index lookup, enough for appends with rising
+    keys), then the keys themselves (for a snapshot, whose partitions
+    interleave the parallel readers' key ranges)."""
     [key] = target.key_columns
-    typ = cur.execute("SELECT atttypid::int FROM pg_attribute WHERE attrelid = %s::regclass AND attname = %s",
-                      (table_ident(target).as_string(cur), key)).fetchone()
-    if typ is None or typ[0] not in (20, 21, 23):
+    if key_type is None:
+        typ = cur.execute("SELECT atttypid::int FROM pg_attribute WHERE attrelid = %s::regclass AND attname = %s",
+                          (table_ident(target).as_string(cur), key)).fetchone()
+        key_type = typ[0] if typ else None
+    if key_type not in (20, 21, 23):
         return True
     tables = [table_ident(target)] + ([tombstones_ident(target)] if tombstones else [])
 
