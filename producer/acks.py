@@ -125,6 +125,8 @@ class Acks:
                 if offset is not None and self.groups:
                     replayed[w] = offset
                     tracked.add(w)
+        if replayed_writers and not tracked:
+            log.debug("transaction %s: no writer to wait for (replayed on %s, all committed)", last, replayed_writers)
         self.tracker.handle_transaction(last, tracked, now)
         if writers:
             self._commit_times[lsn] = commit_ts_ms

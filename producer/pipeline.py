@@ -632,6 +632,9 @@ class Pipeline:
         if self._tx is None and self.acks.idle():
             # Nothing of ours is pending: everything up to the server's WAL end
             # has been seen and needs nothing from us.
+            if ka.wal_end > self.acks.confirmed_lsn:
+                log.debug("keepalive: nothing pending, confirming the server's WAL end %s",
+                          pgoutput.lsn_to_str(ka.wal_end))
             self.acks.confirm(ka.wal_end)
         if ka.reply_requested:
             self._send_status()

@@ -299,17 +299,18 @@ def topics_newest_moved(checkpoint: Path, progress: Progress, initial: Mapping[s
     return out
 
 
-def topics_batch_topic_id(checkpoint: Path, batch_id: int, topic: str) -> str | None:
-    """:func:`batch_topic_id` of one topic of a many-topic query's batch."""
-    return ((_source_offsets(checkpoint, batch_id) or {}).get(topic) or {}).get(TOPIC_ID)
+def topics_batch_topic_ids(checkpoint: Path, batch_id: int) -> dict[str, str]:
+    """:func:`batch_topic_id` of every topic of a many-topic query's batch
+    (one read of its offset log; topics whose id is not recorded are absent)."""
+    end = _source_offsets(checkpoint, batch_id) or {}
+    return {t: o[TOPIC_ID] for t, o in end.items() if isinstance(o, dict) and o.get(TOPIC_ID)}
 
 
 def topics_newest_topic_ids(checkpoint: Path) -> dict[str, str]:
     """:func:`newest_topic_id` per topic of a many-topic query (topics whose
     id is not recorded are absent)."""
     committed = _batch_ids(checkpoint / "commits")
-    end = (_source_offsets(checkpoint, committed[-1]) if committed else None) or {}
-    return {t: o[TOPIC_ID] for t, o in end.items() if isinstance(o, dict) and o.get(TOPIC_ID)}
+    return topics_batch_topic_ids(checkpoint, committed[-1]) if committed else {}
 
 
 def topics_ahead_of_target(checkpoint: Path, progress: Progress, topics: Iterable[str]) -> set[str]:

@@ -77,7 +77,7 @@ from spark_consumer.batch_split import (
 )
 from spark_consumer.checkpoint import (
     topics_ahead_of_target,
-    topics_batch_topic_id,
+    topics_batch_topic_ids,
     topics_newest_moved,
     topics_newest_topic_ids,
     topics_replay_unapplied,
@@ -254,6 +254,7 @@ class ShapesApplier(PipelinedApply):
         began = time.monotonic()
         conn = self._connection()
         followed: dict[str, ShapeTarget] = {}
+        topic_ids = topics_batch_topic_ids(self.checkpoint, batch_id)
         with conn.transaction():
             batches = []
             for topic, table in tables.items():
@@ -265,22 +266,20 @@ class ShapesApplier(PipelinedApply):
                         continue
                     followed[topic] = target
                 fields, rows = arrow_rows(table)
-                batches.append((target, parts_from_rows(rows, fields=fields, topic_ids={
-                    topic: topics_batch_topic_id(self.checkpoint, batch_id, topic)})))
+                batches.append((target, parts_from_rows(rows, fields=fields, topic_ids={topic: topic_ids.get(topic)})))
             result = apply_shapes(conn, self.config.consumer.group, batches,
                                   on_offset_reset=OFFSET_RESET[self.config.consumer.on_data_loss])
         for topic, target in followed.items():
             self.states[topic].target = target
-        self._applied(batch_id, result, tables, started, f"read {read_s:.2f}s, apply {time.monotonic() - began:.2f}s")
+        self._applied(batch_id, result, tables, topic_ids, started,
+                      f"read {read_s:.2f}s, apply {time.monotonic() - began:.2f}s")
 
-    def _applied(self, batch_id: int, result: BatchResult, tables: dict[str, pa.Table], started: float,
-                 timings: str) -> None:
+    def _applied(self, batch_id: int, result: BatchResult, tables: dict[str, pa.Table], topic_ids: dict[str, str],
+                 started: float, timings: str) -> None:
         """After the target committed: the group's offsets (each topic's
-        tagged with the incarnation its range was read from), counters,
-        metrics, one log line."""
-        topics = {t for t, _ in result.offsets}
-        self._group().commit(result.offsets,
-                             {t: topics_batch_topic_id(self.checkpoint, batch_id, t) for t in topics})
+        tagged with the incarnation its range was read from, ``topic_ids``),
+        counters, metrics, one log line."""
+        self._group().commit(result.offsets, {t: topic_ids.get(t) for t, _ in result.offsets})
         for b in result.backfills_completed:
             log.info("backfill %s of shape %s complete: GC deleted %d rows, %d tombstones",
                      b.backfill_id, b.shape, b.gc_deleted, b.gc_tombstones)

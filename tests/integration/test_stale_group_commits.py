@@ -49,13 +49,23 @@ def test_old_offsets_committed_on_a_recreated_topic_release_nothing(source_db, p
 
         broker.restart()  # the topic is lost; the producer re-creates it and redoes the snapshot
         wait_for(lambda: snapshot_ids() - first, timeout=120, what="snapshot redone")
+        # Streaming on the new slot: the redone snapshot is complete in the checkpoint, so a run that
+        # fails from here on resumes the slot (one failing earlier would make a new slot, which may
+        # start after the UPDATE below and rightly confirm it: its snapshot holds the UPDATE).
+        wait_for(lambda: caplog.text.count("streaming from slot") >= 2
+                 and caplog.text.rindex("streaming from slot") > caplog.text.rindex("created slot"),
+                 timeout=60, what="streaming on the new slot")
         stale = GroupStandIn(broker.bootstrap, group, topic)
         stale.commit(old_ends)  # the old incarnation's offsets, landing on the new topic
         stale.close()
         conn.execute("UPDATE t SET v = 100 WHERE id = 1")
         change = current_lsn(conn)
         time.sleep(7.0)  # > [ack] interval and the checkpoint's 5 s look at the groups
-        assert slot_lsns(source_db, slot)[0] < change, "WAL confirmed on the strength of a stale commit"
+        history = "\n".join(ln for ln in caplog.text.splitlines() if any(w in ln for w in (
+            "created slot", "redoing", "streaming from", "reconnecting", "nothing pending", "no writer to wait for",
+            "the groups committed")))
+        assert slot_lsns(source_db, slot)[0] < change, (
+            f"WAL confirmed on the strength of a stale commit (the UPDATE ends at {change:X}):\n{history}")
         assert "every consumer group has read snapshot" not in caplog.text  # nor the first: nothing was committed
         assert "beyond the partition's end" in caplog.text
 

@@ -24,7 +24,7 @@ from spark_consumer.batch_split import (
 )
 from spark_consumer.checkpoint import (
     topics_ahead_of_target,
-    topics_batch_topic_id,
+    topics_batch_topic_ids,
     topics_newest_moved,
     topics_newest_topic_ids,
     topics_replay_unapplied,
@@ -346,8 +346,8 @@ def test_group_commit_at_start_per_topic_with_the_id_it_was_read_from(tmp_path):
     write_batches(tmp_path, [{A: {"0": 5, "topic_id": "ia"}, B: {"0": 3, "topic_id": "ib"}},
                              {A: {"0": 9, "topic_id": "ia"}, B: {"0": 3, "topic_id": "ib"}}], committed=1)
     assert topics_newest_moved(tmp_path, {A: {0: 9}, B: {0: 3}}, {A: {}, B: {}}) == {A: ("ia", {0: 9})}
-    assert topics_batch_topic_id(tmp_path, 1, B) == "ib"
-    assert topics_batch_topic_id(tmp_path, 7, B) is None
+    assert topics_batch_topic_ids(tmp_path, 1) == {A: "ia", B: "ib"}
+    assert topics_batch_topic_ids(tmp_path, 7) == {}
     assert topics_newest_topic_ids(tmp_path) == {A: "ia", B: "ib"}
 
 
