@@ -632,6 +632,23 @@ def test_staged_cuts_keyless_and_progress_race(target_db, conn, items):
     assert res.parts[(TOPIC, 0)].skipped_replayed == 1 and res.total("applied") == 0
 
 
+def test_staged_keyless_removal_waits_for_its_row(target_db, conn):
+    t = log_target()
+    ensure_table(conn, t)
+    early = parts_from_rows([lchange("u", 201, p=1, off=0, a=3, b="y", before={"a": 2, "b": "x"})])
+    late = parts_from_rows([lchange("c", 100, p=0, off=0, a=2, b="x")])
+    with psycopg.connect(target_db, autocommit=True) as e:
+        stage_part(e, GROUP, t, early[0])
+    res = commit_batch(conn, GROUP, [(t, [Part(p.topic, p.partition, p.start, p.end) for p in early])])
+    assert (res.total("appended"), res.total("tombstoned"), res.total("stale")) == (1, 1, 0)
+    with psycopg.connect(target_db, autocommit=True) as e:
+        stage_part(e, GROUP, t, late[0])
+    res = commit_batch(conn, GROUP, [(t, [Part(p.topic, p.partition, p.start, p.end) for p in late])])
+    assert (res.total("appended"), res.total("cancelled"), res.total("stale")) == (0, 1, 0)
+    assert conn.execute("SELECT a, b FROM eventlog").fetchall() == [(3, "y")]
+    assert conn.execute("SELECT count(*) FROM eventlog__wb_tombstones").fetchone()[0] == 0
+
+
 # ------------------------------------------------------------------ backfills
 def backfill_end(lsn, *, p, off, n=2, scope=None, bid="bf1", topic=TOPIC, shape="app.items"):
     r = change(None, lsn, 0, p=p, off=off, control="backfill_end", snap=bid, topic=topic)
