@@ -52,10 +52,13 @@ def test_one_query_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sour
     cfg["consumer"]["max_offsets_per_trigger"] = 5000  # per topic: many batches, kills land mid-stream
     path = write_toml(cfg, tmp_path / "wb.toml")
     log = tmp_path / "consumer.log"
-    load_done = threading.Event()
+    load_done, kills_done = threading.Event(), threading.Event()
 
-    def load():
-        pgbench(source_db, "-n", "-c", "2", "-T", "15")
+    def load():  # until the kills are done, and at least 15 s
+        for round_ in range(30):
+            pgbench(source_db, "-n", "-c", "2", "-T", "5")
+            if round_ >= 2 and kills_done.is_set():
+                break
         load_done.set()
 
     with ProducerThread(cfg):
@@ -64,11 +67,19 @@ def test_one_query_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sour
             wait_for(lambda: _applied_batches(target_db) > 5000, timeout=180, interval=0.5,
                      what="consumer applying")
             threading.Thread(target=load, daemon=True).start()
-            for _ in range(2):
+            # At least two kills; more until one lands in the window (Spark has the batch as done, the
+            # target not yet), which can close between the look and the kill when the apply is quick.
+            for kill in range(6):
                 wait_for(lambda: _one_query_unapplied(cfg), timeout=120, interval=0.01,
                          what="a batch logged by Spark, not yet in the target")
                 consumer.kill9()
+                started = log.read_text().count("in one query")
                 consumer = ConsumerProcess(path, log).start()
+                wait_for(lambda: log.read_text().count("in one query") > started, timeout=120,
+                         what="the restarted consumer past its recovery")
+                if kill >= 1 and "read and applied again" in log.read_text():
+                    break
+            kills_done.set()
             load_done.wait(60)
             ok = wait_for(lambda: _verify_ok(cfg)[0], timeout=300, interval=3, what="target == source")
             assert ok, _verify_ok(cfg)[1]
