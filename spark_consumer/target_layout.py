@@ -123,18 +123,16 @@ def ensure_table(conn: psycopg.Connection, target: ShapeTarget, on_dropped_colum
             conn.execute(sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} (_wb_lsn, _wb_op_index) "
                                  "WHERE _wb_snapshot_id IS NULL").format(
                 sql.Identifier(_short_name(target.table, "__wb_pos")), table_ident(target)))
-            defs = [sql.SQL("_wb_row text NOT NULL")] + [sql.SQL("{} {}").format(sql.Identifier(n), sql.SQL(d))
-                                                         for n, d in TOMBSTONE_DDL]
-            defs.append(sql.SQL("PRIMARY KEY (_wb_lsn, _wb_op_index)"))
-            conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
-                tombstones_ident(target), sql.SQL(", ").join(defs)))
+            # Pending removals: the whole row, one per removal's position.
+            lead, pk = [sql.SQL("_wb_row text NOT NULL")], [sql.Identifier("_wb_lsn"), sql.Identifier("_wb_op_index")]
         else:
-            key_defs = [sql.SQL("{} {} NOT NULL").format(sql.Identifier(c.name), sql.SQL(t))
-                        for c, t in zip(target.columns, types) if c.is_key]
-            defs = key_defs + [sql.SQL("{} {}").format(sql.Identifier(n), sql.SQL(d)) for n, d in TOMBSTONE_DDL]
-            defs.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(keys)))
-            conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
-                tombstones_ident(target), sql.SQL(", ").join(defs)))
+            lead = [sql.SQL("{} {} NOT NULL").format(sql.Identifier(c.name), sql.SQL(t))
+                    for c, t in zip(target.columns, types) if c.is_key]
+            pk = keys
+        defs = lead + [sql.SQL("{} {}").format(sql.Identifier(n), sql.SQL(d)) for n, d in TOMBSTONE_DDL]
+        defs.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(pk)))
+        conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
+            tombstones_ident(target), sql.SQL(", ").join(defs)))
 
 
 def _follow(conn: psycopg.Connection, target: ShapeTarget, types: list[str], on_dropped: OnDropped) -> bool:
