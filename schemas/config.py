@@ -249,8 +249,11 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
     on_dropped_column: Literal["keep", "drop"] = "keep"
     # "per_shape": one streaming query per shape, each with its own checkpoint;
     # "one": one query over every shape's topic, each micro-batch split per
-    # shape and applied in one target transaction (spark_consumer.shapes_query).
-    queries: Literal["per_shape", "one"] = "per_shape"
+    # shape and applied in one target transaction (spark_consumer.shapes_query);
+    # "continuous": the same source and apply driven by the driver's own loop,
+    # no Spark micro-batches (lowest latency; reads on the driver only:
+    # spark_consumer.continuous).
+    queries: Literal["per_shape", "one", "continuous"] = "per_shape"
 
     @model_validator(mode="before")
     @classmethod
@@ -259,8 +262,8 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
 
     @model_validator(mode="after")
     def _one_query_driver_apply(self) -> ConsumerConfig:
-        if self.queries == "one" and self.staged_apply:
-            raise ValueError('queries = "one" applies on the driver; staged_apply = true needs '
+        if self.queries != "per_shape" and self.staged_apply:
+            raise ValueError(f'queries = "{self.queries}" applies on the driver; staged_apply = true needs '
                              'queries = "per_shape"')
         return self
 

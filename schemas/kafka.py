@@ -220,17 +220,25 @@ def topic_id(admin: AdminClient, topic: str, timeout: float = 30.0) -> str | Non
 def topic_ids(admin: AdminClient, topics: Iterable[str], timeout: float = 30.0) -> dict[str, str | None | Exception]:
     """:func:`topic_id` of many topics in one request: topic -> its id, None,
     or the exception :func:`topic_id` would raise for it (LookupError: missing)."""
+    return ask_topic_ids(admin, topics)(timeout)
+
+
+def ask_topic_ids(admin: AdminClient, topics: Iterable[str]) -> Callable[[float], dict[str, str | None | Exception]]:
+    """:func:`topic_ids` in two steps: the request is sent now, the returned
+    function waits for its answers (so other requests can be in flight meanwhile)."""
     topics = sorted(set(topics))
-    if not topics:
-        return {}
-    futures = admin.describe_topics(TopicCollection(topics))
-    out: dict[str, str | None | Exception] = {}
-    for topic in topics:
-        try:
-            out[topic] = _described_id(topic, futures[topic], timeout)
-        except (LookupError, KafkaException) as e:
-            out[topic] = e
-    return out
+    futures = admin.describe_topics(TopicCollection(topics)) if topics else {}
+
+    def answers(timeout: float) -> dict[str, str | None | Exception]:
+        out: dict[str, str | None | Exception] = {}
+        for topic in topics:
+            try:
+                out[topic] = _described_id(topic, futures[topic], timeout)
+            except (LookupError, KafkaException) as e:
+                out[topic] = e
+        return out
+
+    return answers
 
 
 def _described_id(topic: str, future, timeout: float) -> str | None:

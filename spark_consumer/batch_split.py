@@ -60,25 +60,32 @@ def to_ipc(batches: list[pa.RecordBatch]) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def decode_shapes(shapes: Mapping[str, tuple[SourceOptions, ShapeSchemas]], batches: Iterator[Any]
-                  ) -> Iterator[pa.RecordBatch]:
-    """``mapInArrow`` over the raw rows of many topics (executor side): per
-    topic of ``shapes``, its rows decoded as
+def decode_by_topic(shapes: Mapping[str, tuple[SourceOptions, ShapeSchemas]], batches: Iterable[Any]
+                    ) -> dict[str, list[pa.RecordBatch]]:
+    """Per topic of ``shapes``, its raw rows of ``batches`` decoded as
     :func:`~spark_consumer.kafka_source.decode_batches` decodes one shape's
-    (marking a value schema it does not know), as one :data:`DECODED_SCHEMA`
-    row. Topics not in ``shapes`` are left out."""
-    by_topic = split_by_topic(batches)
-    topics, blobs = [], []
-    for topic, raw in by_topic.items():
+    (marking a value schema it does not know); topics not in ``shapes``, or
+    whose rows decode to nothing, are left out. What an executor runs
+    (:func:`decode_shapes`), and the continuous reader on the driver."""
+    out: dict[str, list[pa.RecordBatch]] = {}
+    for topic, raw in split_by_topic(batches).items():
         if topic not in shapes:
             continue
         opts, schemas = shapes[topic]
         decoded = [b for b in decode_batches(opts, schemas, True, iter(raw)) if b.num_rows]
         if decoded:
-            topics.append(topic)
-            blobs.append(to_ipc(decoded))
-    if topics:
-        yield pa.RecordBatch.from_arrays([pa.array(topics, pa.string()), pa.array(blobs, pa.binary())],
+            out[topic] = decoded
+    return out
+
+
+def decode_shapes(shapes: Mapping[str, tuple[SourceOptions, ShapeSchemas]], batches: Iterator[Any]
+                  ) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` over the raw rows of many topics (executor side): each
+    topic's rows decoded (:func:`decode_by_topic`) as one :data:`DECODED_SCHEMA` row."""
+    decoded = decode_by_topic(shapes, batches)
+    if decoded:
+        yield pa.RecordBatch.from_arrays([pa.array(list(decoded), pa.string()),
+                                          pa.array([to_ipc(b) for b in decoded.values()], pa.binary())],
                                          schema=DECODED_ARROW_SCHEMA)
 
 

@@ -82,6 +82,7 @@ from spark_consumer.apply_plan import ShapeTarget
 from spark_consumer.apply_staged import commit_batch, stage_part
 from spark_consumer.batch import Part, parts_from_rows
 from spark_consumer.checkpoint import batch_topic_id, newest_moved, newest_topic_id, replay_unapplied
+from spark_consumer.continuous import start_continuous
 from spark_consumer.decode import arrow_rows
 from spark_consumer.kafka_source import (
     ShapeSchemas,
@@ -375,7 +376,7 @@ def start_queries(spark, config: Config, stop: threading.Event | None = None) ->
     (``[consumer] queries = "one"``, :mod:`spark_consumer.shapes_query`)."""
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
     queries, appliers = [], []
-    for i in range(1 if config.consumer.queries == "one" else len(config.shapes)):
+    for i in range(len(config.shapes) if config.consumer.queries == "per_shape" else 1):
         query, applier = restart_query(spark, config, i, kafka_conf, stop)
         queries.append(query)
         appliers.append(applier)
@@ -387,6 +388,8 @@ def restart_query(spark, config: Config, i: int, kafka_conf: dict[str, Any], sto
     """Query ``i`` (of :func:`start_queries`) started again from its
     checkpoint; ``before``: its applier until now (the one query keeps the
     shapes it held back)."""
+    if config.consumer.queries == "continuous":
+        return start_continuous(config, kafka_conf, stop, before.held if before is not None else None)
     if config.consumer.queries == "one":
         return start_shapes_query(spark, config, kafka_conf, stop, before.held if before is not None else None)
     return start_query(spark, config, config.shapes[i], kafka_conf, stop)
@@ -456,18 +459,22 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
     reach_target(config, stop)
     if stop is not None and stop.is_set():
         return
-    spark = spark_session(master)  # quiets Spark's log itself (spark_consumer.session)
+    # The continuous reader needs no Spark (spark_consumer.continuous); the
+    # session quiets Spark's log itself (spark_consumer.session).
+    spark = None if config.consumer.queries == "continuous" else spark_session(master)
     queries: list = []
     started: list = []
     try:
         queries, started = start_queries(spark, config, stop)
     except Stopped:
-        spark.stop()
+        if spark is not None:
+            spark.stop()
         return
     if appliers is not None:
         appliers.extend(started)
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
     policy = retry_policy(config)
+    whence = "the target's progress" if config.consumer.queries == "continuous" else "its checkpoint"
     failures: list[list[float]] = [[] for _ in queries]
     given_up: set[int] = set()  # shapes whose target cannot follow their schema: stopped, the others go on
     outages: list[list[float]] = [[] for _ in queries]  # when each transient failure in a row happened
@@ -527,8 +534,8 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                                   verdict.headline, elapsed)
                         raise verdict from failure
                     delay = policy.delay(len(outages[i]))
-                    log.warning("query %s failed: %s; restarting it from its checkpoint in %.1fs (failing for "
-                                "%.0fs)", q.name, verdict.headline, delay, elapsed)
+                    log.warning("query %s failed: %s; restarting it from %s in %.1fs (failing for %.0fs)",
+                                q.name, verdict.headline, whence, delay, elapsed)
                 else:
                     failures[i] = [t for t in failures[i] if now - t < QUERY_FAILURE_WINDOW] + [now]
                     if len(failures[i]) > QUERY_RESTARTS:
@@ -539,14 +546,17 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                         raise RuntimeError(f"query {q.name} failed {len(failures[i])} times in "
                                            f"{QUERY_FAILURE_WINDOW:.0f}s; last: {failure}")
                     delay = min(2.0 ** len(failures[i]), 30.0)
-                    log.error("query %s failed (%s); restarting it from its checkpoint in %.0fs", q.name,
-                              _headline(failure), delay)
+                    log.error("query %s failed (%s); restarting it from %s in %.0fs", q.name,
+                              _headline(failure), whence, delay)
                 if pause(stop, delay):
                     return
                 started[i].close()
                 queries[i], started[i] = restart_query(spark, config, i, kafka_conf, stop, started[i])
                 if appliers is not None:
                     appliers.append(started[i])
+            if spark is None:
+                pause(stop, 1.0)
+                continue
             spark.streams.resetTerminated()
             try:
                 spark.streams.awaitAnyTermination(1.0)
@@ -558,7 +568,8 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
         stop_queries(queries, started, SETTLE_S)
         for applier in started:
             applier.close()
-        spark.stop()
+        if spark is not None:
+            spark.stop()
 
 
 SETTLE_S = 10.0  # at shutdown: how long the queries' batches in hand may take, all together

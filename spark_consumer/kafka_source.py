@@ -133,7 +133,7 @@ from pyspark.sql.types import ArrayType, BinaryType, IntegerType, LongType, Stri
 from schemas import wire
 from schemas.config import redact_dsn
 from schemas.failures import READ_GAP
-from schemas.kafka import client_config, ensure_topics, read_to_end, topic_ids
+from schemas.kafka import ask_topic_ids, client_config, ensure_topics, read_to_end, topic_ids
 from schemas.kafka import topic_id as describe_topic_id
 from schemas.reader import SchemaResolver, read_schemas_topic
 from schemas.registry import STRATEGIES, data_subjects, subject_versions
@@ -461,7 +461,7 @@ class ProbeClients:
 
     def prefetch(self, topics: list[str], timeout: float = 30.0) -> None:
         admin = self.admin()
-        ids = topic_ids(admin, topics, timeout)
+        ids_asked = ask_topic_ids(admin, topics)  # in flight with the offsets' requests below
         meta = self.consumer().list_topics(timeout=timeout).topics
         reported: dict[str, Any] = {}
         for t in topics:
@@ -472,11 +472,11 @@ class ProbeClients:
             else:
                 reported[t] = {p: [0, 0] for p in sorted(m.partitions)}
         tps = [TopicPartition(t, p) for t, ps in reported.items() if isinstance(ps, dict) for p in ps]
-        for i, spec in enumerate((OffsetSpec.earliest(), OffsetSpec.latest())):
-            if not tps:
-                break
-            futures = admin.list_offsets({tp: spec for tp in tps}, isolation_level=IsolationLevel.READ_COMMITTED,
-                                         request_timeout=timeout)
+        asked = [admin.list_offsets({tp: spec for tp in tps}, isolation_level=IsolationLevel.READ_COMMITTED,
+                                    request_timeout=timeout)
+                 for spec in (OffsetSpec.earliest(), OffsetSpec.latest())] if tps else []
+        ids = ids_asked(timeout)
+        for i, futures in enumerate(asked):
             for tp, future in futures.items():
                 if not isinstance(reported[tp.topic], dict):
                     continue

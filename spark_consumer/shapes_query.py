@@ -54,7 +54,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psycopg
 import pyarrow as pa
@@ -129,7 +129,7 @@ class ShapesApplier(PipelinedApply):
     loop, which restarts the query without it)."""
 
     def __init__(self, config: Config, states: dict[str, ShapeState], kafka_conf: dict[str, Any],
-                 checkpoint: Path, held: dict[str, str] | None = None):
+                 checkpoint: Path | None, held: dict[str, str] | None = None):
         super().__init__("the shapes' query", "apply-shapes", kafka_conf, config.consumer.group)
         self.config = config
         self.states = states  # topic -> the shape it carries, for the topics this query reads
@@ -172,18 +172,24 @@ class ShapesApplier(PipelinedApply):
                       self.states[topic].name, why)
         self.held[topic] = why
 
-    def prepare(self, stop: threading.Event | None = None) -> tuple[dict[str, dict], set[str]]:
-        """Before the query starts: the tables follow their shapes (holding
-        those that cannot), Spark's newest batch is replayed if the target
-        lacks it, its group commit is made again if the target has it.
-        Returns (each topic's starting offsets: the target's progress; the
-        topics whose checkpointed offsets lie beyond it, which must rejoin)."""
+    def _target_progress(self, stop: threading.Event | None) -> dict:
+        """The group's progress in the target (waiting out an outage; the
+        tables follow their shapes on connecting)."""
         progress = None
         for attempt in Outage(retry_policy(self.config), stop, log):
             with attempt, attributed(database=(TARGET, self.config.consumer.target_dsn)):
                 progress = read_progress(self._connection(), self.config.consumer.group)
         if progress is None:
             raise Stopped()
+        return progress
+
+    def prepare(self, stop: threading.Event | None = None) -> tuple[dict[str, dict], set[str]]:
+        """Before the query starts: the tables follow their shapes (holding
+        those that cannot), Spark's newest batch is replayed if the target
+        lacks it, its group commit is made again if the target has it.
+        Returns (each topic's starting offsets: the target's progress; the
+        topics whose checkpointed offsets lie beyond it, which must rejoin)."""
+        progress = self._target_progress(stop)
         initial = starting_offsets(progress, self.topics)
         initial = {t: initial.get(t, {}) for t in self.topics}
         # Offsets counted in another incarnation of a topic say nothing of
@@ -210,24 +216,36 @@ class ShapesApplier(PipelinedApply):
 
     def _call(self, batch_df, batch_id: int) -> None:
         started = time.monotonic()
-        tables = self._decode(batch_df, batch_id)
+        tables = self._decode(functools.partial(self._decode_on_executors, batch_df), batch_id)
+        self._hand_over(tables, batch_id, topics_batch_topic_ids(self.checkpoint, batch_id), started)
+
+    def _hand_over(self, tables: dict[str, pa.Table], batch_id: int, topic_ids: dict[str, str], started: float
+                   ) -> None:
+        """Batch N decoded: wait for N-1's apply, then hand N to the apply
+        thread; ``topic_ids``: the incarnation each topic's range was planned in."""
         targets = {t: self.states[t].batch_target for t in tables}
         read_s = time.monotonic() - started
         self._finish_pending()  # batch N-1 committed (or its error fails this batch)
         if any(t.num_rows for t in tables.values()):
-            self._pending = self._apply_thread.submit(self._apply_tables, tables, targets, batch_id, started, read_s)
+            self._pending = self._apply_thread.submit(self._apply_tables, tables, targets, topic_ids, batch_id,
+                                                      started, read_s)
 
-    def _decode(self, batch_df, batch_id: int) -> dict[str, pa.Table]:
-        """Each shape's rows of the batch as Arrow, decoded on the executors
-        with the newest writer schemas its part needs (see the module docstring)."""
+    def _decode_on_executors(self, batch_df, topics: list[str], first: bool) -> dict[str, pa.Table]:
+        """``topics``' rows of the batch decoded by the executors, in one Spark job."""
+        df = batch_df if first else batch_df.filter(F.col("_wb_topic").isin(topics))
+        shapes = {t: (self.states[t].source, self.states[t].schemas) for t in topics}
+        return tables_by_topic(df.mapInArrow(functools.partial(decode_shapes, shapes), DECODED_SCHEMA).toArrow())
+
+    def _decode(self, decode: Callable[[list[str], bool], dict[str, pa.Table]], batch_id: int
+                ) -> dict[str, pa.Table]:
+        """Each shape's rows of the batch as Arrow, decoded (by ``decode(topics,
+        first)``) with the newest writer schemas its part needs (see the module
+        docstring)."""
         done: dict[str, pa.Table] = {}
         pending = self.topics
-        df = batch_df
-        for _ in range(NEW_SCHEMA_ROUNDS):
-            shapes = {t: (self.states[t].source, self.states[t].schemas) for t in pending}
-            decoded = df.mapInArrow(functools.partial(decode_shapes, shapes), DECODED_SCHEMA).toArrow()
+        for round_ in range(NEW_SCHEMA_ROUNDS):
             again = []
-            for topic, table in tables_by_topic(decoded).items():
+            for topic, table in decode(pending, round_ == 0).items():
                 why = new_schema_reason(table)
                 if why is None:
                     done[topic] = table
@@ -237,7 +255,6 @@ class ShapesApplier(PipelinedApply):
             if not again:
                 return done
             pending = again
-            df = batch_df.filter(F.col("_wb_topic").isin(again))
         raise RuntimeError(f"batch {batch_id}: shapes {', '.join(self.states[t].name for t in pending)} are still "
                            f"written with value schemas their schemas do not hold after {NEW_SCHEMA_ROUNDS} lookups")
 
@@ -247,14 +264,13 @@ class ShapesApplier(PipelinedApply):
         st.schemas = wait_for_schemas(st.source, discover_schemas, retry_policy(self.config))
         st.batch_target = ShapeTarget.from_avro(st.name, st.schemas.value_schema, st.schemas.key_schema)
 
-    def _apply_tables(self, tables: dict[str, pa.Table], targets: dict[str, ShapeTarget], batch_id: int,
-                      started: float, read_s: float) -> None:
+    def _apply_tables(self, tables: dict[str, pa.Table], targets: dict[str, ShapeTarget], topic_ids: dict[str, str],
+                      batch_id: int, started: float, read_s: float) -> None:
         """Apply thread: every shape's part in one target transaction, then
         the group's offsets (module docstring)."""
         began = time.monotonic()
         conn = self._connection()
         followed: dict[str, ShapeTarget] = {}
-        topic_ids = topics_batch_topic_ids(self.checkpoint, batch_id)
         with conn.transaction():
             batches = []
             for topic, table in tables.items():
@@ -310,11 +326,9 @@ class ShapesApplier(PipelinedApply):
                  result.total("skipped_replayed"), result.total("dlq"), time.monotonic() - started, timings)
 
 
-def start_shapes_query(spark, config: Config, kafka_conf: dict[str, Any], stop: threading.Event | None = None,
-                       held: dict[str, str] | None = None):
-    """The one query over every shape not ``held`` (from its checkpoint,
-    ``<checkpoint_dir>/@shapes``) and its applier; (None, applier) when every
-    shape is held."""
+def shape_states(config: Config, stop: threading.Event | None = None) -> dict[str, ShapeState]:
+    """Every shape's state, by topic: its source options and the writer
+    schemas it has now (waited for; the ``_schemas`` topic read once for all)."""
     states = {}
     read: list = []  # ._schemas read once for every shape (read again after a miss)
 
@@ -334,6 +348,15 @@ def start_shapes_query(spark, config: Config, kafka_conf: dict[str, Any], stop: 
         schemas = wait_for_schemas(opts, discover, retry_policy(config), stop)
         target = ShapeTarget.from_avro(shape.shape_name, schemas.value_schema, schemas.key_schema)
         states[opts.topic] = ShapeState(shape, opts, schemas, target, target)
+    return states
+
+
+def start_shapes_query(spark, config: Config, kafka_conf: dict[str, Any], stop: threading.Event | None = None,
+                       held: dict[str, str] | None = None):
+    """The one query over every shape not ``held`` (from its checkpoint,
+    ``<checkpoint_dir>/@shapes``) and its applier; (None, applier) when every
+    shape is held."""
+    states = shape_states(config, stop)
     checkpoint = Path(config.consumer.checkpoint_dir) / CHECKPOINT_NAME
     applier = ShapesApplier(config, states, kafka_conf, checkpoint, held)
     starting, rejoin = applier.prepare(stop)

@@ -210,11 +210,16 @@ class TopicsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         reported = {t: r.reportLatestOffset() for t, r in self._each().items()}
         return {t: o for t, o in reported.items() if o is not None} or None
 
-    def partitions(self, start: dict, end: dict) -> list:
+    def ranges(self, start: dict | None, end: dict) -> list[OffsetRange]:
+        """The batch's offset ranges, before they are packed into tasks."""
         ranges: list[OffsetRange] = []
         readers = self._each()
         for t, first, last in read_ranges(start, end, [t for t in readers if t not in self._rejoin]):
             ranges += readers[t].ranges(first, last)
+        return ranges
+
+    def partitions(self, start: dict, end: dict) -> list:
+        ranges = self.ranges(start, end)
         if any(o.max_offsets_per_task for o in self._opts.values()):
             return ranges
         return plan_tasks(ranges)

@@ -2,8 +2,9 @@
 
 Without ``--config`` it runs on the embedded default: a throwaway PostgreSQL
 (demo schema from ``walbridge/demo.sql``, plus a ``warehouse`` target database),
-the Tansu broker, the producer, the Spark consumer when it is installed, and a
-demo workload writing at a steady rate. With ``--config`` it runs the same
+the Tansu broker, the producer, the consumer when the spark extra is installed
+(its continuous reader: ``[consumer] queries = "continuous"``), and a demo
+workload writing at a steady rate. With ``--config`` it runs the same
 against your database and broker (no workload unless ``--rate`` is given).
 
 Invariants:
@@ -177,8 +178,11 @@ def embedded_config(base_dir: Path) -> tuple[dict, list]:
         "source": {"dsn": pg.dsn("app"), "slot": "walbridge", "publication": "walbridge"},
         "kafka": {"bootstrap_servers": broker.bootstrap, "topic_prefix": "wb", "partitions": 4},
         "shapes": DEMO_SHAPES,
+        # One machine: the continuous reader (the driver reads and applies as
+        # changes come, no Spark micro-batches: commit → visible ~0.3 s at
+        # 1,000 tps against ~1.3 s; bench/RESULTS.md, "End-to-end latency").
         "consumer": {"group": "walbridge-spark", "target_dsn": pg.dsn("warehouse"),
-                     "checkpoint_dir": str(base_dir / "checkpoints")},
+                     "checkpoint_dir": str(base_dir / "checkpoints"), "queries": "continuous"},
         # WAL is released once the Spark consumer has committed (set to [] to
         # release on broker acknowledgement instead).
         "ack": {"consumer_groups": ["walbridge-spark"], "interval": 0.5},

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 import psycopg
+import pytest
 
 from schemas.config import parse_config
 from spark_consumer.progress import read_backfills
@@ -144,10 +145,12 @@ def test_shape_added_to_running_pipeline_is_filled_then_followed(source_db, targ
     assert live > 0, "no teller row was written by a streamed change after the backfill"
 
 
+@pytest.mark.parametrize("queries", ["per_shape", "continuous"])
 def test_broker_that_lost_everything_during_pgbench_is_recovered(source_db, target_db, private_kafka_broker,
-                                                                 topic_prefix, tmp_path):
+                                                                 topic_prefix, tmp_path, queries):
     _prepare_source(source_db)
     cfg = _config(source_db, target_db, private_kafka_broker.bootstrap, topic_prefix, tmp_path)
+    cfg["consumer"]["queries"] = queries
     load = threading.Thread(target=pgbench, args=(source_db, "-n", "-c", "2", "-T", "40", "-R", "100"),
                             daemon=True)
     with ProducerThread(cfg), ConsumerThread(cfg) as consumer:

@@ -2,7 +2,8 @@
 end on real parts: PostgreSQL → producer → Tansu → Spark (one streaming
 query over the pgbench shapes) → target, killed with -9 while Spark has a
 batch logged that the target has not committed yet; and a shape whose
-target cannot follow held back while the others go on (issue 17)."""
+target cannot follow held back while the others go on, in the one query and
+in the continuous reader (issue 17)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 from pathlib import Path
 
 import psycopg
+import pytest
 
 from spark_consumer.checkpoint import topics_batch_unapplied
 from spark_consumer.shapes_query import CHECKPOINT_NAME
@@ -104,8 +106,9 @@ def _rows(dsn: str, table: str) -> list[tuple]:
             return []
 
 
+@pytest.mark.parametrize("queries", ["one", "continuous"])
 def test_a_shape_that_cannot_follow_is_held_while_the_others_go_on_and_rejoins_at_its_progress(
-        source_db, target_db, kafka_broker, topic_prefix, tmp_path, caplog):
+        source_db, target_db, kafka_broker, topic_prefix, tmp_path, caplog, queries):
     with psycopg.connect(source_db, autocommit=True) as conn:
         for t in ("held", "free"):
             conn.execute(f"CREATE TABLE {t} (id int PRIMARY KEY, v int)")
@@ -117,7 +120,7 @@ def test_a_shape_that_cannot_follow_is_held_while_the_others_go_on_and_rejoins_a
     group = f"{topic_prefix}-spark"
     cfg = make_config(source_db, kafka_broker.bootstrap, topic_prefix,
                       [{"table": "public.held"}, {"table": "public.free"}],
-                      consumer={"group": group, "target_dsn": str(target_db), "queries": "one",
+                      consumer={"group": group, "target_dsn": str(target_db), "queries": queries,
                                 "checkpoint_dir": str(tmp_path / "checkpoints"), "trigger_interval": 0.5},
                       ack={"consumer_groups": [group], "interval": 0.5})
     caplog.set_level("INFO", logger="walbridge.consumer")
