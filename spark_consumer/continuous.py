@@ -68,7 +68,12 @@ rounds_log = logging.getLogger("walbridge.consumer.rounds")  # DEBUG: each round
 
 QUERY_NAME = "walbridge:continuous"
 ROUND_OFFSETS = 10_000  # per topic and round, unless max_offsets_per_trigger says otherwise
-IDLE_LOOK_S = 0.05  # after a round that found nothing new: the wait before the next look
+# After a look that found nothing new, the wait before the next: at least
+# IDLE_LOOK_S, and IDLE_LOOK_SHARE times what the look took, so an idle reader
+# over many topics does not spend its time looking (200 topics at a fixed
+# 50 ms: 0.63 cores idle; bench/RESULTS.md).
+IDLE_LOOK_S = 0.05
+IDLE_LOOK_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,7 @@ class ContinuousQuery:
                 start = end
                 self.lastProgress = {"batchId": batch_id, "offsets": sum(r.end - r.start for r in ranges)}
                 if not ranges:
-                    self._stopping.wait(IDLE_LOOK_S)
+                    self._stopping.wait(max(IDLE_LOOK_S, IDLE_LOOK_SHARE * (time.monotonic() - began)))
         except BaseException as e:  # noqa: BLE001 - the run loop reads it (exception()) and restarts
             self._error = e
         finally:
