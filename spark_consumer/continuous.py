@@ -74,6 +74,7 @@ ROUND_OFFSETS = 10_000  # per topic and round, unless max_offsets_per_trigger sa
 # 50 ms: 0.63 cores idle; bench/RESULTS.md).
 IDLE_LOOK_S = 0.05
 IDLE_LOOK_SHARE = 4
+STOP_WAIT_S = 30.0  # how long a stop waits for the round being read
 
 
 @dataclass(frozen=True)
@@ -138,10 +139,16 @@ class ContinuousQuery:
         return self._error
 
     def stop(self) -> None:
-        """Stop after the round in hand (its apply is the applier's to finish)."""
+        """Stop after the round in hand (its apply is the applier's to finish).
+        A round still reading after :data:`STOP_WAIT_S` (a broker that does
+        not answer) is left behind: it can hand nothing over any more (the
+        applier refuses rounds once quiesced), and a restarted reader reads
+        with range consumers of its own."""
         self._stopping.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(STOP_WAIT_S)
+            if self._thread.is_alive():
+                log.warning("the continuous reader is still in a read after %.0fs; leaving it behind", STOP_WAIT_S)
 
     def _run(self) -> None:
         try:

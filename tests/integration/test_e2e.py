@@ -38,6 +38,15 @@ def pgbench(dsn: str, *args: str) -> None:
     subprocess.run([str(find_pg_bin() / "pgbench"), *args, dsn], check=True, capture_output=True)
 
 
+def pgbench_until(dsn: str, done: threading.Event) -> None:
+    """pgbench in rounds of 5 s until ``done`` is set, for at least 15 s
+    (at most 150 s)."""
+    for round_ in range(30):
+        pgbench(dsn, "-n", "-c", "2", "-T", "5")
+        if round_ >= 2 and done.is_set():
+            break
+
+
 def e2e_config(source_db, target_db, bootstrap, prefix, tmp_path):
     group = f"{prefix}-spark"
     return make_config(source_db, bootstrap, prefix, SHAPES,

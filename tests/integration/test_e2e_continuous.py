@@ -18,7 +18,7 @@ from tests.integration.test_e2e import (
     _verify_ok,
     assert_applied_once,
     e2e_config,
-    pgbench,
+    pgbench_until,
 )
 
 KILLS = 4
@@ -42,14 +42,7 @@ def test_continuous_reader_killed_again_and_again_ends_equal_with_nothing_applie
     path = write_toml(cfg, tmp_path / "wb.toml")
     log = tmp_path / "consumer.log"
     kills_done = threading.Event()
-
-    def load():  # until the kills are done, and at least 15 s
-        for round_ in range(30):
-            pgbench(source_db, "-n", "-c", "2", "-T", "5")
-            if round_ >= 2 and kills_done.is_set():
-                break
-
-    loader = threading.Thread(target=load, daemon=True)
+    loader = threading.Thread(target=pgbench_until, args=(source_db, kills_done), daemon=True)
     with ProducerThread(cfg):
         consumer = ConsumerProcess(path, log).start()
         try:

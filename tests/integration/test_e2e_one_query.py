@@ -30,7 +30,7 @@ from tests.integration.test_e2e import (
     _verify_ok,
     assert_applied_once,
     e2e_config,
-    pgbench,
+    pgbench_until,
 )
 
 
@@ -54,21 +54,15 @@ def test_one_query_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sour
     cfg["consumer"]["max_offsets_per_trigger"] = 5000  # per topic: many batches, kills land mid-stream
     path = write_toml(cfg, tmp_path / "wb.toml")
     log = tmp_path / "consumer.log"
-    load_done, kills_done = threading.Event(), threading.Event()
-
-    def load():  # until the kills are done, and at least 15 s
-        for round_ in range(30):
-            pgbench(source_db, "-n", "-c", "2", "-T", "5")
-            if round_ >= 2 and kills_done.is_set():
-                break
-        load_done.set()
+    kills_done = threading.Event()
+    loader = threading.Thread(target=pgbench_until, args=(source_db, kills_done), daemon=True)
 
     with ProducerThread(cfg):
         consumer = ConsumerProcess(path, log).start()
         try:
             wait_for(lambda: _applied_batches(target_db) > 5000, timeout=180, interval=0.5,
                      what="consumer applying")
-            threading.Thread(target=load, daemon=True).start()
+            loader.start()
             # At least two kills; more until one lands in the window (Spark has the batch as done, the
             # target not yet), which can close between the look and the kill when the apply is quick.
             for kill in range(6):
@@ -82,7 +76,7 @@ def test_one_query_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sour
                 if kill >= 1 and "read and applied again" in log.read_text():
                     break
             kills_done.set()
-            load_done.wait(60)
+            loader.join(60)
             ok = wait_for(lambda: _verify_ok(cfg)[0], timeout=300, interval=3, what="target == source")
             assert ok, _verify_ok(cfg)[1]
             wait_for(lambda: _caught_up(cfg), timeout=60, what="slot at the last commit")
