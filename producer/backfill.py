@@ -75,7 +75,7 @@ from schemas.kafka import scan_consumer
 
 log = logging.getLogger("walbridge.backfill")
 
-QUEUE_CHUNKS = 4
+QUEUE_CHUNKS = 16
 _DONE = object()
 
 
