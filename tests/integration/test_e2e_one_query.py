@@ -34,13 +34,14 @@ from tests.integration.test_e2e import (
 )
 
 
-def _one_query_unapplied(cfg) -> bool:
-    """Has Spark logged a batch of the one query that the target lacks?"""
-    with psycopg.connect(cfg["consumer"]["target_dsn"]) as conn:
-        progress: dict[str, dict[int, int]] = {}
-        for topic, partition, nxt in conn.execute("SELECT topic, partition, next_offset FROM _walbridge.progress "
-                                                  "WHERE consumer_group = %s", (cfg["consumer"]["group"],)):
-            progress.setdefault(topic, {})[partition] = nxt
+def _one_query_unapplied(cfg, conn) -> bool:
+    """Has Spark logged a batch of the one query that the target lacks?
+    (``conn``: an autocommit connection to the target, kept open so that the
+    look is quick and the kill after it lands before the window closes.)"""
+    progress: dict[str, dict[int, int]] = {}
+    for topic, partition, nxt in conn.execute("SELECT topic, partition, next_offset FROM _walbridge.progress "
+                                              "WHERE consumer_group = %s", (cfg["consumer"]["group"],)):
+        progress.setdefault(topic, {})[partition] = nxt
     topics = {f"{cfg['kafka']['topic_prefix']}.{s.get('name') or s['table']}": {} for s in cfg["shapes"]}
     return topics_batch_unapplied(Path(cfg["consumer"]["checkpoint_dir"]) / CHECKPOINT_NAME, progress,
                                   topics) is not None
@@ -63,12 +64,14 @@ def test_one_query_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sour
             wait_for(lambda: _applied_batches(target_db) > 5000, timeout=180, interval=0.5,
                      what="consumer applying")
             loader.start()
-            # At least two kills; more until one lands in the window (Spark has the batch as done, the
-            # target not yet), which can close between the look and the kill when the apply is quick.
-            for kill in range(6):
-                wait_for(lambda: _one_query_unapplied(cfg), timeout=120, interval=0.01,
-                         what="a batch logged by Spark, not yet in the target")
-                consumer.kill9()
+            # At least two kills; more (up to 10) until one lands in the window (Spark has the batch as
+            # done, the target not yet), which can close between the look and the kill when the apply is
+            # quick (6 tries missed it once in CI, with a new connection per look).
+            for kill in range(10):
+                with psycopg.connect(target_db, autocommit=True) as look:
+                    wait_for(lambda: _one_query_unapplied(cfg, look), timeout=120, interval=0.005,
+                             what="a batch logged by Spark, not yet in the target")
+                    consumer.kill9()
                 started = log.read_text().count("in one query")
                 consumer = ConsumerProcess(path, log).start()
                 wait_for(lambda: log.read_text().count("in one query") > started, timeout=120,
