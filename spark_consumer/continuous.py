@@ -105,8 +105,7 @@ class ContinuousApplier(ShapesApplier):
         self._hand_over(tables, batch_id, round_.topic_ids, round_.began)
 
     def _decode_here(self, raw: list[pa.RecordBatch], topics: list[str], first: bool) -> dict[str, pa.Table]:
-        shapes = {t: (self.states[t].source, self.states[t].schemas) for t in topics}
-        return {t: pa.Table.from_batches(batches) for t, batches in decode_by_topic(shapes, raw).items()}
+        return {t: pa.Table.from_batches(batches) for t, batches in decode_by_topic(self._shapes(topics), raw).items()}
 
 
 class ContinuousQuery:
@@ -158,15 +157,16 @@ class ContinuousQuery:
                 began = time.monotonic()
                 end = self._reader.latestOffset(start, self._limit)
                 ranges = self._reader.ranges(start, end)
+                offsets = sum(r.end - r.start for r in ranges)
                 if ranges:
                     looked = time.monotonic()
                     raw = list(read_offset_ranges(self._opts.__getitem__, ranges))
-                    rounds_log.debug("round %d: %d offsets, look %.3fs, read %.3fs", batch_id,
-                                     sum(r.end - r.start for r in ranges), looked - began, time.monotonic() - looked)
+                    rounds_log.debug("round %d: %d offsets, look %.3fs, read %.3fs", batch_id, offsets,
+                                     looked - began, time.monotonic() - looked)
                     self._applier(Round(raw, {t: o.get(TOPIC_ID) for t, o in end.items()}, began), batch_id)
                     batch_id += 1
                 start = end
-                self.lastProgress = {"batchId": batch_id, "offsets": sum(r.end - r.start for r in ranges)}
+                self.lastProgress = {"batchId": batch_id, "offsets": offsets}
                 if not ranges:
                     self._stopping.wait(max(IDLE_LOOK_S, IDLE_LOOK_SHARE * (time.monotonic() - began)))
         except BaseException as e:  # noqa: BLE001 - the run loop reads it (exception()) and restarts

@@ -233,8 +233,12 @@ class ShapesApplier(PipelinedApply):
     def _decode_on_executors(self, batch_df, topics: list[str], first: bool) -> dict[str, pa.Table]:
         """``topics``' rows of the batch decoded by the executors, in one Spark job."""
         df = batch_df if first else batch_df.filter(F.col("_wb_topic").isin(topics))
-        shapes = {t: (self.states[t].source, self.states[t].schemas) for t in topics}
-        return tables_by_topic(df.mapInArrow(functools.partial(decode_shapes, shapes), DECODED_SCHEMA).toArrow())
+        return tables_by_topic(df.mapInArrow(functools.partial(decode_shapes, self._shapes(topics)),
+                                             DECODED_SCHEMA).toArrow())
+
+    def _shapes(self, topics: list[str]) -> dict[str, tuple[SourceOptions, ShapeSchemas]]:
+        """What a decode of ``topics`` needs: each one's source options and writer schemas now."""
+        return {t: (self.states[t].source, self.states[t].schemas) for t in topics}
 
     def _decode(self, decode: Callable[[list[str], bool], dict[str, pa.Table]], batch_id: int
                 ) -> dict[str, pa.Table]:
