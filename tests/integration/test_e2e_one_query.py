@@ -37,14 +37,20 @@ from tests.integration.test_e2e import (
 def _one_query_unapplied(cfg, conn) -> bool:
     """Has Spark logged a batch of the one query that the target lacks?
     (``conn``: an autocommit connection to the target, kept open so that the
-    look is quick and the kill after it lands before the window closes.)"""
+    look is quick and the kill after it lands before the window closes.)
+    The checkpoint is looked at before the target's progress: progress read
+    first could be overtaken by the apply before Spark logs the batch as done,
+    and the look would see a window already closed (10 kills missed it in CI)."""
+    checkpoint = Path(cfg["consumer"]["checkpoint_dir"]) / CHECKPOINT_NAME
+    done = [int(p.name) for p in (checkpoint / "commits").glob("*") if p.name.isdigit()]
+    if not done:
+        return False
     progress: dict[str, dict[int, int]] = {}
     for topic, partition, nxt in conn.execute("SELECT topic, partition, next_offset FROM _walbridge.progress "
                                               "WHERE consumer_group = %s", (cfg["consumer"]["group"],)):
         progress.setdefault(topic, {})[partition] = nxt
     topics = {f"{cfg['kafka']['topic_prefix']}.{s.get('name') or s['table']}": {} for s in cfg["shapes"]}
-    return topics_batch_unapplied(Path(cfg["consumer"]["checkpoint_dir"]) / CHECKPOINT_NAME, progress,
-                                  topics) is not None
+    return topics_batch_unapplied(checkpoint, progress, topics) == max(done)  # not one logged since
 
 
 def test_one_query_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(source_db, target_db, kafka_broker,
@@ -52,7 +58,7 @@ def test_one_query_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sour
     _prepare_source(source_db)
     cfg = e2e_config(source_db, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
     cfg["consumer"]["queries"] = "one"
-    cfg["consumer"]["max_offsets_per_trigger"] = 5000  # per topic: many batches, kills land mid-stream
+    cfg["consumer"]["max_offsets_per_trigger"] = 5000  # per batch, all topics: many batches, kills land mid-stream
     path = write_toml(cfg, tmp_path / "wb.toml")
     log = tmp_path / "consumer.log"
     kills_done = threading.Event()
@@ -65,8 +71,7 @@ def test_one_query_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sour
                      what="consumer applying")
             loader.start()
             # At least two kills; more (up to 10) until one lands in the window (Spark has the batch as
-            # done, the target not yet), which can close between the look and the kill when the apply is
-            # quick (6 tries missed it once in CI, with a new connection per look).
+            # done, the target not yet), which can still close between the look and the kill.
             for kill in range(10):
                 with psycopg.connect(target_db, autocommit=True) as look:
                     wait_for(lambda: _one_query_unapplied(cfg, look), timeout=120, interval=0.005,
