@@ -15,7 +15,9 @@ The path of one round, top to bottom:
    (:meth:`~spark_consumer.topics_source.TopicsStreamReader.latestOffset`,
    with every protection of the Spark source: a recreated topic, an end below
    what was read, a new partition), at most ``max_offsets_per_trigger``
-   (default :data:`ROUND_OFFSETS`) offsets per topic.
+   (default :data:`ROUND_OFFSETS`) offsets in all, shared fairly among the
+   topics with a backlog (a round's memory is bounded whatever the shape
+   count).
 2. Their ranges read on the driver with one assignment
    (:func:`~spark_consumer.kafka_source.read_offset_ranges`, what the
    executors run: rows handed over only while their topic incarnation stands,
@@ -67,7 +69,7 @@ log = logging.getLogger("walbridge.consumer")
 rounds_log = logging.getLogger("walbridge.consumer.rounds")  # DEBUG: each round's look and read times
 
 QUERY_NAME = "walbridge:continuous"
-ROUND_OFFSETS = 10_000  # per topic and round, unless max_offsets_per_trigger says otherwise
+ROUND_OFFSETS = 50_000  # per round, all topics, unless max_offsets_per_trigger says otherwise
 # After a look that found nothing new, the wait before the next: at least
 # IDLE_LOOK_S, and IDLE_LOOK_SHARE times what the look took, so an idle reader
 # over many topics does not spend its time looking (200 topics at a fixed

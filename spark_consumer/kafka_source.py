@@ -372,6 +372,19 @@ def plan_end_offsets(start: Offsets, available: Offsets, max_rows: int | None) -
     return {p: start[p] + shares[p] for p in start}
 
 
+def fair_shares(wants: dict[Any, int], max_rows: int) -> dict[Any, int]:
+    """Max-min fair shares of ``max_rows``: each key gets what it wants or an
+    equal share of what is left, whichever is less, smallest wants first, so
+    a large backlog never starves a small one and nothing is left unused
+    while some key wants more (but integer remainders)."""
+    shares, left = {}, max_rows
+    waiting = sorted(wants, key=lambda k: (wants[k], str(k)))
+    for i, k in enumerate(waiting):
+        shares[k] = min(wants[k], left // (len(waiting) - i))
+        left -= shares[k]
+    return shares
+
+
 @dataclass
 class OffsetRange(InputPartition):
     """One Spark task: the messages of ``topic[partition]`` with

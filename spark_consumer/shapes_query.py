@@ -42,8 +42,7 @@ Invariants:
   applied again (:func:`spark_consumer.checkpoint.topics_replay_unapplied`);
   the newest batch's group commit, if the target has it, is made again.
 - Undecodable messages go to each shape's own ``<topic>.dlq``.
-- Not yet here: the staged apply (config refuses the pair), a read limit
-  shared across topics (``max_offsets_per_trigger`` is per topic).
+- Not yet here: the staged apply (config refuses the pair).
 """
 
 from __future__ import annotations

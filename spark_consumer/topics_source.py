@@ -32,8 +32,9 @@ Invariants:
 - A topic not (or no longer) in ``topics`` is left out of every new offset and
   of the batches planned from now on; a replayed batch reads only the query's
   topics (the others' rows would be ignored by the apply anyway).
-- ``max_offsets_per_trigger`` bounds each topic's share of a batch, not the
-  whole batch (a first cut: a batch holds at most that many offsets per topic).
+- ``max_offsets_per_trigger`` bounds the whole batch: each topic with a
+  backlog gets a fair share (:func:`share_read_limit`), so a large snapshot
+  bounds the batch without starving a small shape behind it.
 - A batch's ranges are packed into tasks across topics, about
   ``SMALL_BATCH_OFFSETS`` offsets each (one task for a small batch), each
   task's ranges read with one assignment on one consumer
@@ -58,7 +59,7 @@ from typing import Any, Iterable, Iterator
 
 from confluent_kafka import KafkaException
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader
-from pyspark.sql.streaming.datasource import ReadLimit, SupportsTriggerAvailableNow
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
 from pyspark.sql.types import StructType
 
 from spark_consumer.kafka_source import (
@@ -68,9 +69,13 @@ from spark_consumer.kafka_source import (
     ProbeClients,
     ShapeStreamReader,
     SourceOptions,
+    fair_shares,
+    offsets_from_json,
+    plan_end_offsets,
     plan_tasks,
     read_offset_range,
     read_offset_ranges,
+    recreated,
 )
 
 log = logging.getLogger(__name__)
@@ -127,6 +132,31 @@ def read_ranges(start: TopicsOffsets | None, end: TopicsOffsets, topics: Iterabl
         if topic not in end or end[topic].get(JOINED) or (start is not None and topic not in start):
             continue
         yield topic, (start or {}).get(topic), end[topic]
+
+
+def share_read_limit(start: TopicsOffsets, end: TopicsOffsets, max_rows: int) -> TopicsOffsets:
+    """``end`` cut to at most ``max_rows`` offsets read in all: each topic's
+    fair share (:func:`~spark_consumer.kafka_source.fair_shares`) spread over
+    its partitions by backlog. Only partitions read on from ``start`` count and
+    are cut; a topic that joins, or a new incarnation read from offset 0,
+    keeps its end (rare, and bounded by what the broker held)."""
+    moving: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
+    for t, e in end.items():
+        if t not in start or e.get(JOINED) or recreated(start[t], e):
+            continue
+        begin, stop = offsets_from_json(start[t]), offsets_from_json(e)
+        ahead = {p: b for p, b in begin.items() if stop.get(p, b) > b}
+        if ahead:
+            moving[t] = (ahead, stop)
+    wants = {t: sum(stop[p] - b for p, b in ahead.items()) for t, (ahead, stop) in moving.items()}
+    if sum(wants.values()) <= max_rows:
+        return end
+    out = dict(end)
+    for t, share in fair_shares(wants, max_rows).items():
+        ahead, stop = moving[t]
+        cut = plan_end_offsets(ahead, stop, share)
+        out[t] = {**end[t], **{str(p): o for p, o in cut.items()}}
+    return out
 
 
 class TopicsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -195,16 +225,18 @@ class TopicsStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         rejoin, self._rejoin = self._rejoin, set()
         readers = self._each()
         self._prefetch(readers)  # a joining topic's probe (its starting offsets) is one of the round's too
+        # A row limit is the whole batch's: each topic looks at all it has, then the limit is shared.
+        each_limit = ReadAllAvailable() if isinstance(limit, ReadMaxRows) else limit
         try:
             for t, r in readers.items():
                 if t in start and t not in rejoin:
-                    out[t] = r.latestOffset(start[t], limit)
+                    out[t] = r.latestOffset(start[t], each_limit)
                 else:  # joins at its starting offsets, read from the next batch on
                     out[t] = {**self._start_of(t), JOINED: True}
                     log.info("topic %s %s the query at %s", t, "rejoins" if t in start else "joins", out[t])
         finally:
             self._clients.end_round()
-        return out
+        return share_read_limit(start, out, limit.max_rows) if isinstance(limit, ReadMaxRows) else out
 
     def reportLatestOffset(self) -> dict | None:
         reported = {t: r.reportLatestOffset() for t, r in self._each().items()}

@@ -38,7 +38,7 @@ def test_continuous_reader_killed_again_and_again_ends_equal_with_nothing_applie
     _prepare_source(source_db)
     cfg = e2e_config(source_db, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
     cfg["consumer"]["queries"] = "continuous"
-    cfg["consumer"]["max_offsets_per_trigger"] = 2000  # per topic: many rounds, kills land mid-stream
+    cfg["consumer"]["max_offsets_per_trigger"] = 2000  # per round, all topics: many rounds, kills land mid-stream
     path = write_toml(cfg, tmp_path / "wb.toml")
     log = tmp_path / "consumer.log"
     kills_done = threading.Event()

@@ -36,6 +36,7 @@ from spark_consumer.kafka_source import (
     PartitionEnds,
     ProbeClients,
     SourceOptions,
+    fair_shares,
     offsets_from_json,
 )
 from spark_consumer.topics_source import (
@@ -44,12 +45,13 @@ from spark_consumer.topics_source import (
     options_from_spark,
     options_to_spark,
     read_ranges,
+    share_read_limit,
     topic_options,
 )
 from tests.unit.test_checkpoint import names, write_batches
 from tests.unit.test_spark_decode import FakeEnds
 
-A, B, C = "wb.public.a", "wb.public.b", "wb.public.c"
+A, B, C, D = "wb.public.a", "wb.public.b", "wb.public.c", "wb.public.d"
 
 
 def raw(rows: list[tuple[str, int, int]]) -> pa.RecordBatch:
@@ -159,10 +161,30 @@ def test_offsets_are_per_topic_each_with_its_id_and_small_batches_are_one_task()
     [task] = r.partitions(start, end)
     assert task == OffsetRanges((OffsetRange(A, 0, 0, 10, f"id-{A}"), OffsetRange(A, 1, 0, 5, f"id-{A}"),
                                  OffsetRange(B, 0, 0, 3, f"id-{B}")))
-    # the limit applies per topic in this first cut
-    assert r.latestOffset(start, ReadMaxRows(3))[A] == {"0": 2, "1": 1, "topic_id": f"id-{A}"}
+    # the limit is the batch's, shared fairly: B wants 3 of 6, A gets the other 3 (by backlog 2 + 1)
+    assert r.latestOffset(start, ReadMaxRows(6)) == {A: {"0": 2, "1": 1, "topic_id": f"id-{A}"},
+                                                     B: {"0": 3, "topic_id": f"id-{B}"}}
     cut = _reader({A: {0: 10, 1: 5}, B: {0: 3}}, max_per_task=100).partitions(start, end)
     assert [(t.topic, t.partition) for t in cut] == [(A, 0), (A, 1), (B, 0)]  # a per-task cut: no bundling
+
+
+def test_fair_shares_serve_small_wants_whole_and_split_the_rest_evenly():
+    assert fair_shares({"big": 1000, "small": 3, "mid": 40}, 100) == {"small": 3, "mid": 40, "big": 57}
+    assert fair_shares({"a": 10, "b": 10}, 15) == {"a": 7, "b": 8}  # the remainder is not left unused
+    assert fair_shares({"a": 5}, 100) == {"a": 5}
+    assert fair_shares({"a": 50, "b": 50, "c": 50}, 2) == {"a": 0, "b": 1, "c": 1}
+
+
+def test_a_shared_limit_cuts_only_partitions_read_on_and_keeps_joins_and_new_incarnations():
+    start = {A: {"0": 100, "1": 0, "topic_id": "a1"}, B: {"0": 0, "topic_id": "b1"},
+             C: {"0": 10, "topic_id": "c1"}}
+    end = {A: {"0": 1100, "1": 0, "2": 0, "topic_id": "a1"},  # partition 2 is new: it joins at 0
+           B: {"0": 500, "topic_id": "b2"},  # recreated: read from 0 in the new incarnation, not cut
+           C: {"0": 14, "topic_id": "c1"}, D: {"0": 7, "topic_id": "d1", JOINED: True}}
+    cut = share_read_limit(start, end, 104)
+    assert cut[A] == {"0": 200, "1": 0, "2": 0, "topic_id": "a1"} and cut[C] == {"0": 14, "topic_id": "c1"}
+    assert cut[B] == end[B] and cut[D] == end[D]
+    assert share_read_limit(start, end, 1004) is end  # within the limit: untouched
 
 
 def test_a_topic_joins_at_its_starting_offsets_with_an_empty_range():
