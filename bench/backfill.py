@@ -15,12 +15,19 @@ Method:
 - Phase "before": ``--baseline-seconds`` of load alone. Phase "during": a
   ``walbridge backfill`` of ``pgbench_accounts`` (SCALE × 100k rows) from the
   request until the producer reports it done.
-- Reference for throughput: ``COPY (SELECT * FROM pgbench_accounts) TO STDOUT``
-  read by psycopg in this process, with the load stopped.
+- References for throughput, each on one connection as the backfill reads:
+  "COPY → Kafka" (``bench/snapshot.py``'s loop: ``COPY`` the table and produce
+  each raw row, acknowledged, no Avro) once before the load starts, beside the
+  initial snapshot, and once under the load, beside the backfill; and
+  ``COPY (SELECT * FROM pgbench_accounts) TO STDOUT`` read by psycopg in this
+  process, with the load stopped.
 Reported: p50/p95/max latency per phase and their ratios (during / before);
-backfill rows/s (from the request to "done" seen by this script, and the
-producer's own, from starting the backfill to its ``backfill_end`` delivered)
-and its ratio to the COPY's rows/s.
+backfill rows/s (from the request to "done" seen by this script; the
+producer's own, from starting the backfill to its ``backfill_end`` delivered;
+and from its first COPY, as the initial snapshot's time is logged), the
+initial snapshot's rows/s (no load), and each against its COPY → Kafka
+reference: "the same speed" is the backfill under load keeping the ratio the
+snapshot keeps without it.
 """
 
 from __future__ import annotations
@@ -37,11 +44,14 @@ from pathlib import Path
 
 import psycopg
 from confluent_kafka import OFFSET_END, Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.producer import ProducerProc, pgbench_init, write_config  # noqa: E402
+from bench.snapshot import _DONE as SNAPSHOT_DONE  # noqa: E402
+from bench.snapshot import copy_to_kafka  # noqa: E402
 from producer.backfill_requests import read_states, request_backfill  # noqa: E402
 from schemas import wire  # noqa: E402
 from schemas.config import load_config  # noqa: E402
@@ -92,6 +102,7 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=10)
     ap.add_argument("--rate", type=int, default=100, help="pgbench transactions/s during the run")
     ap.add_argument("--baseline-seconds", type=float, default=20)
+    ap.add_argument("--chunk-rows", type=int, default=None, help="[backfill] chunk_rows (default: the config's)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "backfill.json")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="wb-bench-backfill-"))
@@ -105,11 +116,23 @@ def main() -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
         config_path = write_config(base / "wb.toml", dsn, broker.bootstrap, tables)
+        if args.chunk_rows:
+            config_path.write_text(config_path.read_text() + f"\n[backfill]\nchunk_rows = {args.chunk_rows}\n")
         config = load_config(config_path)
         producer = ProducerProc(config_path, base / "producer.log")
         load = None
         try:
             producer.wait_streaming(timeout=900)  # the initial snapshot comes first
+            snapshot = SNAPSHOT_DONE.search((base / "producer.log").read_text())
+            snapshot_rows, snapshot_s = int(snapshot.group(1)), float(snapshot.group(2))
+            admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+            for topic in ("ref_idle", "ref_load"):
+                admin.create_topics([NewTopic(topic, 4, 1)])[topic].result(30)
+            n_idle, t_idle = copy_to_kafka(dsn, broker.bootstrap, "ref_idle", [None])
+            results["initial_snapshot"] = {
+                "rows": snapshot_rows, "seconds": snapshot_s, "rows_per_s": round(snapshot_rows / snapshot_s),
+                "copy_to_kafka_rows_per_s": round(n_idle / t_idle),
+                "vs_copy_to_kafka": round(snapshot_rows / snapshot_s / (n_idle / t_idle), 3)}
             probe = LatencyProbe(broker.bootstrap, "bench.public.pgbench_history", "bench")
             probe.start()
             load = subprocess.Popen([str(pg_bin / "pgbench"), "-n", "-c", "2", "-R", str(args.rate), "-T", "3600",
@@ -128,6 +151,7 @@ def main() -> None:
                     raise RuntimeError("producer died:\n" + (base / "producer.log").read_text()[-3000:])
                 time.sleep(0.5)
             t2 = time.time()
+            n_load, t_load = copy_to_kafka(dsn, broker.bootstrap, "ref_load", [None])  # the same load, probe too
             load.terminate()
             load.wait(30)
             probe.stop.set()
@@ -140,8 +164,13 @@ def main() -> None:
             results["latency_ratio_p95"] = round(results["latency_during_backfill"]["p95_ms"]
                                                  / results["latency_before"]["p95_ms"], 2)
             own = state["finished_at"] - state["started_at"]  # the producer's: from its start to backfill_end delivered
+            reading = state["finished_at"] - state["reading_since"]  # from its first COPY, as the snapshot's
             results["backfill"] = {"rows": rows, "seconds": round(t2 - t1, 2), "rows_per_s": round(rows / (t2 - t1)),
-                                   "producer_seconds": round(own, 2), "producer_rows_per_s": round(rows / own)}
+                                   "producer_seconds": round(own, 2), "producer_rows_per_s": round(rows / own),
+                                   "reading_seconds": round(reading, 2), "reading_rows_per_s": round(rows / reading),
+                                   "copy_to_kafka_rows_per_s": round(n_load / t_load),
+                                   "vs_copy_to_kafka": round(rows / reading / (n_load / t_load), 3)}
+            results["backfill_vs_initial_snapshot"] = round(rows / reading / (snapshot_rows / snapshot_s), 3)
             with psycopg.connect(dsn) as conn:
                 started = time.monotonic()
                 n = 0

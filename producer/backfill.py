@@ -89,6 +89,7 @@ class SnapshotReader:
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_CHUNKS)
         self._stop = threading.Event()
         self.lsn: int | None = None
+        self.reading_since: float | None = None  # wall time its COPY began (slot created, snapshot imported)
         self.error: BaseException | None = None
         self.finished = False
         self._thread = threading.Thread(target=self._run, name=f"backfill-{slot_name}", daemon=True)
@@ -117,6 +118,7 @@ class SnapshotReader:
                 finally:
                     repl.close()  # the snapshot lives on in our transaction; the slot goes
                 self.lsn = lsn
+                self.reading_since = time.time()
                 for chunk in copy_chunks(conn, self._copy_sql, self._chunk_rows):
                     if not self._put(chunk):
                         return
@@ -356,10 +358,11 @@ class Backfills:
         bf.reader.close()
         done = {**bf.progress(), "state": "done", "finished": bf.finished}
         self.done = (self.done + [done])[-10:]
+        reading_since = bf.reader.reading_since or bf.started
         self._set_state(bf.request, "done", backfill_id=bf.backfill_id, lsn=bf.reader.lsn, rows=bf.sent,
-                        read=bf.rows, started_at=bf.started, finished_at=bf.finished)
-        log.info("backfill %s of shape %s done: %d rows read, %d produced in %.1fs", bf.backfill_id, bf.shape,
-                 bf.rows, bf.sent, bf.finished - bf.started)
+                        read=bf.rows, started_at=bf.started, reading_since=reading_since, finished_at=bf.finished)
+        log.info("backfill %s of shape %s done: %d rows read, %d produced in %.2fs (%.2fs from its first COPY)",
+                 bf.backfill_id, bf.shape, bf.rows, bf.sent, bf.finished - bf.started, bf.finished - reading_since)
         self.running = None
         if self.queue:
             self._start(self.queue.pop(0))

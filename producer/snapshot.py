@@ -41,7 +41,7 @@ from schemas.kafka import Writer
 
 log = logging.getLogger("walbridge.producer")
 
-CHUNK_ROWS = 2000
+CHUNK_ROWS = 500  # rows per chunk handed to the encoder (bench/RESULTS.md: 500 beat 1000 and 2000)
 _SPLIT_MIN_PAGES = 1024  # ~8 MB: below this a table is one piece of work
 
 

@@ -285,7 +285,7 @@ class AckConfig(_Section):
 class BackfillConfig(_Section):
     # Rows per chunk: the most the producer encodes between two looks at the
     # replication stream, so live changes wait at most one chunk.
-    chunk_rows: Annotated[int, Field(ge=1, le=100_000)] = 1000
+    chunk_rows: Annotated[int, Field(ge=1, le=100_000)] = 500
     # A chunk goes out whenever the stream is idle, and at least this often (s)
     # when it never is, so a busy database cannot starve a backfill.
     force_after: Annotated[float, Field(gt=0)] = 0.1
