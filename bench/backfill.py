@@ -50,8 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.producer import ProducerProc, pgbench_init, write_config  # noqa: E402
-from bench.snapshot import _DONE as SNAPSHOT_DONE  # noqa: E402
-from bench.snapshot import copy_to_kafka  # noqa: E402
+from bench.snapshot import SNAPSHOT_DONE, copy_to_kafka  # noqa: E402
 from producer.backfill_requests import read_states, request_backfill  # noqa: E402
 from schemas import wire  # noqa: E402
 from schemas.config import load_config  # noqa: E402
@@ -129,10 +128,11 @@ def main() -> None:
             for topic in ("ref_idle", "ref_load"):
                 admin.create_topics([NewTopic(topic, 4, 1)])[topic].result(30)
             n_idle, t_idle = copy_to_kafka(dsn, broker.bootstrap, "ref_idle", [None])
+            snapshot_rate = snapshot_rows / snapshot_s
             results["initial_snapshot"] = {
-                "rows": snapshot_rows, "seconds": snapshot_s, "rows_per_s": round(snapshot_rows / snapshot_s),
+                "rows": snapshot_rows, "seconds": snapshot_s, "rows_per_s": round(snapshot_rate),
                 "copy_to_kafka_rows_per_s": round(n_idle / t_idle),
-                "vs_copy_to_kafka": round(snapshot_rows / snapshot_s / (n_idle / t_idle), 3)}
+                "vs_copy_to_kafka": round(snapshot_rate / (n_idle / t_idle), 3)}
             probe = LatencyProbe(broker.bootstrap, "bench.public.pgbench_history", "bench")
             probe.start()
             load = subprocess.Popen([str(pg_bin / "pgbench"), "-n", "-c", "2", "-R", str(args.rate), "-T", "3600",
@@ -165,12 +165,13 @@ def main() -> None:
                                                  / results["latency_before"]["p95_ms"], 2)
             own = state["finished_at"] - state["started_at"]  # the producer's: from its start to backfill_end delivered
             reading = state["finished_at"] - state["reading_since"]  # from its first COPY, as the snapshot's
+            reading_rate = rows / reading
             results["backfill"] = {"rows": rows, "seconds": round(t2 - t1, 2), "rows_per_s": round(rows / (t2 - t1)),
                                    "producer_seconds": round(own, 2), "producer_rows_per_s": round(rows / own),
-                                   "reading_seconds": round(reading, 2), "reading_rows_per_s": round(rows / reading),
+                                   "reading_seconds": round(reading, 2), "reading_rows_per_s": round(reading_rate),
                                    "copy_to_kafka_rows_per_s": round(n_load / t_load),
-                                   "vs_copy_to_kafka": round(rows / reading / (n_load / t_load), 3)}
-            results["backfill_vs_initial_snapshot"] = round(rows / reading / (snapshot_rows / snapshot_s), 3)
+                                   "vs_copy_to_kafka": round(reading_rate / (n_load / t_load), 3)}
+            results["backfill_vs_initial_snapshot"] = round(reading_rate / snapshot_rate, 3)
             with psycopg.connect(dsn) as conn:
                 started = time.monotonic()
                 n = 0

@@ -46,7 +46,7 @@ from bench.producer import ProducerProc, pgbench_init  # noqa: E402
 from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
 
 PARTITIONS = 4
-_DONE = re.compile(r"snapshot \S+ done: (\d+) rows in ([\d.]+)s")
+SNAPSHOT_DONE = re.compile(r"snapshot \S+ done: (\d+) rows in ([\d.]+)s")
 
 
 def page_ranges(conn, workers: int) -> list[tuple[int, int] | None]:
@@ -168,7 +168,7 @@ table = "public.pgbench_accounts"
         total = time.monotonic() - t0
     finally:
         proc.stop()
-    done = _DONE.search(log.read_text())
+    done = SNAPSHOT_DONE.search(log.read_text())
     if done is None:
         raise RuntimeError("no snapshot in the producer's log:\n" + log.read_text()[-3000:])
     with psycopg.connect(dsn, autocommit=True) as conn:

@@ -80,7 +80,8 @@ def batch_applied(start: dict | None, end: dict | None, next_offsets: Mapping[in
     return True
 
 
-def _batch_ids(log_dir: Path) -> list[int]:
+def batch_ids(log_dir: Path) -> list[int]:
+    """The batch ids a Spark log directory (``offsets/``, ``commits/``) holds, in order."""
     if not log_dir.is_dir():
         return []
     return sorted(int(f.name) for f in log_dir.iterdir() if f.name.isdigit())
@@ -110,7 +111,7 @@ def _skipped_partitions(start: dict | None, end: dict | None, next_offsets: Mapp
 def earliest_skipped(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
     """The earliest committed batch before the newest, of the newest batch's
     topic incarnation, that moved a partition the target never applied."""
-    committed = _batch_ids(checkpoint / "commits")
+    committed = batch_ids(checkpoint / "commits")
     if len(committed) < 2:
         return None
     incarnation = batch_topic_id(checkpoint, committed[-1])
@@ -145,7 +146,7 @@ def _starts_incarnation(checkpoint: Path, batch: int) -> bool:
 def newest_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int | None:
     """The newest batch the query's ``checkpoint`` has as committed, if the
     target has not applied it (see the module's invariants); else None."""
-    committed = _batch_ids(checkpoint / "commits")
+    committed = batch_ids(checkpoint / "commits")
     if not committed:
         return None
     newest = committed[-1]
@@ -165,7 +166,7 @@ def batch_topic_id(checkpoint: Path, batch_id: int) -> str | None:
 def newest_topic_id(checkpoint: Path) -> str | None:
     """The topic incarnation the newest committed batch was planned on (None:
     no batch, or not recorded)."""
-    committed = _batch_ids(checkpoint / "commits")
+    committed = batch_ids(checkpoint / "commits")
     return batch_topic_id(checkpoint, committed[-1]) if committed else None
 
 
@@ -173,7 +174,7 @@ def newest_moved(checkpoint: Path, next_offsets: Mapping[int, int]) -> tuple[str
     """The topic id the newest committed batch was read from, and the target's
     next offset of each partition that batch moved (``start < next <= end``):
     what its group commit was to say. (None, {}) without such a batch."""
-    committed = _batch_ids(checkpoint / "commits")
+    committed = batch_ids(checkpoint / "commits")
     if not committed:
         return None, {}
     newest = committed[-1]
@@ -204,10 +205,10 @@ def replay_unapplied(checkpoint: Path, next_offsets: Mapping[int, int]) -> int |
 def _uncommit(checkpoint: Path, first: int) -> None:
     """Make Spark re-run batch ``first`` and plan the ones after it anew:
     its commit, every later commit and every later offsets entry go."""
-    for later in _batch_ids(checkpoint / "offsets"):
+    for later in batch_ids(checkpoint / "offsets"):
         if later > first:
             _remove(checkpoint / "offsets", later)
-    for batch in _batch_ids(checkpoint / "commits"):
+    for batch in batch_ids(checkpoint / "commits"):
         if batch >= first:
             _remove(checkpoint / "commits", batch)
 
@@ -221,7 +222,7 @@ def _topics_of_newest(checkpoint: Path, initial: Mapping[str, dict]
     query's topics (``initial``'s: where the source was told to start each)
     that the batch read, (topic, its start offsets, its end offsets); an
     unreadable entry gives (topic, None, None)."""
-    committed = _batch_ids(checkpoint / "commits")
+    committed = batch_ids(checkpoint / "commits")
     if not committed:
         return None, []
     newest = committed[-1]
@@ -255,7 +256,7 @@ def topics_earliest_skipped(checkpoint: Path, progress: Progress, initial: Mappi
     batch before the newest that moved a partition of one of the query's
     topics (in that topic's incarnation of the newest batch) of which the
     target applied nothing."""
-    committed = _batch_ids(checkpoint / "commits")
+    committed = batch_ids(checkpoint / "commits")
     if len(committed) < 2:
         return None
     newest = _source_offsets(checkpoint, committed[-1]) or {}
@@ -309,7 +310,7 @@ def topics_batch_topic_ids(checkpoint: Path, batch_id: int) -> dict[str, str]:
 def topics_newest_topic_ids(checkpoint: Path) -> dict[str, str]:
     """:func:`newest_topic_id` per topic of a many-topic query (topics whose
     id is not recorded are absent)."""
-    committed = _batch_ids(checkpoint / "commits")
+    committed = batch_ids(checkpoint / "commits")
     return topics_batch_topic_ids(checkpoint, committed[-1]) if committed else {}
 
 
@@ -320,7 +321,7 @@ def topics_ahead_of_target(checkpoint: Path, progress: Progress, topics: Iterabl
     others went on, then a crash before it left the checkpoint). They must
     rejoin at the target's progress. Call it after the newest batch's repair
     (:func:`topics_replay_unapplied`). An unreadable entry: every topic."""
-    committed = _batch_ids(checkpoint / "commits")
+    committed = batch_ids(checkpoint / "commits")
     if not committed:
         return set()
     end = _source_offsets(checkpoint, committed[-1])

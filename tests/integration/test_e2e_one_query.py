@@ -13,7 +13,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from spark_consumer.checkpoint import topics_batch_unapplied
+from spark_consumer.checkpoint import batch_ids, topics_batch_unapplied
 from spark_consumer.shapes_query import CHECKPOINT_NAME
 from tests.helpers import (
     ConsumerProcess,
@@ -42,7 +42,7 @@ def _one_query_unapplied(cfg, conn) -> bool:
     first could be overtaken by the apply before Spark logs the batch as done,
     and the look would see a window already closed (10 kills missed it in CI)."""
     checkpoint = Path(cfg["consumer"]["checkpoint_dir"]) / CHECKPOINT_NAME
-    done = [int(p.name) for p in (checkpoint / "commits").glob("*") if p.name.isdigit()]
+    done = batch_ids(checkpoint / "commits")
     if not done:
         return False
     progress: dict[str, dict[int, int]] = {}
@@ -50,7 +50,7 @@ def _one_query_unapplied(cfg, conn) -> bool:
                                               "WHERE consumer_group = %s", (cfg["consumer"]["group"],)):
         progress.setdefault(topic, {})[partition] = nxt
     topics = {f"{cfg['kafka']['topic_prefix']}.{s.get('name') or s['table']}": {} for s in cfg["shapes"]}
-    return topics_batch_unapplied(checkpoint, progress, topics) == max(done)  # not one logged since
+    return topics_batch_unapplied(checkpoint, progress, topics) == done[-1]  # not one logged since
 
 
 def test_one_query_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(source_db, target_db, kafka_broker,
