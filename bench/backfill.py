@@ -17,8 +17,9 @@ Method:
   request until the producer reports it done.
 - References for throughput, each on one connection as the backfill reads:
   "COPY → Kafka" (``bench/snapshot.py``'s loop: ``COPY`` the table and produce
-  each raw row, acknowledged, no Avro) once before the load starts, beside the
-  initial snapshot, and once under the load, beside the backfill; and
+  each raw row, acknowledged, failed deliveries reported, no Avro) once before
+  the load starts, beside the initial snapshot, and once under the load,
+  beside the backfill; and
   ``COPY (SELECT * FROM pgbench_accounts) TO STDOUT`` read by psycopg in this
   process, with the load stopped.
 Reported: p50/p95/max latency per phase and their ratios (during / before);

@@ -19,8 +19,8 @@ Convergence is resolved in the apply, by position, not with watermarks:
 
 Invariants:
 - A backfill ends with a ``backfill_end`` control event at ``(S, 0)`` on every
-  partition of the shape's topic, produced after all of the backfill's reads
-  (the idempotent producer keeps per-partition order). It is a Kafka tombstone
+  partition of the shape's topic, produced once all of the backfill's reads are
+  in Kafka (:class:`producer.reads.Reads`). It is a Kafka tombstone
   with headers, which Debezium-envelope consumers skip. Its info:
   ``{"backfill_id", "shape", "lsn": S, "partitions", "rows", "scope"}``; the
   consumer garbage-collects rows of the scope below S once it has applied it
@@ -327,6 +327,8 @@ class Backfills:
             return False
         if chunk is None and not bf.reader.finished:
             return False  # the reader is behind (or still creating its slot)
+        if chunk is None and self._reads.in_flight():
+            return False  # every row is sent: backfill_end waits for Kafka to hold them
         lsn = bf.reader.lsn
         if not bf.backfill_id:
             bf.backfill_id = f"bf:{bf.request['request_id']}@{lsn_to_str(lsn)}"
@@ -344,7 +346,7 @@ class Backfills:
             bf.rows += rows
             metrics.SNAPSHOT_ROWS.inc(rows)
             return True
-        # Every read is produced: end the backfill on every partition, after its reads.
+        # Every read is in Kafka: end the backfill on every partition, after its reads.
         topic = bf.route.topic
         writers = [(topic, p) for p in range(self._partitions[topic])]
         self._reads.send_end(writers, bf.headers, wire.BACKFILL_END, bf.backfill_id,

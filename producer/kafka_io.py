@@ -1,9 +1,13 @@
 """Kafka shell of the producer: producer settings, partitioning, partition
-tails and the delivery bookkeeping of the idempotent producer.
+tails and the delivery bookkeeping of the idempotent producers.
 
 Invariants:
-- The producer is idempotent with ``acks=all``; a delivery error is fatal (the
-  process stops and resumes from the slot, which never passed undelivered data).
+- Two producers, both idempotent with ``acks=all``: the stream's, which reports
+  every delivery (its offsets align transactions with consumer commits), and
+  the reads' (:class:`ReadChannel`, snapshot and backfill rows), which reports
+  failures only. A delivery error on either is fatal (the process stops and
+  resumes from the slot, which never passed undelivered data; an unfinished
+  snapshot or backfill is read again).
 - Messages are placed on partitions by walbridge itself (``partitioner.py``:
   murmur2 of the whole key, as Java clients do; keyless rows by position), so a
   replayed change lands on the partition it landed on before.
@@ -16,9 +20,9 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from confluent_kafka import KafkaError, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
 from schemas import wire
 from schemas.kafka import Writer, scan, scan_consumer
@@ -183,3 +187,83 @@ class DeliveryLedger:
 
     def in_flight(self) -> int:
         return sum(self.produced.values()) - sum(self.delivered.values())
+
+
+class ReadChannel:
+    """The producer of rows read whole (initial snapshot, backfills), beside
+    the stream's.
+
+    A read needs no offset, only the certainty that Kafka holds it, so
+    librdkafka reports this producer's failed deliveries only
+    (``delivery.report.only.error``): a report per row, which builds a Python
+    ``Message`` and calls back into Python, cost as much as encoding the row.
+
+    Invariants:
+    - No failure goes unseen: every failed read reaches :meth:`_on_failure`
+      when the producer is served, and :meth:`in_flight` (which serves it)
+      raises the first one. ``in_flight() == 0`` therefore means every read
+      sent so far is in Kafka.
+    - A control event that must follow reads on their partitions (``snapshot_end``,
+      ``backfill_end``) is sent, through the stream's producer, only once
+      ``in_flight()`` is 0: the reads precede it in the log although the two
+      producers' messages interleave otherwise (reads converge with live
+      changes by position, not by order).
+    - A full local queue waits here, serving ``on_full`` (the stream's
+      keepalive) meanwhile: memory stays bounded.
+    """
+
+    def __init__(self, conf: dict[str, Any], on_full: Callable[[], None]):
+        self.kafka = Producer({**producer_config(conf), "delivery.report.only.error": True,
+                               "on_delivery": self._on_failure})
+        self._on_full = on_full
+        self.error: KafkaError | None = None
+
+    def _on_failure(self, err: KafkaError | None, msg: Any) -> None:
+        if err is not None and self.error is None:
+            self.error = KafkaError(err.code(), f"delivery of a read to {msg.topic()}[{msg.partition()}] "
+                                                f"failed: {err.str()}", fatal=err.fatal())
+
+    def send(self, writer: Writer, key: bytes | None, value: bytes | None, headers: list) -> None:
+        while True:
+            try:
+                self.kafka.produce(writer[0], value, key, partition=writer[1], headers=headers)
+                return
+            except BufferError:
+                self.kafka.poll(0.05)
+                self.raise_error()
+                self._on_full()
+
+    def send_all(self, messages: list, headers: list, events: dict) -> None:
+        """:meth:`send` of the read encoder's ``(writer, key, value, stats key)``
+        messages, each counted in ``events`` (unrolled: it runs once per row)."""
+        produce = self.kafka.produce
+        for writer, key, value, stat in messages:
+            try:
+                produce(writer[0], value, key, partition=writer[1], headers=headers)
+            except BufferError:
+                self.send(writer, key, value, headers)
+            events[stat] += 1
+
+    def in_flight(self) -> int:
+        """Reads not yet in Kafka, after serving the producer; raises the
+        first failed delivery."""
+        self.kafka.poll(0)
+        self.raise_error()
+        return len(self.kafka)
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise KafkaException(self.error)
+
+    def flush(self, timeout: float) -> int:
+        remaining = self.kafka.flush(timeout)
+        self.raise_error()
+        return remaining
+
+    def close(self) -> None:
+        """Drop what is still queued: it must never land after a restart's own messages."""
+        try:
+            self.kafka.purge()
+            self.kafka.flush(0)
+        except Exception:
+            pass

@@ -81,7 +81,7 @@ from producer.checkpoint_store import CheckpointStore
 from producer.envelope import control_key
 from producer.fastcodec import CHANGE_KINDS, relation_encoder
 from producer.flush_tracker import LogOffset
-from producer.kafka_io import Tail, producer_config, read_partitions
+from producer.kafka_io import ReadChannel, Tail, producer_config, read_partitions
 from producer.partitions import PartitionWatch
 from producer.pgoutput import Begin, Commit, Delete, Insert, Keepalive, Relation, Truncate, TypeMsg, Update
 from producer.pgtypes import column_codec
@@ -121,6 +121,7 @@ class Pipeline:
         self._kafka_conf = kafka_conf
         self.admin = AdminClient(kafka_conf)
         self.kafka = Producer(producer_config(kafka_conf))
+        self.read_channel = ReadChannel(kafka_conf, self._keep_stream_alive)  # snapshot and backfill rows
         self.schemas = SchemaPublisher(self.kafka, config.kafka.topic_prefix,
                                        config.kafka.registry_client_config() if config.kafka.schema_registry_url
                                        else None, config.kafka.subject_name_strategy)
@@ -198,7 +199,7 @@ class Pipeline:
     def _assemble(self) -> None:
         """The parts around the stream, on the prepared source and topics."""
         cfg = self.config
-        reads = Reads(self._send, self.partitions, self.stats.events, self._control_key, self._send_all)
+        reads = Reads(self.read_channel, self._send, self.partitions, self.stats.events, self._control_key)
         self.snapshot = InitialSnapshot(cfg, self.catalog_conn, self.tables, self._plan_table, reads)
         self.backfills = Backfills(cfg, self.kafka, self._kafka_conf, self.catalog_conn, self.tables,
                                    self._plan_table, reads, self.ledger)
@@ -317,9 +318,11 @@ class Pipeline:
             self.kafka.flush(0)
         except Exception:
             pass
+        if self.read_channel is not None:
+            self.read_channel.close()
         # Release the librdkafka handles now rather than at garbage collection.
         self.acks.close()
-        self.kafka = self.admin = self.schemas = None
+        self.kafka = self.admin = self.schemas = self.read_channel = None
         if self.repl is not None:
             self.repl.close()
         if self.catalog_conn is not None:
@@ -362,6 +365,7 @@ class Pipeline:
             if now - self._last_status >= STATUS_INTERVAL:
                 self._send_status()
                 status.publish()
+                self.read_channel.in_flight()  # raises a failed read
                 backfills.poll()
                 self.partition_watch.poll()
                 self.schema.poll()
@@ -610,19 +614,6 @@ class Pipeline:
                 self._keep_stream_alive()
         self.ledger.count_produce(writer)
 
-    def _send_all(self, messages: list, headers: list) -> None:
-        """``_send`` of the compiled read encoder's ``(writer, key, value, stats
-        key)`` messages, unrolled (it runs once per snapshot or backfill row)."""
-        produce, on_delivery, produced, events = self.kafka.produce, self.ledger.on_delivery, self.ledger.produced, \
-            self.stats.events
-        for writer, key, value, stat in messages:
-            try:
-                produce(writer[0], value, key, partition=writer[1], headers=headers, on_delivery=on_delivery)
-                produced[writer] = produced.get(writer, 0) + 1
-            except BufferError:
-                self._send(writer, key, value, headers)
-            events[stat] += 1
-
     def _commit(self, commit: Commit) -> None:
         last = LogOffset(commit.commit_lsn, max(self._op - 1, 0))
         self.acks.commit(last, self._tx_writers, self._tx_done_writers, self._tx_ts_ms, time.monotonic())
@@ -663,13 +654,14 @@ class Pipeline:
         if time.monotonic() - self._last_status >= STATUS_INTERVAL:
             self._last_status = time.monotonic()
             self.status.publish()
+            self.read_channel.in_flight()  # raises a failed read
         if self.ledger.error is not None:
             raise KafkaException(self.ledger.error)
 
     def _flush_all(self) -> None:
         """Wait for every produced message's delivery report. Bounded: a message
         is delivered or fails within ``message.timeout.ms``; a failure raises."""
-        while self.kafka.flush(1.0):
+        while self.read_channel.flush(1.0) or self.kafka.flush(1.0):
             if self.ledger.error is not None:
                 break
             self._keep_stream_alive()

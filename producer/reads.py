@@ -16,11 +16,12 @@ Invariants:
 - A read goes to its key's partition, where a streamed change of that key
   goes; keyless reads are spread over the partitions by the running count of
   reads sent.
-- Reads go out through the stream's ``send`` (whose back-pressure keeps the
-  replication connection alive) and count as ``r`` events of their shape.
-- The control event (``snapshot_end``, ``backfill_end``) goes to each given
-  partition after every read sent before it: the idempotent producer keeps
-  per-partition order. Its key is a ControlKey naming the event and its id.
+- Reads go out through their own producer (``kafka_io.ReadChannel``: it
+  reports failed deliveries only, and its back-pressure keeps the replication
+  connection alive) and count as ``r`` events of their shape.
+- The control event (``snapshot_end``, ``backfill_end``) goes out through the
+  stream's ``send``, once :meth:`Reads.in_flight` is 0: every read sent before it
+  is in Kafka ahead of it. Its key is a ControlKey naming the event and its id.
 """
 
 from __future__ import annotations
@@ -30,14 +31,13 @@ import re
 from typing import Callable
 
 from producer.fastcodec import read_encoder, read_suffix
+from producer.kafka_io import ReadChannel
 from producer.partitioner import partition_for
 from producer.shapes import RelationPlan, ShapeRoute
 from schemas import wire
 from schemas.kafka import Writer
 
 Send = Callable[[Writer, bytes | None, bytes | None, list], None]
-# ``Send`` of many (writer, key, value, stats key) messages, each counted as an event of its stats key.
-SendAll = Callable[[list, list], None]
 # (topic, event, id) → the ControlKey of a control event on that topic, as written.
 ControlKey = Callable[[str, str, str], bytes]
 
@@ -80,13 +80,17 @@ def copy_rows(data: bytes) -> list[tuple[bytes | None, ...]]:
 class Reads:
     """Sends rows read from the source, and the control event after them."""
 
-    def __init__(self, send: Send, partitions: dict[str, int], events: dict[tuple[str, str], int],
-                 control_key: ControlKey, send_all: SendAll | None = None):
-        self._send = send
-        self._send_all = send_all or self._send_each
+    def __init__(self, channel: ReadChannel, send_control: Send, partitions: dict[str, int],
+                 events: dict[tuple[str, str], int], control_key: ControlKey):
+        self._channel = channel  # the reads' producer (tests: anything with its send, send_all and in_flight)
+        self._send_control = send_control  # the stream's send
         self.partitions = partitions  # topic → partition count
         self._events = events  # (shape, op) → count, the stream's own
         self._control_key = control_key
+
+    def in_flight(self) -> int:
+        """Reads sent and not yet in Kafka (raises a failed delivery)."""
+        return self._channel.in_flight()
 
     def encoder(self, plan: RelationPlan):
         """The compiled read encoder of ``plan`` (None: the reference path)."""
@@ -103,7 +107,7 @@ class Reads:
             encoded = encoder.encode_reads(data, suffixes, sent)
             if encoded is not None:
                 messages, sent = encoded
-                self._send_all(messages, headers)
+                self._channel.send_all(messages, headers, self._events)
                 return sent
         rows = copy_rows(data)
         width = len(plan.names)
@@ -113,18 +117,12 @@ class Reads:
                                  f"values, the table {width} columns: {raw!r:.200}")
         return self.send_rows(plan, routes, rows, sources, headers, now_ms, sent)
 
-    def _send_each(self, messages: list, headers: list) -> None:
-        send, events = self._send, self._events
-        for writer, key, value, stat in messages:
-            send(writer, key, value, headers)
-            events[stat] += 1
-
     def send_rows(self, plan: RelationPlan, routes: list[ShapeRoute], rows: list, sources: dict[str, bytes],
                   headers: list, now_ms: int, sent: int) -> int:
         """Load raw COPY rows through ``plan`` and send each to the ``routes``
         whose filter it passes (``sources``: each route's envelope source block).
         ``sent`` counts the reads sent so far; returns the new count."""
-        send, partitions, events = self._send, self.partitions, self._events
+        send, partitions, events = self._channel.send, self.partitions, self._events
         filtered = any(route.row_filter is not None for route in routes)
         for raw in rows:
             values, _ = plan.load(raw)
@@ -143,8 +141,10 @@ class Reads:
     def send_end(self, writers: list[Writer], headers: list, control: str, event_id: str, info: dict) -> None:
         """The control event ``control`` of the snapshot or backfill
         ``event_id`` (a Kafka tombstone carrying ``info``) on each of
-        ``writers``, after the reads."""
+        ``writers``. Only once :meth:`in_flight` is 0, so that it follows every read."""
+        if self.in_flight():
+            raise RuntimeError(f"{control} of {event_id} sent while reads are still in flight")
         headers = headers + [(wire.CONTROL_HEADER, control.encode()),
                              (wire.CONTROL_INFO_HEADER, json.dumps(info).encode())]
         for writer in writers:
-            self._send(writer, self._control_key(writer[0], control, event_id), None, headers)
+            self._send_control(writer, self._control_key(writer[0], control, event_id), None, headers)

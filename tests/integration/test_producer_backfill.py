@@ -5,6 +5,8 @@ deployment, and a producer killed mid-backfill."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -215,3 +217,40 @@ def _end_offsets(bootstrap: str, topic: str) -> int:
         return sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=5)[1] for p in parts)
     finally:
         c.close()
+
+
+def test_reads_kafka_never_acknowledged_stop_the_run_and_the_backfill_is_read_again(source_db, private_kafka_broker,
+                                                                                   topic_prefix, tmp_path):
+    """Reads go out through a producer that reports failed deliveries only
+    (``kafka_io.ReadChannel``). A broker frozen past ``message.timeout.ms``
+    mid-backfill fails reads: the run stops, naming one, and its successor
+    reads the shape again. The request is done only by an attempt whose every
+    row is in Kafka, ahead of its ``backfill_end``."""
+    broker = private_kafka_broker
+    with psycopg.connect(source_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, v int, pad text)")
+        conn.execute("INSERT INTO items SELECT g, 0, repeat('x', 100) FROM generate_series(1, 300000) g")
+    cfg = make_config(source_db, broker.bootstrap, topic_prefix, [{"table": "public.items"}],
+                      backfill={"chunk_rows": 200}, kafka={"client": {"message.timeout.ms": 3000}})
+    topic = f"{topic_prefix}.public.items"
+    log = tmp_path / "producer.log"
+    with ProducerProcess(write_toml(cfg, tmp_path / "wb.toml"), log) as producer:
+        wait_for(lambda: "snapshot " in log.read_text() and " done:" in log.read_text(), timeout=180,
+                 what="initial snapshot")
+        rid = request_backfill(parse_config(cfg), "public.items")
+        wait_for(lambda: f"backfill of shape public.items started ({rid}" in log.read_text(), timeout=60,
+                 interval=0.01, what="backfill started")
+        os.kill(broker.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: "delivery of a read to " in log.read_text(), timeout=60, what="a read failing")
+        finally:
+            os.kill(broker.pid, signal.SIGCONT)
+        done = _wait_done(broker.bootstrap, topic_prefix, rid, timeout=240)
+        assert producer.proc.poll() is None, log.read_text()[-4000:]  # the process lived on: its run restarted
+    records = read_topic(broker.bootstrap, topic, topic_prefix, timeout=120)
+    ends = [r for r in records if r.control == "backfill_end"]
+    assert {r.headers[wire.BACKFILL_HEADER].decode() for r in ends} == {done["backfill_id"]}
+    complete = [r for r in data_records(records) if r.headers.get(wire.BACKFILL_HEADER) == done["backfill_id"].encode()]
+    assert sorted(r.key["id"] for r in complete) == list(range(1, 300001))  # every row of the attempt that ended
+    end_at = {r.partition: r.offset for r in ends}
+    assert all(r.offset < end_at[r.partition] for r in complete)  # each ahead of its partition's backfill_end

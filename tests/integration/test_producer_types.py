@@ -24,6 +24,7 @@ from producer.shapes import RelationPlan, ShapeSpec
 from producer.snapshot import Piece, copy_chunks
 from schemas.reader import SchemaResolver
 from schemas.shape_filter import compile_filter
+from tests.fakes import ListChannel
 from tests.helpers import ProducerThread, data_records, make_config, read_topic, wait_for
 
 TYPES_DDL = """
@@ -227,7 +228,7 @@ def test_copy_reads_of_every_type_encode_as_the_reference(source_db, layout):
     sources = {r.name: r.codec.source_bytes(0x1234, None, 1_700_000_000_000, True, "s@0/1234") for r in plan.routes}
     suffixes = [read_suffix(sources[r.name], 1_700_000_000_001) for r in plan.routes]
     got, sent = fastcodec.read_encoder(plan, partitions).encode_reads(data, suffixes, 0)
-    want = []
-    reads = Reads(lambda w, k, v, h: want.append((w, k, v)), partitions, Counter(), None)
+    channel = ListChannel()
+    reads = Reads(channel, None, partitions, Counter(), None)
     assert reads.send_rows(plan, plan.routes, parsed, sources, [], 1_700_000_000_001, 0) == sent == 4 + 3
-    assert [g[:3] for g in got] == want
+    assert [g[:3] for g in got] == [m[:3] for m in channel.sent]

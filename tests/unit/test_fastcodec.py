@@ -9,6 +9,7 @@ shapes included. The references are ``RelationPlan.events`` → ``event_message`
 and ``Reads.send_rows`` (psycopg loaders + fastavro).
 """
 
+import collections
 import itertools
 import struct
 
@@ -21,6 +22,7 @@ from producer.pgtypes import PgTypeInfo, column_codec
 from producer.reads import Reads, copy_rows
 from producer.shapes import RelationPlan, ShapeSpec, event_message
 from schemas.shape_filter import compile_filter
+from tests.fakes import ListChannel
 
 pytestmark = pytest.mark.skipif(not fastcodec.AVAILABLE, reason="producer._fastcodec is not built")
 
@@ -267,12 +269,10 @@ def copy_text(rows) -> bytes:
 
 def read_reference(plan: RelationPlan, routes, rows, sources, sent: int = 0) -> tuple[list, int]:
     """What the reference read path (``Reads.send_rows``) sends."""
-    out = []
-    events = __import__("collections").Counter()
-    reads = Reads(lambda w, k, v, h: out.append((w, k, v, None)), {r.topic: PARTITIONS for r in plan.routes},
-                  events, None)
+    channel = ListChannel()
+    reads = Reads(channel, None, {r.topic: PARTITIONS for r in plan.routes}, collections.Counter(), None)
     sent = reads.send_rows(plan, routes, rows, sources, [], SEEN_MS, sent)
-    return [m[:3] for m in out], sent
+    return [m[:3] for m in channel.sent], sent
 
 
 def read_sources(plan: RelationPlan) -> dict:
@@ -342,11 +342,10 @@ def test_send_copy_gives_the_same_messages_with_and_without_the_extension():
     sent = {}
     for mode, encoder in (("compiled", fastcodec.read_encoder(plan, {r.topic: PARTITIONS for r in plan.routes})),
                           ("reference", None)):
-        out, events = [], __import__("collections").Counter()
-        reads = Reads(lambda w, k, v, h: out.append((w, k, v, h)), {r.topic: PARTITIONS for r in plan.routes},
-                      events, None)
+        channel, events = ListChannel(), collections.Counter()
+        reads = Reads(channel, None, {r.topic: PARTITIONS for r in plan.routes}, events, None)
         n = reads.send_copy(plan, encoder, plan.routes, data, sources, [("h", b"1")], SEEN_MS, 0)
-        sent[mode] = (out, dict(events), n)
+        sent[mode] = (channel.sent, dict(events), n)
         with pytest.raises(ValueError, match="COPY row"):
             reads.send_copy(plan, encoder, plan.routes, b"1\t2\n", sources, [], SEEN_MS, 0)
     assert sent["compiled"] == sent["reference"] and sent["compiled"][2] > len(list(rows(True)))
