@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import logging
 import queue
+import select
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from psycopg import Connection, sql
+import psycopg
+import psycopg.errors
+from psycopg import Connection, pq, sql
 
 from producer import metrics
 from producer.catalog import TableInfo, row_estimate
@@ -78,21 +81,68 @@ def plan_pieces(tables: list[tuple[TableInfo, tuple[str, ...], int]], workers: i
     return pieces
 
 
-def copy_chunks(conn, copy_sql: sql.Composable, chunk_rows: int) -> Iterator[tuple[bytes, int]]:
+def copy_chunks(conn: Connection, copy_sql: sql.Composable, chunk_rows: int) -> Iterator[tuple[bytes, int]]:
     """The rows of a ``COPY ... TO STDOUT`` as chunks of at most ``chunk_rows``
     whole lines of COPY text, with their row counts: the form the read encoder
-    takes, parsed by nothing on the reading thread."""
-    with conn.cursor().copy(copy_sql) as copy:
-        blocks = []
-        for block in copy:  # one CopyData message: one row
-            blocks.append(block)
-            if len(blocks) >= chunk_rows:
-                data = b"".join(blocks)
-                yield data, data.count(b"\n")
-                blocks = []
+    takes, parsed by nothing on the reading thread.
+
+    Read from libpq itself (``psycopg.pq``), a chunk per loop: psycopg's
+    ``Copy`` drives a generator round per row, which doubled the reading
+    thread's CPU, and the encoding thread waits for that CPU (the GIL;
+    bench/RESULTS.md). Errors are psycopg's: the server's as its
+    ``error_from_result`` gives them, a lost connection as ``OperationalError``.
+    Left unfinished (an error, or the caller stopped), the connection is
+    closed: it is still inside the COPY."""
+    pgconn = conn.pgconn
+    readable = select.poll()
+    readable.register(pgconn.socket, select.POLLIN)
+    finished = False
+    try:
+        pgconn.send_query(copy_sql.as_bytes(conn))
+        while pgconn.flush():  # a non-blocking connection (psycopg's): the query may go out in parts
+            writable = select.poll()
+            writable.register(pgconn.socket, select.POLLIN | select.POLLOUT)
+            writable.poll()
+            pgconn.consume_input()
+        _check(conn, _next_result(pgconn, readable), pq.ExecStatus.COPY_OUT)
+        get_copy_data = pgconn.get_copy_data
+        blocks: list = []
+        while True:
+            nbytes, data = get_copy_data(1)  # one CopyData message: one row; 0: none buffered yet
+            if nbytes > 0:
+                blocks.append(data)
+                if len(blocks) >= chunk_rows:
+                    yield b"".join(blocks), len(blocks)
+                    blocks = []
+            elif nbytes == 0:
+                readable.poll()
+                pgconn.consume_input()
+            else:  # -1: the COPY is over (-2, a failure, is raised by psycopg)
+                break
+        _check(conn, _next_result(pgconn, readable), pq.ExecStatus.COMMAND_OK)
+        if _next_result(pgconn, readable) is not None:
+            raise psycopg.ProgrammingError(f"more results than the COPY's: {copy_sql.as_string(conn)}")
+        finished = True
         if blocks:
-            data = b"".join(blocks)
-            yield data, data.count(b"\n")
+            yield b"".join(blocks), len(blocks)
+    finally:
+        if not finished:
+            conn.close()
+
+
+def _next_result(pgconn: pq.abc.PGconn, readable: select.poll) -> pq.abc.PGresult | None:
+    while pgconn.is_busy():
+        readable.poll()
+        pgconn.consume_input()
+    return pgconn.get_result()
+
+
+def _check(conn: Connection, result: pq.abc.PGresult | None, status: pq.ExecStatus) -> None:
+    if result is None or result.status != status:
+        if result is not None and result.status == pq.ExecStatus.FATAL_ERROR:
+            raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+        raise psycopg.ProgrammingError(f"COPY: {status.name} expected, not "
+                                       f"{result.status.name if result is not None else 'no result'}")
 
 
 def relpages(conn, table: TableInfo) -> int:
