@@ -210,7 +210,8 @@ def main() -> None:
                 n_each, t_each = copy_to_kafka(dsn, broker.bootstrap, topic, ranges, each_report=True)
                 n_wb, t_wb, t_total = walbridge_snapshot(base, dsn, broker.bootstrap, workers, f"{run}w{workers}")
                 if not n_copy == n_ref == n_each == n_wb:
-                    raise RuntimeError(f"row counts differ: COPY {n_copy}, reference {n_ref}, walbridge {n_wb}")
+                    raise RuntimeError(f"row counts differ: COPY {n_copy}, reference {n_ref}, reference with a report per row "
+                                       f"{n_each}, walbridge {n_wb}")
                 r = {"run": run + 1, "workers": workers, "rows": n_wb,
                      "copy_rows_per_s": round(n_copy / t_copy), "copy_to_kafka_rows_per_s": round(n_ref / t_ref),
                      "walbridge_rows_per_s": round(n_wb / t_wb), "walbridge_snapshot_s": t_wb,
