@@ -5,7 +5,7 @@ plain-loop reference measured in the same run.
     flock /tmp/wb-tests.lock .venv/bin/python bench/apply_modes.py [--rows 600000] [--batch 50000] [--repeat 2]
 
 - Topology (``tests/cluster.py``, as the cluster tests have it): PostgreSQL,
-  the Tansu broker and a Spark standalone master on this host's end of a veth
+  the Apache Kafka broker and a Spark standalone master on this host's end of a veth
   pair; one worker (``--worker-cores``) inside a network namespace.
 - The producer snapshots ``--rows`` rows (``bench/consumer.py``'s table) into a
   4-partition shape topic once. Reference: the plain confluent-kafka + fastavro
@@ -53,7 +53,7 @@ from bench.consumer import PARTITIONS, TOPIC, bench_config, fill_topic, make_sou
 from schemas.config import parse_config  # noqa: E402
 from tests.cluster import NetworkNamespace, SparkStandalone, readme_commands, user_env  # noqa: E402
 from tests.helpers import write_toml  # noqa: E402
-from walbridge.embedded import PostgresCluster, TansuBroker  # noqa: E402
+from walbridge.embedded import KafkaBroker, PostgresCluster  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -178,7 +178,7 @@ def main() -> None:
     try:
         with NetworkNamespace() as ns, \
                 PostgresCluster(base / "pg", host=ns.host_ip, trusted_networks=(ns.network,)) as pg, \
-                TansuBroker(base / "kafka", host=ns.host_ip) as broker, \
+                KafkaBroker(base / "kafka", host=ns.host_ip) as broker, \
                 SparkStandalone(ns, base / "spark", cores=args.worker_cores) as spark:
             make_source(pg.dsn("postgres"), args.rows)
             fill_topic(parse_config(bench_config(pg.dsn("postgres"), broker.bootstrap, {})))

@@ -5,7 +5,7 @@ live latency just before it, in the same run; and backfill rows/s against a raw
     .venv/bin/python bench/backfill.py [--scale 10] [--rate 100] [--baseline-seconds 20]
 
 Method:
-- One embedded PostgreSQL and one Tansu broker; ``pgbench -i -s SCALE``; the
+- One embedded PostgreSQL and one Apache Kafka broker; ``pgbench -i -s SCALE``; the
   producer (a process, ``[ack] consumer_groups = []``) publishes every pgbench
   table and takes its initial snapshot before the load starts.
 - ``pgbench -R RATE`` runs throughout. A probe consumer tails the
@@ -56,7 +56,7 @@ from producer.backfill_requests import read_states, request_backfill  # noqa: E4
 from schemas import wire  # noqa: E402
 from schemas.config import load_config  # noqa: E402
 from schemas.reader import SchemaResolver  # noqa: E402
-from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
+from walbridge.embedded import KafkaBroker, PostgresCluster, find_pg_bin  # noqa: E402
 
 
 class LatencyProbe(threading.Thread):
@@ -67,7 +67,7 @@ class LatencyProbe(threading.Thread):
         self.conf = {"bootstrap.servers": bootstrap}
         self.consumer = Consumer({**self.conf, "group.id": f"probe-{time.monotonic_ns()}",
                                   "enable.auto.commit": False, "fetch.wait.max.ms": 10})
-        # assign, not subscribe: no group join (Tansu makes a join wait), tail from now.
+        # assign, not subscribe: no group join, tail from now.
         parts = self.consumer.list_topics(topic, timeout=10).topics[topic].partitions
         self.consumer.assign([TopicPartition(topic, p, OFFSET_END) for p in parts])
         self.resolver = SchemaResolver(self.conf, prefix, None)
@@ -110,7 +110,7 @@ def main() -> None:
     tables = ["public.pgbench_accounts", "public.pgbench_branches", "public.pgbench_tellers",
               "public.pgbench_history"]
     results: dict = {"args": vars(args) | {"out": str(args.out)}}
-    with PostgresCluster(base / "pg") as pg, TansuBroker(base / "kafka") as broker:
+    with PostgresCluster(base / "pg") as pg, KafkaBroker(base / "kafka") as broker:
         dsn = pg.dsn("postgres")
         pgbench_init(pg_bin, dsn, args.scale)
         with psycopg.connect(dsn, autocommit=True) as conn:

@@ -4,7 +4,7 @@ references measured in the same run on the same rows.
     .venv/bin/python bench/consumer.py [--rows 300000] [--batch 50000]
 
 - The producer fills one shape topic (snapshot of ``--rows`` rows, Avro,
-  registry-less) on an embedded Tansu broker, then stops.
+  registry-less) on an embedded Apache Kafka broker, then stops.
 - (a) reference: a plain confluent-kafka + fastavro loop reads and decodes the
   same topic, without Spark.
 - (b) reference: raw ``COPY`` of the same rows into a plain table in the same
@@ -44,7 +44,7 @@ from schemas import wire  # noqa: E402
 from schemas.config import parse_config  # noqa: E402
 from schemas.reader import SchemaResolver  # noqa: E402
 from spark_consumer.job import run  # noqa: E402
-from walbridge.embedded import PostgresCluster, TansuBroker  # noqa: E402
+from walbridge.embedded import KafkaBroker, PostgresCluster  # noqa: E402
 
 
 def plain_loop(bootstrap: str, topic: str, prefix: str, expected: int) -> float:
@@ -138,7 +138,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="wb-bench-consumer-"))
     results: dict = {"rows": args.rows, "batch": args.batch, "apply": args.apply, "queries": args.queries,
                      "warmup_batches": args.warmup_batches}
-    with PostgresCluster(base / "pg") as pg, TansuBroker(base / "kafka") as broker:
+    with PostgresCluster(base / "pg") as pg, KafkaBroker(base / "kafka") as broker:
         with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
             conn.execute("CREATE DATABASE target")
         make_source(pg.dsn("postgres"), args.rows)

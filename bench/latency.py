@@ -3,7 +3,7 @@
     flock /tmp/wb-tests.lock .venv/bin/python bench/latency.py [--rate 1000] [--warmup 20] [--duration 60]
 
 - The embedded default config as ``walbridge up`` runs it (durable local
-  PostgreSQL, Tansu broker, 4 partitions, producer and consumer in one
+  PostgreSQL, Apache Kafka broker, 4 partitions, producer and consumer in one
   process, the consumer's continuous reader (``--queries`` picks a Spark
   mode instead, ``local[*]``), WAL released on the consumer group's commits,
   ``[consumer]`` defaults unless ``--trigger-interval`` overrides them), on the
@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 from schemas.config import parse_config  # noqa: E402
 from schemas.reader import SchemaResolver  # noqa: E402
 from spark_consumer.shapes_query import QUERY_NAME  # noqa: E402
-from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
+from walbridge.embedded import KafkaBroker, PostgresCluster, find_pg_bin  # noqa: E402
 from walbridge.runtime import consumer_service, producer_service  # noqa: E402
 
 PREFIX = "lat"
@@ -244,7 +244,7 @@ def main() -> None:
     pg_bin = find_pg_bin()
     results: dict = {k: v for k, v in vars(args).items() if k != "out"}
     stop, measuring_stop = threading.Event(), threading.Event()
-    with PostgresCluster(base / "pg", durable=True) as pg, TansuBroker(base / "kafka") as broker:
+    with PostgresCluster(base / "pg", durable=True) as pg, KafkaBroker(base / "kafka") as broker:
         with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
             conn.execute("CREATE DATABASE app")
             conn.execute("CREATE DATABASE warehouse")

@@ -6,7 +6,7 @@ transaction streams through.
                                        [--full-rows 1000000]
 
 Method (every number is a ratio against a reference measured in this run):
-- One embedded PostgreSQL and one Tansu broker. A table is published; the
+- One embedded PostgreSQL and one Apache Kafka broker. A table is published; the
   walbridge slot (created by the producer, which is then stopped) and a
   reference slot for ``pg_recvlogical`` start at the same LSN.
 - A workload is written while neither reader runs, so both later decode exactly
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from producer.pgoutput import lsn_to_int  # noqa: E402
-from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
+from walbridge.embedded import KafkaBroker, PostgresCluster, find_pg_bin  # noqa: E402
 
 # Workload (c): every row passes the filter, so each change is filtered (old and new row) and sent.
 FILTERED_SHAPE = """
@@ -174,7 +174,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="wb-bench-"))
     pg_bin = find_pg_bin()
     results: dict = {"args": vars(args) | {"out": str(args.out)}}
-    with PostgresCluster(base / "pg") as pg, TansuBroker(base / "kafka") as broker:
+    with PostgresCluster(base / "pg") as pg, KafkaBroker(base / "kafka") as broker:
         dsn = pg.dsn("postgres")
         config = write_config(base / "wb.toml", dsn, broker.bootstrap,
                               ["public.bench_rows", "public.pgbench_accounts", "public.pgbench_branches",

@@ -5,7 +5,7 @@
     flock /tmp/wb-tests.lock .venv/bin/python bench/shapes.py [--counts 5,50,200] [--modes per_shape,one]
 
 For each shape count N and mode, on a fresh embedded PostgreSQL (durable) and
-Tansu broker (4 partitions):
+Apache Kafka broker (4 partitions):
 - N tables ``public.t<i> (id int primary key, v text)`` of ``--rows`` rows
   each (default 1,000), one shape each.
 - The producer runs as its own process (``walbridge producer``), the Spark
@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from schemas.config import parse_config  # noqa: E402
 from tests.helpers import write_toml  # noqa: E402
-from walbridge.embedded import PostgresCluster, TansuBroker  # noqa: E402
+from walbridge.embedded import KafkaBroker, PostgresCluster  # noqa: E402
 from walbridge.runtime import consumer_service  # noqa: E402
 
 PREFIX = "shp"
@@ -105,7 +105,7 @@ def run_one(n: int, mode: str, rows: int, settle: float, idle: float, inserts: i
     out: dict = {"shapes": n, "mode": mode}
     stop = threading.Event()
     failed: list = []
-    with PostgresCluster(base / "pg", durable=True) as pg, TansuBroker(base / "kafka") as broker:
+    with PostgresCluster(base / "pg", durable=True) as pg, KafkaBroker(base / "kafka") as broker:
         with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
             conn.execute("CREATE DATABASE app")
             conn.execute("CREATE DATABASE warehouse")

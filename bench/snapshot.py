@@ -5,7 +5,7 @@ COPY to nowhere, with the same number of workers, in the same run.
     .venv/bin/python bench/snapshot.py [--scale 10] [--workers 1 2] [--runs 1]
 
 Method (every number is a ratio against a reference measured in this run):
-- One embedded PostgreSQL and one Tansu broker; ``pgbench -i -s SCALE``
+- One embedded PostgreSQL and one Apache Kafka broker; ``pgbench -i -s SCALE``
   (SCALE × 100k ``pgbench_accounts`` rows). Each measurement runs alone.
 - walbridge: a producer (a process, ``[ack] consumer_groups = []``, topics of
   4 partitions) with one shape, ``pgbench_accounts``, a new slot and topic
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.producer import ProducerProc, pgbench_init  # noqa: E402
-from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin  # noqa: E402
+from walbridge.embedded import KafkaBroker, PostgresCluster, find_pg_bin  # noqa: E402
 
 PARTITIONS = 4
 SNAPSHOT_DONE = re.compile(r"snapshot \S+ done: (\d+) rows in ([\d.]+)s")
@@ -193,7 +193,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="wb-bench-snapshot-"))
     pg_bin = find_pg_bin()
     results: dict = {"args": vars(args) | {"out": str(args.out)}, "runs": []}
-    with PostgresCluster(base / "pg") as pg, TansuBroker(base / "kafka") as broker:
+    with PostgresCluster(base / "pg") as pg, KafkaBroker(base / "kafka") as broker:
         dsn = pg.dsn("postgres")
         pgbench_init(pg_bin, dsn, args.scale)
         with psycopg.connect(dsn, autocommit=True) as conn:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: installs what is missing, then starts
-# PostgreSQL (demo schema), the Tansu broker, the producer, the Spark consumer
+# PostgreSQL (demo schema), the Apache Kafka broker, the producer, the Spark consumer
 # and a demo workload, with a live view. Ctrl-C stops everything it started.
 set -euo pipefail
 cd "$(dirname "$0")/.."

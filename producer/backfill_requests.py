@@ -44,7 +44,7 @@ def request_backfill(config: Config, shape: str, scope: dict | None = None, reas
               "requested_at": time.time()}
     conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
     ensure_topics(AdminClient(conf), [wire.backfills_topic(config.kafka.topic_prefix)], 1,
-                  config.kafka.replication_factor, wire.INTERNAL_TOPIC_CONFIG)
+                  config.kafka.replication_factor or -1, wire.INTERNAL_TOPIC_CONFIG)
     producer = Producer(conf)
     publish_state(producer, wire.backfills_topic(config.kafka.topic_prefix), record)
     if producer.flush(DELIVERY_TIMEOUT_S):

@@ -11,9 +11,9 @@ Invariants:
 - Messages are placed on partitions by walbridge itself (``partitioner.py``:
   murmur2 of the whole key, as Java clients do; keyless rows by position), so a
   replayed change lands on the partition it landed on before.
-- Partition tails are found by reading, never by trusting the broker's reported
-  end offset (Tansu reports the last batch's base offset + 1): reading starts a
-  little before the reported end and goes until end-of-partition.
+- A partition's tail is its last walbridge message, found by reading back from
+  the end offset (widening the window past backfill and foreign messages)
+  until one is found.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def producer_config(base: dict[str, Any]) -> dict[str, Any]:
     conf = dict(base)
     conf.setdefault("enable.idempotence", True)
     conf.setdefault("acks", "all")
-    # Batching decides broker throughput (Tansu serves 1-record batches ~30x slower).
+    # Batching decides broker throughput: one request per change would cost a round trip each.
     conf.setdefault("linger.ms", 10)
     conf.setdefault("batch.num.messages", 10000)
     conf.setdefault("queue.buffering.max.messages", 200000)
@@ -81,21 +81,17 @@ def read_tails(conf: dict[str, Any], writers: Iterable[Writer], timeout: float =
 
 def read_partitions(conf: dict[str, Any], writers: Iterable[Writer],
                     timeout: float = 30.0) -> dict[Writer, tuple[int, int, Tail | None]]:
-    """Each partition's earliest offset, reported end offset (may be low) and
-    tail (:func:`read_tails`). Reads all partitions together, from a little
-    before the reported end to end-of-partition, widening the window backwards
-    where only foreign messages were found."""
+    """Each partition's earliest offset, end offset and tail
+    (:func:`read_tails`). Reads all partitions together, from just before the
+    end to end-of-partition, widening the window backwards where only backfill
+    or foreign messages were found."""
     writers = list(writers)
     consumer = scan_consumer(conf, "tail")
     try:
-        bounds, reported = {}, {}
-        for w in writers:
-            low, reported_end = consumer.get_watermark_offsets(TopicPartition(*w), timeout=timeout)
-            reported[w] = (low, reported_end)
-            bounds[w] = (low, max(reported_end, low + 1))
+        bounds = {w: consumer.get_watermark_offsets(TopicPartition(*w), timeout=timeout) for w in writers}
         tails: dict[Writer, Tail | None] = {w: None for w in writers}
         window = 1
-        todo = {w: (max(low, end - window), None) for w, (low, end) in bounds.items()}
+        todo = {w: (max(low, end - window), None) for w, (low, end) in bounds.items() if end > low}
         while todo:
             for msg in scan(consumer, todo, timeout):
                 tail = _tail_of(msg)
@@ -104,7 +100,7 @@ def read_partitions(conf: dict[str, Any], writers: Iterable[Writer],
             window *= 8
             todo = {w: (max(bounds[w][0], bounds[w][1] - window), start)
                     for w, (start, _) in todo.items() if tails[w] is None and start > bounds[w][0]}
-        return {w: (*reported[w], tails[w]) for w in writers}
+        return {w: (*bounds[w], tails[w]) for w in writers}
     finally:
         consumer.close()
 

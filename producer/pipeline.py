@@ -174,7 +174,7 @@ class Pipeline:
         self.catalog_conn = connect(cfg.source.dsn)
         self.db_name = self.catalog_conn.info.dbname
         self.tables = catalog.check_source(self.catalog_conn, cfg)
-        self._cluster_id = cluster_metadata(self.admin, METADATA_TIMEOUT, self._stop).cluster_id
+        self._cluster_id = cluster_metadata(self.admin, self._kafka_conf, METADATA_TIMEOUT, self._stop).cluster_id
         self._slot = catalog.slot_state(self.catalog_conn, cfg.source.slot)
         if self._slot is not None:
             self._bind = check_binding(cfg.source.slot, slot_binding.read(self.catalog_conn, cfg.source.slot),

@@ -86,8 +86,8 @@ class PartitionFacts:
     """What the broker holds of a data partition at start."""
 
     low: int  # earliest offset
-    end: int  # end offset as the broker reports it (Tansu: possibly low)
-    tail: Tail | None  # the last walbridge message (read, never trusted from a report)
+    end: int  # end offset
+    tail: Tail | None  # the last walbridge message
     topic_id: str | None
 
 

@@ -14,10 +14,19 @@ Invariants:
   on_finite_retention = "warn"`` is logged and tolerated.
 - A compacted data topic never receives a message without a key (Kafka
   rejects them): a keyless shape on one stops the producer.
+- Topics are created with ``[kafka] replication_factor`` replicas, or, unset,
+  the cluster's own ``default.replication.factor`` and ``min.insync.replicas``.
+  A topic with fewer replicas than configured, or whose
+  ``min.insync.replicas`` exceeds its replicas (no ``acks=all`` write could
+  ever be acknowledged), stops the producer; several replicas of which one
+  is enough to acknowledge a write (``min.insync.replicas=1``), or one replica
+  on a cluster of several brokers, is logged: an acknowledged change can then
+  be lost with one broker.
 - What the broker does not report is not guessed at: a setting missing from
-  DescribeConfigs (Tansu reports only those set) is never a finding by
-  itself; a reported retention on a topic whose cleanup.policy is not
-  reported is judged under Kafka's default policy, delete.
+  DescribeConfigs (a broker may withhold some, e.g. to a client without
+  DescribeConfigs rights on defaults) is never a finding by itself; a reported
+  retention on a topic whose cleanup.policy is not reported is judged under
+  Kafka's default policy, delete.
 - The analysis (:func:`internal_findings`, :func:`data_findings`) is pure.
 """
 
@@ -104,9 +113,33 @@ def data_findings(topic: str, config: dict[str, str], tombstones: bool, bootstra
     return out
 
 
+def replication_findings(topic: str, replicas: int, config: dict[str, str], wanted: int | None,
+                         brokers: int, bootstrap: str) -> tuple[list[str], list[str]]:
+    """What is wrong with ``topic``'s replication (``replicas`` per partition,
+    the fewest; ``wanted``: ``[kafka] replication_factor``, None for the
+    cluster's default; ``brokers``: the cluster's size), as (refused, warned)."""
+    refused, warned = [], []
+    min_isr = config.get("min.insync.replicas")
+    if wanted is not None and replicas < wanted:
+        refused.append(f"topic {topic} has {replicas} replica(s), fewer than [kafka] replication_factor = {wanted}: "
+                       f"reassign its partitions (kafka-reassign-partitions.sh) or lower the setting")
+    if min_isr is not None and int(min_isr) > replicas:
+        refused.append(f"topic {topic} has min.insync.replicas={min_isr} but {replicas} replica(s): no write with "
+                       f"acks=all can be acknowledged; fix: "
+                       f"{fix_command(bootstrap, topic, {'min.insync.replicas': str(replicas)})}")
+    elif replicas > 1 and min_isr is not None and int(min_isr) < 2:
+        warned.append(f"topic {topic} has {replicas} replicas but min.insync.replicas={min_isr}: a change "
+                      "acknowledged by one broker is lost if that broker fails before the others copied it; set "
+                      "min.insync.replicas=2")
+    elif replicas == 1 and brokers > 1:
+        warned.append(f"topic {topic} has one replica on a cluster of {brokers} brokers: losing that broker's disk "
+                      "loses its changes; set [kafka] replication_factor (or the cluster's default.replication.factor)")
+    return refused, warned
+
+
 def describe(admin: AdminClient, topics: Iterable[str], timeout: float = 30.0) -> dict[str, dict[str, str]]:
     """The settings the broker reports for each existing topic (Apache Kafka:
-    every effective value; Tansu: only those set)."""
+    every effective value, defaults included)."""
     resources = [ConfigResource("topic", t) for t in dict.fromkeys(topics)]
     if not resources:
         return {}
@@ -129,20 +162,30 @@ def prepare_topics(admin: AdminClient, config: Config, with_schemas_topic: bool,
     data topics of shapes without a key (their messages have null keys)."""
     k = config.kafka
     data = [config.topic(s) for s in config.shapes]
-    partitions = ensure_topics(admin, data, k.partitions, k.replication_factor,
+    replication = k.replication_factor or -1  # -1: the cluster's default
+    partitions = ensure_topics(admin, data, k.partitions, replication,
                                {**wire.DATA_TOPIC_CONFIG, **{n: str(v) for n, v in k.topic_config.items()}})
     internal = [t for t in wire.internal_topics(k.topic_prefix)
                 if with_schemas_topic or t != wire.schemas_topic(k.topic_prefix)]
-    ensure_topics(admin, internal, 1, k.replication_factor, wire.INTERNAL_TOPIC_CONFIG)
-    existing = admin.list_topics(timeout=METADATA_TIMEOUT).topics
-    dlqs = [wire.dlq_topic(t) for t in data if wire.dlq_topic(t) in existing]
+    ensure_topics(admin, internal, 1, replication, wire.INTERNAL_TOPIC_CONFIG)
+    cluster = admin.list_topics(timeout=METADATA_TIMEOUT)
+    dlqs = [wire.dlq_topic(t) for t in data if wire.dlq_topic(t) in cluster.topics]
     settings = describe(admin, data + internal + dlqs)
+    refused = []
+    for topic in data + internal + dlqs:
+        replicas = min((len(p.replicas) for p in cluster.topics[topic].partitions.values()), default=0)
+        bad, weak = replication_findings(topic, replicas, settings.get(topic, {}), k.replication_factor,
+                                         len(cluster.brokers), k.bootstrap_servers)
+        refused += bad
+        for line in weak:
+            log.warning("%s", line)
+    if refused:
+        raise TopicConfigError(" | ".join(refused), "fix each topic's replication as named, then start again")
     for topic in internal + dlqs:
         wanted = wire.DLQ_TOPIC_CONFIG if topic in dlqs else wire.INTERNAL_TOPIC_CONFIG
         for finding in internal_findings(topic, settings.get(topic, {}), wanted):
             log.warning("topic %s %s: it must keep its records as long as the deployment lives; fix: %s",
                         topic, finding, fix_command(k.bootstrap_servers, topic, wanted))
-    refused = []
     for topic in data:
         config_ = settings.get(topic, {})
         if topic in keyless_topics and "compact" in (_policies(config_) or ()):

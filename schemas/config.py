@@ -105,7 +105,8 @@ class KafkaConfig(_Section):
     bootstrap_servers: str
     topic_prefix: str = "wb"
     partitions: Annotated[int, Field(ge=1, le=10000)] = 4
-    replication_factor: Annotated[int, Field(ge=1)] = 1
+    # Replicas of the topics walbridge creates; unset: the cluster's default.replication.factor.
+    replication_factor: Annotated[int, Field(ge=1)] | None = None
     schema_registry_url: str | None = None
     # Schema Registry credentials (never logged): "user:password", or a static bearer token.
     schema_registry_basic_auth: SecretStr | None = None

@@ -169,7 +169,9 @@ _KAFKA_PERMANENT = {
     KafkaError._SSL: "check the ssl.* settings in [kafka.client]",
     KafkaError.TOPIC_AUTHORIZATION_FAILED: "grant this principal Create, Describe, Read and Write on the "
                                            "walbridge topics (<topic_prefix>.*)",
-    KafkaError.GROUP_AUTHORIZATION_FAILED: "grant this principal Read and Describe on the consumer groups",
+    KafkaError.GROUP_AUTHORIZATION_FAILED: "grant this principal Read and Describe on the consumer groups, and "
+                                           "Describe on the groups prefixed walbridge- (its own readers, which "
+                                           "never join nor commit)",
     KafkaError.CLUSTER_AUTHORIZATION_FAILED: "grant this principal Describe (and Create) on the cluster",
     KafkaError.POLICY_VIOLATION: "the broker's topic policy refuses the topics as configured",
     KafkaError.INVALID_REPLICATION_FACTOR: "lower [kafka] replication_factor to at most the number of brokers",

@@ -2,9 +2,9 @@
 creation, reading partitions from one offset to another, consumer-group offsets.
 
 Invariants:
-- A partition read ends at end-of-partition as a Fetch response reports it,
-  never at the broker's ListOffsets answer (Tansu reports the last batch's base
-  offset + 1 there), so a scan sees every message that was there when it ended.
+- A partition read ends at end-of-partition as the Fetch that reached it
+  reports it (``enable.partition.eof``), so a scan sees every message that was
+  there when it ended, without asking for the end offset first.
 - Scanning consumers never join or commit to a group of the user's: each gets
   a group id of its own that nothing else uses. Committed offsets are read
   with the user's group id by a consumer that never subscribes (never joins,
@@ -18,6 +18,14 @@ Invariants:
   its JSON lines.
 - Waits that run out raise ``KafkaException`` (``_TIMED_OUT``), so the failure
   policy (:mod:`schemas.failures`) sees a Kafka timeout, not a bare one.
+- A broker that refuses the connection itself (credentials, a certificate not
+  trusted) or a group coordinator lookup (ACLs) is told apart from one that
+  cannot be reached: librdkafka reports the refusal only to the client's
+  ``error_cb`` or as one consumer event (kept by :class:`Refusals`, set by
+  :func:`client_config`) and retries for ever; the first request that then
+  fails raises it instead (:func:`raise_refusal`, permanent for the failure
+  policy), so a process with a wrong password or a denied group ends within
+  seconds.
 """
 
 from __future__ import annotations
@@ -26,7 +34,6 @@ import logging
 import re
 import threading
 import time
-import uuid
 from typing import Any, Callable, Iterable, Iterator
 
 from confluent_kafka import (
@@ -41,6 +48,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from schemas import wire
 from schemas.wire import commit_topic_id
 
 log = logging.getLogger("walbridge.kafka")
@@ -86,26 +94,73 @@ LIBRDKAFKA_LOG = logging.getLogger("walbridge.librdkafka")
 LIBRDKAFKA_LOG.addFilter(RateLimit())
 
 
+# The refusals librdkafka retries for ever, reporting them only to error_cb.
+REFUSAL_CODES = (KafkaError._AUTHENTICATION, KafkaError._SSL, KafkaError.GROUP_AUTHORIZATION_FAILED,
+                 KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED)
+
+
+class Refusals:
+    """The ``error_cb`` of the clients made from one :func:`client_config`:
+    keeps the last refusal (:data:`REFUSAL_CODES`)."""
+
+    def __init__(self) -> None:
+        self.last: KafkaError | None = None
+
+    def __call__(self, error: KafkaError) -> None:
+        if error.code() in REFUSAL_CODES:
+            self.last = error
+
+    def __repr__(self) -> str:  # the same for every instance: configs that differ only here are equal
+        return "Refusals()"
+
+
 def client_config(bootstrap: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    conf: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": LIBRDKAFKA_LOG}
+    conf: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": LIBRDKAFKA_LOG, "error_cb": Refusals()}
     conf.update(extra or {})
     return conf
+
+
+def metadata(client: AdminClient | Consumer | Producer, conf: dict[str, Any], timeout: float,
+             topic: str | None = None) -> Any:
+    """``list_topics``; when it fails and the broker refused the connection
+    (see :class:`Refusals`), that refusal is raised instead. A consumer must
+    not be assigned yet: its callbacks are served by a ``poll``."""
+    try:
+        return client.list_topics(topic, timeout=timeout)
+    except KafkaException:
+        raise_refusal(client, conf)
+        raise
+
+
+def raise_refusal(client: AdminClient | Consumer | Producer, conf: dict[str, Any]) -> None:
+    """Raise the refusal ``client`` met, if any (:class:`Refusals`). Serves
+    the client's callbacks with a ``poll``: a consumer must have no
+    assignment (a group coordinator's refusal is one of its events)."""
+    event = client.poll(0)
+    refusals = conf.get("error_cb")
+    if not isinstance(refusals, Refusals):
+        return
+    if isinstance(event, Message) and event.error() is not None:
+        refusals(event.error())
+    if refusals.last is not None:
+        raise KafkaException(refusals.last) from None
 
 
 def timed_out(what: str) -> KafkaException:
     return KafkaException(KafkaError(KafkaError._TIMED_OUT, what))
 
 
-def cluster_metadata(client: AdminClient | Consumer, timeout: float, stop: threading.Event) -> Any:
-    """``list_topics`` that ``stop`` interrupts: asked in slices of at most a
+def cluster_metadata(client: AdminClient | Consumer, conf: dict[str, Any], timeout: float,
+                     stop: threading.Event) -> Any:
+    """:func:`metadata` that ``stop`` interrupts: asked in slices of at most a
     second, so a process told to stop while the broker is gone stops within
     one (librdkafka blocks a metadata request for its whole timeout)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return client.list_topics(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
-        except KafkaException:
-            if stop.is_set() or time.monotonic() >= deadline:
+            return metadata(client, conf, max(0.1, min(1.0, deadline - time.monotonic())))
+        except KafkaException as e:
+            if e.args[0].code() in REFUSAL_CODES or stop.is_set() or time.monotonic() >= deadline:
                 raise
 
 
@@ -159,7 +214,7 @@ def scan_consumer(conf: dict[str, Any], purpose: str) -> Consumer:
     # A scan ends at end-of-partition, which an empty fetch reports: the broker
     # must not hold that fetch for the default 500 ms (each restart reads the
     # partition tails and the backfill requests this way).
-    return Consumer({"fetch.wait.max.ms": 10, **conf, "group.id": f"walbridge-{purpose}-{uuid.uuid4().hex}",
+    return Consumer({"fetch.wait.max.ms": 10, **conf, "group.id": wire.reader_group(purpose),
                      "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "earliest"})
 
 
@@ -203,7 +258,7 @@ def read_to_end(conf: dict[str, Any], topic: str, purpose: str = "read",
     end-of-partition (as Fetch reports it); nothing if the topic does not exist."""
     consumer = scan_consumer(conf, purpose)
     try:
-        meta = consumer.list_topics(topic, timeout=timeout).topics.get(topic)
+        meta = metadata(consumer, conf, timeout, topic).topics.get(topic)
         if meta is None or meta.error is not None or not meta.partitions:
             return
         yield from scan(consumer, {(topic, p): (0, None) for p in sorted(meta.partitions)}, timeout)
@@ -290,7 +345,8 @@ class GroupOffsets:
             tps = consumer.committed([TopicPartition(t, p) for t, p in writers], timeout=timeout)
             commits = {(tp.topic, tp.partition): (tp.offset, commit_topic_id(tp.metadata)) for tp in tps}
             ids = self._topic_ids({t for (t, _), (_, tid) in commits.items() if tid}, timeout)
-            ends = self._ends(consumer, {w: o for w, (o, _) in commits.items() if o > 0}, timeout)
+            ends = {w: consumer.get_watermark_offsets(TopicPartition(*w), timeout=timeout)[1]
+                    for w, (o, _) in commits.items() if o > 0}
             result[group], untrusted = trusted_offsets(group, commits, ids, ends)
             for line in untrusted:
                 if line not in self._reported:  # once, not at every ack poll
@@ -298,26 +354,9 @@ class GroupOffsets:
                     log.error("%s", line)
         return result
 
-    def _ends(self, consumer: Consumer, offsets: dict[Writer, int], timeout: float) -> dict[Writer, int]:
-        """The end offset of each partition an offset was committed on, as far
-        as needed to tell whether the offset lies beyond it: ListOffsets' end,
-        and, where the offset exceeds that, the end a Fetch reports (Tansu's
-        ListOffsets answers the last batch's base offset + 1)."""
-        ends = {w: consumer.get_watermark_offsets(TopicPartition(*w), timeout=timeout)[1] for w in offsets}
-        beyond = {w: (max(end - 1, 0), None) for w, end in ends.items() if offsets[w] > end}
-        if beyond:
-            scanner = scan_consumer(self._conf, "ends")
-            try:
-                for msg in scan(scanner, beyond, timeout):
-                    w = (msg.topic(), msg.partition())
-                    ends[w] = max(ends[w], msg.offset() + 1)
-            finally:
-                scanner.close()
-        return ends
-
     def _topic_ids(self, topics: set[str], timeout: float) -> dict[str, str | None]:
         """The current ids of the topics commits named an id for (none asked
-        where no commit carries one: a broker that keeps no metadata)."""
+        where no commit carries one: commits made by other tools)."""
         if not topics:
             return {}
         if self._admin is None:
@@ -342,7 +381,7 @@ def trusted_offsets(group: str, commits: dict[Writer, tuple[int, str | None]],
     """Each writer's committed offset (0 where none) from ``commits`` (offset,
     topic id its metadata names), counting as 0 an offset committed for
     another incarnation of the topic than ``current_ids`` names, or one beyond
-    the partition's end (``ends``; a broker that keeps no commit metadata
+    the partition's end (``ends``; a commit without our metadata
     leaves only this sign): a commit made before the topic was re-created (a
     retry, or one in flight) is not progress on the new topic, and trusting
     it would release WAL no consumer applied. Also returns what was not

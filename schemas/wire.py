@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import uuid
 from typing import Any, NamedTuple
 
 from fastavro.schema import fingerprint
@@ -98,6 +99,10 @@ CHECKPOINT_TOPIC_SUFFIX = "._checkpoint"  # the producer's recovery checkpoint (
 DLQ_SUFFIX = ".dlq"  # after a data topic's name: its undecodable messages
 
 COMMIT_TOPIC_ID = "wb.topic_id="  # an offset commit's metadata: the incarnation it was read from
+# Group ids of walbridge's own readers (scans, probes, status): never joined,
+# never committed, but a Kafka consumer needs one and an authorizer asks for
+# Describe on it (grant it on this prefix).
+READER_GROUP_PREFIX = "walbridge-"
 
 # Topic settings. The internal topics hold keyed records of which the latest per
 # key counts, needed for as long as the deployment lives: compacted, no time limit.
@@ -255,9 +260,14 @@ def commit_metadata(topic_id: str | None) -> str:
     return f"{COMMIT_TOPIC_ID}{topic_id}" if topic_id else ""
 
 
+def reader_group(purpose: str) -> str:
+    """A group id of one's own for a reader that never joins nor commits."""
+    return f"{READER_GROUP_PREFIX}{purpose}-{uuid.uuid4().hex}"
+
+
 def commit_topic_id(metadata: str | None) -> str | None:
     """The topic id an offset commit's metadata names; None if it names none
-    (a commit by another tool, or a broker that keeps no metadata)."""
+    (a commit by another tool)."""
     if metadata and metadata.startswith(COMMIT_TOPIC_ID):
         return metadata[len(COMMIT_TOPIC_ID):] or None
     return None

@@ -34,7 +34,7 @@ from typing import Any, Mapping
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from schemas.kafka import Writer, topic_ids
+from schemas.kafka import Writer, raise_refusal, topic_ids
 from schemas.wire import commit_metadata
 
 log = logging.getLogger("walbridge.consumer")
@@ -57,6 +57,7 @@ class OffsetCommitter:
     """Commits offsets for the consumer group without joining it as a member."""
 
     def __init__(self, kafka_conf: dict[str, Any], group: str, timeout: float = 10.0):
+        self._conf = kafka_conf
         self._consumer = Consumer({**kafka_conf, "group.id": group, "enable.auto.commit": False})
         self._admin = AdminClient(kafka_conf)
         self._timeout = timeout
@@ -95,7 +96,7 @@ class OffsetCommitter:
                 self._commit({})
 
     def _commit(self, offsets: dict[Writer, int], read_from: str | Mapping[str, str | None] | None = None) -> None:
-        self._consumer.poll(0)  # serves the client's log records (schemas.kafka)
+        raise_refusal(self._consumer, self._conf)  # serves the client's log records, raises a denied group
         if not offsets and not self._failed:
             return
         ids = self._current_ids({t for t, _ in (*offsets, *self._failed)})
@@ -121,6 +122,7 @@ class OffsetCommitter:
                          ", ".join(f"{t}[{p}]@{o}" for (t, p), (o, _) in sorted(queue.items())))
             self._failed = {}
         except KafkaException as e:
+            raise_refusal(self._consumer, self._conf)  # a group the principal may not use: permanent
             self._failed, self._failed_at = queue, time.monotonic()
             log.warning("committing offsets to the consumer group failed (retried with the next batch, or "
                         "alone in %.0fs): %s", COMMIT_RETRY_S, e.args[0].str() if e.args else e)

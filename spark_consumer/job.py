@@ -73,7 +73,7 @@ from pyspark.errors import StreamingQueryException
 
 from schemas import wire
 from schemas.config import Config, ConfigError, ShapeConfig
-from schemas.failures import TARGET, Failure, attributed, classify, classify_text
+from schemas.failures import KAFKA, TARGET, Failure, attributed, classify, classify_text
 from schemas.kafka import client_config
 from schemas.retry import Outage
 from spark_consumer import metrics
@@ -524,8 +524,9 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
                 # QUERY_RESTARTS times in QUERY_FAILURE_WINDOW, then end it.
                 now = time.monotonic()
                 verdict = query_failure(config, failure)
-                if verdict is not None and verdict.permanent and isinstance(failure, psycopg.OperationalError):
-                    raise verdict from failure  # the target refuses the connection: no restart helps
+                if verdict is not None and verdict.permanent and (isinstance(failure, psycopg.OperationalError)
+                                                                  or verdict.endpoint == KAFKA):
+                    raise verdict from failure  # refused (target login, Kafka credentials or ACLs): no restart helps
                 if verdict is not None and not verdict.permanent:
                     outages[i].append(now)
                     elapsed = now - outages[i][0]

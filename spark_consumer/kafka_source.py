@@ -110,7 +110,6 @@ import heapq
 import json
 import logging
 import time
-import uuid
 from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -524,7 +523,7 @@ class ProbeClients:
     def consumer(self):
         if self._consumer is None:
             self._consumer = Consumer({
-                **self._conf, "group.id": f"walbridge-probe-{uuid.uuid4().hex}",
+                **self._conf, "group.id": wire.reader_group("probe"),
                 "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "latest",
                 "max.partition.fetch.bytes": 65536, "queued.max.messages.kbytes": 4096,
                 "fetch.wait.max.ms": PROBE_FETCH_WAIT_MS})
@@ -594,13 +593,20 @@ class PartitionEnds:
         return sorted(meta.partitions)
 
     def reported(self) -> dict[int, tuple[int, int]]:
-        """ListOffsets' (earliest, end) per partition; the end may be low."""
+        """ListOffsets' (earliest, end) per partition; the end may be low.
+        A partition with no offsets to report (-1001: its leader is down, a
+        cluster mid-election) is an outage, raised as one, never a loss."""
         found = _of_round(self._clients.round_reported, self._opts.topic)
-        if found is not _NOT_FETCHED:
-            return found
-        c = self._client()
-        return {p: c.get_watermark_offsets(TopicPartition(self._opts.topic, p), timeout=self._timeout)
-                for p in self.partitions()}
+        if found is _NOT_FETCHED:
+            c = self._client()
+            found = {p: c.get_watermark_offsets(TopicPartition(self._opts.topic, p), timeout=self._timeout)
+                     for p in self.partitions()}
+        if isinstance(found, dict):
+            unknown = sorted(p for p, (lo, hi) in found.items() if lo < 0 or hi < 0)
+            if unknown:
+                raise KafkaException(KafkaError(KafkaError.LEADER_NOT_AVAILABLE,
+                                                f"{self._opts.topic}{unknown}: no offsets reported (no leader)"))
+        return found
 
     def to_probe(self) -> dict[int, int]:
         """The partitions :meth:`lows_and_ends` would fetch now, with their
@@ -1015,7 +1021,7 @@ def _range_consumer(opts: SourceOptions, topics: frozenset[str] = frozenset()):
             # A consumer reused for the next range must not wait out the default
             # 1 s queue back-off before its first messages (bench/RESULTS.md).
             "fetch.queue.backoff.ms": RANGE_FETCH_QUEUE_BACKOFF_MS,
-            **opts.client_conf(), "group.id": f"walbridge-source-{uuid.uuid4().hex}", "enable.auto.commit": False,
+            **opts.client_conf(), "group.id": wire.reader_group("source"), "enable.auto.commit": False,
             "enable.auto.offset.store": False, "enable.partition.eof": True,
             # An offset that is no longer there is data loss: fail, never skip.
             "auto.offset.reset": "error"})

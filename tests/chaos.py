@@ -3,17 +3,18 @@ schedule injects faults, many times each, then proves nothing was lost.
 
 Used by ``tests/integration/test_chaos.py`` (short, in CI) and
 ``bench/chaos.py`` (long). Everything runs on servers of its own, under one
-base dir: a source and a target PostgreSQL cluster and a Tansu broker (memory
-storage: a restart loses every topic, record and committed offset); both
-clusters are durable (fsync and synchronous commit on), as production
-databases are. The
+base dir: a source and a target PostgreSQL cluster and an Apache Kafka broker
+(KRaft, one node); both clusters are durable (fsync and synchronous commit on),
+as production databases are. The
 producer and the consumer run as real ``walbridge`` processes; the harness
 restarts the ones it killed, as a supervisor would.
 
 Faults (:data:`FAULTS`): ``kill -9`` of the producer, of the consumer (driver
 and JVM), of one Spark Python worker (a Python process under the driver's
-JVM); ``pg_ctl stop -m immediate`` + start of the source, of the target; a
-broker restart; the broker frozen (SIGSTOP) for longer than the producer's
+JVM); ``pg_ctl stop -m immediate`` + start of the source, of the target;
+``kill -9`` of the broker and a start (its data kept); the broker losing its
+data (stopped, log dirs deleted, formatted again with the same cluster id:
+every topic, record and committed offset gone); the broker frozen (SIGSTOP) for longer than the producer's
 ``message.timeout.ms``, then resumed. One fault at a time, each kind at least
 ``rounds`` times, in an order and with gaps drawn from the seed.
 
@@ -53,11 +54,11 @@ from producer.pgoutput import lsn_to_int
 from schemas.config import parse_config
 from tests.helpers import ConsumerProcess, ProducerProcess, make_config, wait_for, write_toml
 from tests.integration.test_e2e import SHAPES
-from walbridge.embedded import PostgresCluster, TansuBroker, find_pg_bin
+from walbridge.embedded import KafkaBroker, PostgresCluster, find_pg_bin
 from walbridge.verify import ShapeDiff, verify
 
-FAULTS = ("producer_kill", "consumer_kill", "worker_kill", "source_restart", "target_restart", "broker_restart",
-          "broker_freeze")
+FAULTS = ("producer_kill", "consumer_kill", "worker_kill", "source_restart", "target_restart", "broker_kill",
+          "broker_wipe", "broker_freeze")
 
 # SHAPES: the 5-shape pgbench set, a filtered, column-limited shape and the
 # keyless REPLICA IDENTITY FULL pgbench_history among them.
@@ -176,7 +177,7 @@ class Chaos:
         # consumer then (rightly) stops at the gap in the target's progress.
         self.source = PostgresCluster(self.base / "source", durable=True).start()
         self.target = PostgresCluster(self.base / "target", durable=True).start()
-        self.broker = TansuBroker(self.base / "kafka").start()
+        self.broker = KafkaBroker(self.base / "kafka").start()
         self.source_dsn = self.source.create_database("chaos")
         self.target_dsn = self.target.create_database("warehouse")
         self._pgbench("-i", "-q", "-s", "1")
@@ -274,8 +275,11 @@ class Chaos:
             cluster = self.source if kind == "source_restart" else self.target
             cluster.stop("immediate")
             cluster.start()
-        elif kind == "broker_restart":
-            self.broker.restart()
+        elif kind == "broker_kill":
+            self.broker.kill()
+            self.broker.start()
+        elif kind == "broker_wipe":
+            self.broker.lose_data()
         elif kind == "broker_freeze":
             os.kill(self.broker.pid, signal.SIGSTOP)
             try:

@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: real PostgreSQL and a real Kafka-protocol broker.
+"""Shared pytest fixtures: real PostgreSQL and a real Apache Kafka broker.
 
 Fixtures (use these in every test that needs servers):
 
@@ -7,10 +7,12 @@ Fixtures (use these in every test that needs servers):
 * ``pg_base_dir`` (function) -- where a test may start a PostgresCluster of
   its own (crash/restart tests). Not ``tmp_path``: as root that breaks when
   another pytest session starts meanwhile (see ``_pg_scratch_dir``).
-* ``kafka_broker`` (session) -- a shared :class:`walbridge.embedded.TansuBroker`;
-  ``.bootstrap``. Do not ``restart()`` it: use ``private_kafka_broker``.
+* ``kafka_broker`` (session) -- a shared :class:`walbridge.embedded.KafkaBroker`
+  (Apache Kafka, KRaft, one node); ``.bootstrap``. Never stop or fault it: use
+  ``private_kafka_broker``.
 * ``private_kafka_broker`` (function) -- a broker of the test's own, for faults
-  (``restart()`` = Kafka lost all data) without disturbing other tests.
+  (``lose_data()``, ``stop()``/``start()``, SIGSTOP on ``.pid``) without
+  disturbing other tests.
 * ``source_db`` / ``target_db`` (function) -- a fresh database each,
   :class:`TestDatabase` (a ``str`` equal to its DSN, with ``.name`` and
   ``.dsn``); dropped afterwards together with its
@@ -38,7 +40,7 @@ from typing import Iterator
 
 import pytest
 
-from walbridge.embedded import PostgresCluster, TansuBroker
+from walbridge.embedded import KafkaBroker, PostgresCluster
 
 _INTEGRATION_DIR = Path(__file__).parent / "integration"
 
@@ -142,8 +144,8 @@ class _ContainerKafka:
     def stop(self) -> None:
         self._container.stop()
 
-    def restart(self) -> None:
-        pytest.skip("the 'Kafka lost its data' fault needs the embedded Tansu broker")
+    def lose_data(self) -> None:
+        pytest.skip("the 'Kafka lost its data' fault needs the embedded broker")
 
 
 # -- fixtures ----------------------------------------------------------------
@@ -193,8 +195,8 @@ def pg_base_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session")
-def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TansuBroker]:
-    broker = _ContainerKafka() if _use_testcontainers() else TansuBroker(
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
+    broker = _ContainerKafka() if _use_testcontainers() else KafkaBroker(
         tmp_path_factory.mktemp("kafka")
     )
     broker.start()
@@ -205,10 +207,10 @@ def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TansuBrok
 
 
 @pytest.fixture
-def private_kafka_broker(tmp_path: Path) -> Iterator[TansuBroker]:
+def private_kafka_broker(tmp_path: Path) -> Iterator[KafkaBroker]:
     if os.environ.get("WALBRIDGE_USE_TESTCONTAINERS") == "1":
-        pytest.skip("private brokers are embedded Tansu only")
-    broker = TansuBroker(tmp_path / "kafka")
+        pytest.skip("private brokers are embedded only")
+    broker = KafkaBroker(tmp_path / "kafka")
     broker.start()
     try:
         yield broker

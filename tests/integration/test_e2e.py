@@ -1,4 +1,4 @@
-"""End to end on real parts: PostgreSQL → producer → Tansu → Spark consumer →
+"""End to end on real parts: PostgreSQL → producer → Apache Kafka → Spark consumer →
 target PostgreSQL, with pgbench as the workload."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Backfills end to end on real parts (PostgreSQL → producer → Tansu → Spark
+"""Backfills end to end on real parts (PostgreSQL → producer → Apache Kafka → Spark
 consumer → target PostgreSQL) under pgbench: a target damaged behind
 walbridge's back is reconciled while the load runs, a shape added to a running
 pipeline is filled and then followed, and a broker that lost everything is
@@ -157,7 +157,7 @@ def test_broker_that_lost_everything_during_pgbench_is_recovered(source_db, targ
         _wait_equal(cfg, consumer)
         load.start()
         wait_for(lambda: _applied(target_db) > 0, timeout=60, what="live changes applied")
-        private_kafka_broker.restart()  # every topic, record and committed offset is gone
+        private_kafka_broker.lose_data()  # every topic, record and committed offset is gone
         load.join()
         # The producer re-snapshots into the re-created topics; the consumer
         # follows them from offset 0 and converges by itself: reconcile finds

@@ -1,5 +1,5 @@
 """The continuous reader (``[consumer] queries = "continuous"``) end to end on
-real parts: PostgreSQL → producer → Tansu → the consumer's reading loop →
+real parts: PostgreSQL → producer → Apache Kafka → the consumer's reading loop →
 target, killed with -9 again and again under load, in the middle of a target
 transaction and just after one committed (before or around its group
 commit), then compared row by row (issue 17)."""

@@ -1,5 +1,5 @@
 """The one query over every shape (``[consumer] queries = "one"``) end to
-end on real parts: PostgreSQL → producer → Tansu → Spark (one streaming
+end on real parts: PostgreSQL → producer → Apache Kafka → Spark (one streaming
 query over the pgbench shapes) → target, killed with -9 while Spark has a
 batch logged that the target has not committed yet; and a shape whose
 target cannot follow held back while the others go on, in the one query and

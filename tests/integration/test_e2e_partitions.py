@@ -1,4 +1,4 @@
-"""Partitioned tables end to end on real parts (PostgreSQL → producer → Tansu →
+"""Partitioned tables end to end on real parts (PostgreSQL → producer → Apache Kafka →
 Spark consumer → target PostgreSQL): a shape on a RANGE-partitioned root
 follows every leaf — changes in the leaves, a row moving between partitions,
 a partition created and one attached while streaming, rows a table held before

@@ -2,10 +2,9 @@
 keys on every message a compacted topic gets, Java's partitioner, and restart
 recovery that never needs a message retention may delete.
 
-Tansu (see test_infra.py) stores and reports the settings it is given but never
-compacts nor enforces keys on compacted topics, and has no DeleteRecords: the
-tests check the settings as described, every key themselves, and delete an idle
-partition's data by re-creating its topic."""
+Apache Kafka reports every effective setting (its defaults too): the tests
+check the settings walbridge set among them. It rejects a keyless message on a
+compacted topic, and the tests check every key themselves as well."""
 
 from __future__ import annotations
 
@@ -61,8 +60,9 @@ def test_internal_topics_are_compacted_and_kept_and_an_old_one_is_reported(sourc
                         wire.internal_topics(topic_prefix) + [f"{topic_prefix}.public.t"])
     for topic in (wire.schemas_topic(topic_prefix), wire.backfills_topic(topic_prefix),
                   wire.checkpoint_topic(topic_prefix)):
-        assert settings[topic] == KEEP, topic
-    assert settings[f"{topic_prefix}.public.t"] == {"retention.ms": "-1", "retention.bytes": "-1"}
+        assert {k: settings[topic].get(k) for k in KEEP} == KEEP, topic
+    data = settings[f"{topic_prefix}.public.t"]
+    assert (data["retention.ms"], data["retention.bytes"], data["cleanup.policy"]) == ("-1", "-1", "delete")
     warning = " ".join(r.getMessage() for r in caplog.records if wire.status_topic(topic_prefix) in r.getMessage())
     assert "is not compacted (cleanup.policy=delete)" in warning and "deletes messages after 7 days" in warning
     assert (f"kafka-configs.sh --bootstrap-server {kafka_broker.bootstrap} --alter --entity-type topics "
@@ -202,7 +202,7 @@ def test_restart_after_an_idle_topic_lost_its_data_keeps_the_snapshot_when_every
         reader.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in ends.items()], asynchronous=False)
         recorded = wait_for(lambda: (lambda cp: cp if cp and cp.consumed else None)(
             _checkpoint(kafka_broker.bootstrap, topic_prefix)), timeout=30, what="the snapshot recorded as read")
-    # Kafka loses the idle topic's data (a re-created topic: Tansu has no DeleteRecords).
+    # Kafka loses the idle topic's data (the topic re-created: new topic id, offsets from 0).
     admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
     admin.delete_topics([idle])[idle].result(10)
     wait_for(lambda: idle not in admin.list_topics(timeout=10).topics, what="topic deleted")

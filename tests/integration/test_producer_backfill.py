@@ -1,4 +1,4 @@
-"""Backfills on real parts (PostgreSQL + Tansu), producer side: a shape re-read
+"""Backfills on real parts (PostgreSQL + Apache Kafka), producer side: a shape re-read
 while changes stream, a bucket-scoped backfill, a shape added to a running
 deployment, and a producer killed mid-backfill."""
 

@@ -1,4 +1,5 @@
-"""Kafka lost its data (Tansu restarted with memory storage): the producer
+"""Kafka lost its data (the broker stopped, its log dirs deleted, formatted again
+with the same cluster id): the producer
 notices, re-creates its topics and redoes the snapshot at a new consistent
 point, so the topics again describe the whole table."""
 
@@ -27,7 +28,7 @@ def test_broker_wipe_redoes_the_snapshot(source_db, private_kafka_broker, topic_
     with ProducerThread(cfg), psycopg.connect(source_db, autocommit=True) as conn:
         first = wait_for(lambda: len(snapshot_ends()) == 3 and snapshot_ends(), what="first snapshot")
         conn.execute("UPDATE t SET v = 1 WHERE id <= 10")
-        broker.restart()  # every topic, record and committed offset is gone
+        broker.lose_data()  # every topic, record and committed offset is gone
         conn.execute("UPDATE t SET v = 2 WHERE id <= 5")
         conn.execute("DELETE FROM t WHERE id > 990")
         second = wait_for(lambda: len(snapshot_ends()) == 3 and snapshot_ends(), timeout=120,

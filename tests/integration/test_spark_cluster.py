@@ -2,7 +2,7 @@
 
 Topology (``tests/cluster.py``): a network namespace is the second host. On
 this host, listening on our end of the veth pair: PostgreSQL (source and
-target), the Tansu broker, the Spark standalone master, the producer and the
+target), the Apache Kafka broker, the Spark standalone master, the producer and the
 consumer's driver (spark-submit, client mode). Inside the namespace: the Spark
 worker and its executors. The consumer's Python environment reaches the
 executors only as the README ships it: ``walbridge pack``, then
@@ -40,7 +40,7 @@ from tests.cluster import (
 )
 from tests.helpers import ProducerThread, wait_for, write_toml
 from tests.integration.test_e2e import _caught_up, _prepare_source, _verify_ok, e2e_config, pgbench
-from walbridge.embedded import PostgresCluster, TansuBroker
+from walbridge.embedded import KafkaBroker, PostgresCluster
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def servers(netns, tmp_path_factory):
     base = Path(tempfile.mkdtemp(prefix="walbridge-test-cluster-pg-"))  # see conftest._pg_scratch_dir
     try:
         with PostgresCluster(base, host=netns.host_ip, trusted_networks=(netns.network,)) as pg, \
-                TansuBroker(tmp_path_factory.mktemp("cluster-kafka"), host=netns.host_ip) as broker:
+                KafkaBroker(tmp_path_factory.mktemp("cluster-kafka"), host=netns.host_ip) as broker:
             yield pg, broker
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -85,7 +85,7 @@ def packed(tmp_path_factory):
 class Cluster:
     """Databases, config and the consumer application of one test."""
 
-    def __init__(self, pg: PostgresCluster, broker: TansuBroker, spark: SparkStandalone, packed: Path,
+    def __init__(self, pg: PostgresCluster, broker: KafkaBroker, spark: SparkStandalone, packed: Path,
                  run_dir: Path):
         self.pg, self.spark = pg, spark
         tag = uuid.uuid4().hex[:8]

@@ -4,8 +4,9 @@ progress on the new topic: the producer neither confirms WAL past what the
 group really read nor marks the re-done snapshot read (issue 16).
 
 The race is made deterministic: the old offsets are committed by hand onto the
-re-created topic. Tansu keeps no commit metadata, so the sign here is the
-offset beyond the partition's end; the topic-id metadata is unit-tested."""
+re-created topic, with no topic id in their metadata (as another tool would
+commit), so the sign here is the offset beyond the partition's end; the
+topic-id metadata is unit-tested."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_old_offsets_committed_on_a_recreated_topic_release_nothing(source_db, p
         old_ends = dict(old.next)
         old.close()
 
-        broker.restart()  # the topic is lost; the producer re-creates it and redoes the snapshot
+        broker.lose_data()  # the topic is lost; the producer re-creates it and redoes the snapshot
         wait_for(lambda: snapshot_ids() - first, timeout=120, what="snapshot redone")
         # Streaming on the new slot: the redone snapshot is complete in the checkpoint, so a run that
         # fails from here on resumes the slot (one failing earlier would make a new slot, which may

@@ -65,7 +65,7 @@ def test_kafka_losing_a_snapshot_no_group_had_read_redoes_it():
 
 
 def test_an_end_reported_low_is_not_a_loss():
-    # Tansu reports the last batch's base offset + 1: the tail read tells the true end
+    # a message appended between the end's report (1) and the tail read (offset 2): the read tells
     low_report = {("wb.orders", 1): PartitionFacts(0, 1, Tail(2, (0x100, 0), "snapshot_end", "wb@0/100"), "id-orders")}
     assert not run(complete(), facts(low_report), committed={}).resnapshot
 

@@ -4,7 +4,7 @@ group read them (producer.topics, pure)."""
 
 import pytest
 
-from producer.topics import data_findings, fix_command, internal_findings
+from producer.topics import data_findings, fix_command, internal_findings, replication_findings
 from schemas import wire
 
 BOOT = "kafka:9092"
@@ -53,3 +53,32 @@ def test_a_compacted_data_topic_drops_tombstones_and_their_deletes_unless_tombst
     assert data_findings("wb.t", config, False, BOOT) == []
     (default,) = data_findings("wb.t", {"cleanup.policy": "compact"}, True, BOOT)
     assert "1 day after compaction (delete.retention.ms=86400000)" in default
+
+
+def _replication(replicas, min_isr=None, wanted=None, brokers=3):
+    config = {} if min_isr is None else {"min.insync.replicas": str(min_isr)}
+    return replication_findings("wb.t", replicas, config, wanted, brokers, "k:9092")
+
+
+def test_three_replicas_two_in_sync_as_production_runs_them_have_no_finding():
+    assert _replication(3, min_isr=2) == ([], [])
+    assert _replication(3, min_isr=2, wanted=3) == ([], [])
+    assert _replication(1, min_isr=1, brokers=1) == ([], [])  # a one-broker cluster has nothing better
+
+
+def test_fewer_replicas_than_configured_stop_the_producer():
+    refused, _ = _replication(1, min_isr=1, wanted=3)
+    assert refused == ["topic wb.t has 1 replica(s), fewer than [kafka] replication_factor = 3: reassign its "
+                       "partitions (kafka-reassign-partitions.sh) or lower the setting"]
+
+
+def test_min_insync_replicas_above_the_replicas_would_block_every_write():
+    refused, _ = _replication(2, min_isr=3)
+    assert len(refused) == 1 and "no write with acks=all can be acknowledged" in refused[0]
+    assert "--entity-name wb.t --add-config min.insync.replicas=2" in refused[0]
+
+
+def test_weak_replication_is_warned_not_refused():
+    assert _replication(3, min_isr=1)[0] == []
+    assert "set min.insync.replicas=2" in _replication(3, min_isr=1)[1][0]
+    assert "one replica on a cluster of 3 brokers" in _replication(1, min_isr=1)[1][0]
