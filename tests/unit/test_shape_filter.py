@@ -208,7 +208,8 @@ ACCEPTED = [
     ("1 = 2", {}, False),
     ("NULL = NULL", {}, False),
     ("NOT NULL = NULL", {}, False),
-    ("'a' < 'b'", {}, True),
+    ("'a' < 'b' COLLATE \"C\"", {}, True),
+    ("'B' < 'a' COLLATE \"C\"", {}, True),
     ("'2' = 2", {}, True),  # an untyped string literal is coerced to the other side's type
     ("1 = 1.0", {}, True),
     ("'2024-01-01'::date < '2024-01-02'", {}, True),
@@ -276,7 +277,9 @@ REJECTED = [
     ("x = $1", "query parameters are not supported"),
     ("x = B'101'", "bit/hex string literals are not supported"),
     ("(x, y) = (1, 2)", "row values are not supported"),
-    ("x = 'a' COLLATE \"C\"", "COLLATE is not supported"),
+    ("x = 'a' COLLATE \"de_DE\"", "COLLATE \"de_DE\" is not supported"),
+    ("x COLLATE \"C\"", "COLLATE applies only to a text operand"),
+    ("'a' < 'b'", "ordering comparison of text literals under the database's collation"),
     ("t.x = 1", "qualified column references are not supported: t.x"),
     ("x = 1 y", "unexpected alias or trailing text"),
     ("x = 1; y = 2", "multiple statements are not allowed"),
@@ -396,7 +399,9 @@ TYPED = [
     ("\"Region\" = 'EU' AND region = 'eu'", {"Region": "EU", "region": "eu"}, True),
     ("n = big", {"n": 5, "big": 5}, True),
     ("total > n", {"total": Decimal("5.5"), "n": 5}, True),
-    ("region < code", {"region": "a", "code": "b  "}, True),
+    ("region COLLATE \"C\" < 'b'", {"region": "a"}, True),
+    ("region COLLATE \"C\" < 'b'", {"region": "B"}, True),  # code-point order: 'B' < 'b'
+    ("region COLLATE \"C\" BETWEEN 'a' AND 'b'", {"region": "ab"}, True),
 ]
 
 
@@ -459,6 +464,8 @@ TYPED_REJECTED = [
     ("payload = '{}'", "comparisons on columns of type jsonb are not supported"),
     ("tags IN ('a')", "comparisons on columns of type text[] are not supported"),
     ("n", "column 'n' of type integer used as a condition"),
+    ("region < code", "cannot compare column 'region' (text) with column 'code' (character(3))"),
+    ("region >= 'b'", "ordering comparison on text column 'region' under a collation not known"),
     ("NOT region", "column 'region' of type text used as a condition"),
 ]
 
