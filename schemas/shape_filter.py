@@ -579,7 +579,7 @@ class _Coercer:
         if kind == "float4":
             return _n_float4(float(text))
         if kind == "bool":
-            return text == "t"
+            return text in ("t", "true")
         if kind == "uuid":
             return uuid.UUID(text)
         if kind in _TEMPORAL:
@@ -753,6 +753,7 @@ _PY_OPS = {
 }
 
 _TRUE, _FALSE = "True", "False"
+_NUMERIC_RANK = ("int", "numeric", "float4", "float8")  # each converts implicitly to those after it
 # kinds whose loaded value is compared as it is (no normalising): r[col] == K suffices
 _RAW_EQUAL = frozenset({"int", "text", "bool", "uuid", "enum"})
 
@@ -1447,12 +1448,22 @@ class _Compiler:
         if col.type is not None and col.kind != "opaque":
             if col.kind in _TEXT:
                 self.check_text("equal", [col], consts, frag)
-            values = frozenset(self.co.coerce(c, col.type, frag) for c in consts)
+            target = col.type
+            if col.kind in _NUM:
+                # PostgreSQL compares an IN list in the common type of the column and
+                # the typed literals (int < numeric < real < double precision)
+                common = max((col.kind, *(c.kind for c in consts if c.kind in _NUM)), key=_NUMERIC_RANK.index)
+                if common == "float4" and (col.kind != "float4" or any(c.kind == "numeric" for c in consts)):
+                    self.err("IN compares these values as real (the list's common type), which walbridge cannot "
+                             "round exactly as PostgreSQL does", frag, "write the numbers as strings or as "
+                             "double precision ('0.1'::float8)")
+                if common != col.kind:
+                    target = _Type(common, _KIND_NAME[common])
+            values = frozenset(self.co.coerce(c, target, frag) for c in consts)
             setup, val, _ = self.access(col, None, frag)
-            widen = col.kind in ("int", "numeric") and any(c.kind in _FLOAT for c in consts)
-            if widen:  # PostgreSQL compares in float8
+            widen = target.kind == "float8" and col.kind in ("int", "numeric")
+            if widen:  # the column's values are compared as float8
                 val = f"{self.k(_to_float8)}({val})"
-                values = frozenset(_to_float8(x) for x in values)
             K = self.k(values)
             t = f"(r[{col.name!r}] in {K})" if col.kind in _RAW_EQUAL and not widen else f"({setup} and {val} in {K})"
             return _P(t, _FALSE if has_null else f"({setup} and {val} not in {K})")
