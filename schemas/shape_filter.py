@@ -33,11 +33,12 @@ Invariants
   - ``LIKE`` / ``NOT LIKE`` / ``ILIKE`` / ``NOT ILIKE`` with a string-literal
     pattern, ``%`` and ``_`` wildcards, backslash escapes by default and an
     optional ``ESCAPE 'c'`` (``ESCAPE ''`` disables escaping);
-  - a boolean column (or boolean literal) used directly as a condition.
+  - a boolean column (or boolean literal) used directly as a condition;
+  - ``COLLATE "C"`` (``"POSIX"``, ``ucs_basic``) on a text operand.
 
   Rejected, with a message naming the construct: function calls, arithmetic
   and other operators (``+ - * / %``, ``||``, ``~``, ``SIMILAR TO``, JSON and
-  array operators, bitwise operators, ``COLLATE``, ``IS DISTINCT FROM``), casts
+  array operators, bitwise operators, other collations, ``IS DISTINCT FROM``), casts
   of anything but a literal, casts with type modifiers, subqueries and
   ``EXISTS``, ``ANY``/``ALL``, ``CASE``, intervals, bit/hex strings, row
   values, parameters, table-qualified columns, aliases / trailing junk, empty
@@ -54,42 +55,50 @@ Invariants
   FALSE" -- which gives short-circuiting two-valued Python code with exact
   Kleene semantics (``NOT p`` is TRUE iff ``p`` is FALSE).
 
-* **Typing.**  With ``columns`` (column -> PostgreSQL type name) unknown
-  columns are rejected, incompatible comparisons (``integer`` column vs
-  ``'abc'``, ``text`` vs ``5``, ``LIKE`` on a number, ordering on an enum or
-  other type of unknown ordering, anything but ``IS NULL`` on json / bytea /
-  array / interval ...) are rejected at compile time, and literals are coerced
-  once, at compile time, to the Python type psycopg loads for the column:
-  ``'2024-01-01'`` -> ``date``, ``'100.5'`` -> ``Decimal``, uuid text ->
-  ``UUID``, timestamptz text -> aware ``datetime``, ``0.1`` vs ``double
-  precision`` -> ``float`` and so on.  ``char(n)`` values are compared without
-  trailing blanks (but ``LIKE`` sees the padding), ``real`` values as float4
-  and ``citext`` values case-insensitively, as PostgreSQL does.
-  Type names that sqlglot does not know (enums, domains, extension types) are
-  "opaque": equality, ``IN`` and ``IS NULL`` are allowed, ordering is not.
+* **The rule: exactly PostgreSQL's WHERE, or refused.**  Compiled against
+  the source (``columns`` as :class:`FilterColumn` from its catalog, and a
+  :class:`FilterSource`), an accepted filter selects exactly the rows the
+  source's own ``WHERE`` returns for the values the producer loads (psycopg's
+  loaders; values a Python type cannot hold arrive as their text form);
+  whatever cannot be evaluated so raises :class:`FilterError` naming the
+  fragment, the column's collation and the fix.  In particular:
 
-* **Incomparable values -- the decision.**  Whatever can be detected at compile
-  time raises :class:`FilterError` (always with ``columns``; literal-vs-literal
-  always).  Without a type for a column, a column compared with a literal is
-  guarded per row by a cheap class check: a value of the wrong Python type
-  (e.g. ``int`` for ``total = '100'``, or a ``datetime`` compared with the
-  untyped string ``'2024-01-01'``) raises :class:`FilterTypeError` (a
-  ``TypeError``) naming the column, the value's type and the fragment, instead
-  of silently comparing unequal.  The fix is to pass ``columns`` or to write a
-  typed literal (``'2024-01-01'::date``).  Untyped column-vs-column
-  comparisons are checked the same way.
+  - text (and ``char(n)``, ``citext``): ordering only under a code-point
+    collation (the column's is ``C``/``POSIX``/``ucs_basic``, or the
+    comparison says ``COLLATE "C"``), on a UTF-8 database; ``=``, ``IN`` and
+    ``LIKE`` under deterministic collations only (they compare code points);
+    ``ILIKE`` and citext lower-case as PostgreSQL's ``lower()`` does under the
+    collation (:attr:`Collation.lower`: ASCII under C, Unicode's full mapping
+    under ICU), else refused.  ``char(n)`` is compared without trailing
+    blanks, but ``LIKE`` sees the padding;
+  - numbers: ``NaN`` (float4, float8, numeric) equals itself and sorts above
+    every number (:class:`_Beyond`), ``-0 = 0``; ``real`` is compared as its
+    float4 value widened to float8; mixed types are compared in the type
+    PostgreSQL's operator resolution picks (an IN list: its common type);
+  - dates and times: ``±infinity``, BC dates and years past 9999 (text forms
+    from the loaders) take their place in the order; ``timetz`` is refused;
+    comparisons PostgreSQL would make by converting every row's value are
+    refused;
+  - enums: equality and ``IN`` only (their order can change under
+    ``ALTER TYPE ... ADD VALUE``); other types of unknown semantics: ``IS
+    NULL`` only;
+  - literals are read by the source (:attr:`FilterSource.cast`: its input
+    functions, its ``TimeZone``), once, at compile time; moving ones
+    (``'now'``) are refused.
+
+  With type names only (``columns`` as strings) collations count as unknown
+  (text ordering is refused) and literals are read by Python's ISO parsers
+  in ``session_timezone``; without ``columns`` (the config's syntax check)
+  a column compared with a literal is guarded per row by a cheap class check:
+  a value of the wrong Python type raises :class:`FilterTypeError` (a
+  ``TypeError``) instead of silently comparing unequal.
 
 * **Missing columns.**  ``matches`` needs every referenced column in the row;
   a missing one raises :class:`MissingColumnError` (a ``LookupError``), it is
   never treated as NULL.  :func:`shape_transition` handles a partial *old* row
   (see there).
 
-Known deviations: string ordering (``<``, ``BETWEEN``) uses code-point order,
-i.e. ``COLLATE "C"``, not the database collation; ``ILIKE`` uses Python case
-folding; float ``NaN`` compares as unknown-like (neither ``<`` nor ``>=`` is
-TRUE) and numeric ``NaN`` literals are rejected; ``timestamp``/``date`` text
-without an offset compared with ``timestamptz`` is read in ``session_timezone``
-(UTC by default) -- PostgreSQL uses the session's ``TimeZone``.
+What is refused, and why, is listed in the README ("Row filters").
 """
 
 from __future__ import annotations
