@@ -362,11 +362,11 @@ def test_check_config_live_refuses_a_filter_in_one_line(icu_db, kafka_broker, to
     shapes = [{"table": "public.names", "name": "names_b", "where": "name >= 'b'"}]
     path = write_toml(make_config(icu_db, kafka_broker.bootstrap, topic_prefix, shapes), tmp_path / "wb.toml")
     started = time.monotonic()
-    plain = subprocess.run([sys.executable, "-m", "walbridge", "check-config", str(path)],
+    plain = subprocess.run([sys.executable, "-m", "walbridge", "check-config", "-c", str(path)],
                            capture_output=True, text=True, timeout=60)
     assert plain.returncode == 0, plain.stderr  # without the source it cannot know the collation: says so
     assert "checked against the source by check-config --live" in plain.stdout
-    live = subprocess.run([sys.executable, "-m", "walbridge", "check-config", "--live", str(path)],
+    live = subprocess.run([sys.executable, "-m", "walbridge", "check-config", "--live", "-c", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert live.returncode == 2, live.stdout + live.stderr
     assert time.monotonic() - started < 30
