@@ -14,6 +14,12 @@ Invariants:
   application's own UPDATE and DELETE on it. Depending on
   ``[source] keyless_tables`` walbridge refuses (default) or publishes only its
   inserts through a second, insert-only publication ``<publication>_inserts``.
+- Shape filters are compiled against what the catalog says (base types,
+  collations, enums; :func:`filter_columns`) and the source itself
+  (:func:`filter_source`: its default collation, encoding, and its own reading
+  of each literal in the ``TimeZone`` its ordinary sessions get), so a filter
+  either selects exactly what the source's ``WHERE`` would or is refused. A
+  refused filter is a config problem (:data:`~schemas.failures.CONFIG`).
 - Partitioned tables: the publication publishes through the partition root
   (``publish_via_partition_root = true``), so every change of every leaf,
   including leaves created or attached later, arrives under the root a shape
@@ -26,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import psycopg
 from psycopg import sql
@@ -33,8 +40,8 @@ from psycopg import sql
 from producer.pgtypes import PgTypeInfo
 from producer.schema_changes import CatalogFacts, ColumnFacts
 from schemas.config import Config
-from schemas.failures import SOURCE, Failure
-from schemas.shape_filter import FilterError, compile_filter
+from schemas.failures import CONFIG, SOURCE, Failure
+from schemas.shape_filter import Collation, FilterColumn, FilterError, FilterSource, compile_filter
 
 
 class SourceError(Failure):
@@ -52,6 +59,7 @@ class Finding:
     item: str  # e.g. "wal_level", "shapes[0] (public.orders).columns"
     ok: bool
     detail: str
+    config: bool = False  # a problem of the config itself (a refused filter), not of the source
 
 
 @dataclass(frozen=True)
@@ -198,6 +206,91 @@ def type_info(conn: psycopg.Connection, oid: int, typmod: int) -> PgTypeInfo:
     )
 
 
+_FILTER_COLUMNS_SQL = """
+SELECT a.attname, a.atttypid::int, a.atttypmod, a.attcollation::int, to_jsonb(co)
+FROM pg_attribute a LEFT JOIN pg_collation co ON co.oid = a.attcollation
+WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+ORDER BY a.attnum
+"""
+_DEFAULT_COLLATION = 100  # pg_collation's "default": the database's own
+
+
+def _collation(row: dict, name: str) -> Collation:
+    """A pg_collation or pg_database row (as JSON; the column names moved
+    between PostgreSQL 15 and 17) as a :class:`Collation`."""
+    prefix = "coll" if "collname" in row else "dat"
+    provider = row.get(f"{prefix}provider") or row.get("datlocprovider") or "c"
+    locale = row.get(f"{prefix}iculocale") or row.get(f"{prefix}locale") or ""
+    collate, ctype = row.get(f"{prefix}collate") or "", row.get(f"{prefix}ctype") or ""
+    return Collation(name, provider, locale if provider != "c" else collate, ctype,
+                     row.get("collisdeterministic", True))
+
+
+def default_collation(conn: psycopg.Connection) -> Collation:
+    row = conn.execute("SELECT to_jsonb(d) FROM pg_database d WHERE datname = current_database()").fetchone()[0]
+    return _collation(row, "default")
+
+
+def filter_columns(conn: psycopg.Connection, oid: int) -> dict[str, FilterColumn]:
+    """What a shape filter on relation ``oid`` needs of each column: its base
+    type (domains resolved), its collation (``default`` resolved to the
+    database's) and whether it is an enum."""
+    default = None
+    out = {}
+    for name, type_oid, typmod, coll_oid, coll in conn.execute(_FILTER_COLUMNS_SQL, (oid,)).fetchall():
+        info = type_info(conn, type_oid, typmod)
+        collation = None
+        if coll_oid == _DEFAULT_COLLATION:
+            default = default or default_collation(conn)
+            collation = default
+        elif coll is not None:
+            collation = _collation(coll, coll["collname"])
+        cast_type = conn.execute("SELECT format_type(%s, NULL)", (info.base_oid,)).fetchone()[0]
+        out[name] = FilterColumn(info.base_name, collation, info.kind == "e", cast_type)
+    return out
+
+
+def filter_source(conn: psycopg.Connection, dsn: str) -> FilterSource:
+    """The source as shape filters see it. Literals are read in the
+    ``TimeZone`` an ordinary session of this role gets (server, database and
+    role settings), which walbridge's own sessions override with UTC; it is
+    read once, from a connection without walbridge's options."""
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as plain:
+            timezone = plain.execute("SHOW TimeZone").fetchone()[0]
+    except psycopg.Error as e:
+        raise SourceError(f"cannot read the source's TimeZone for the shape filters: {e}") from None
+    encoding = conn.execute("SHOW server_encoding").fetchone()[0]
+    return FilterSource(literal_reader(conn, timezone), default_collation(conn), encoding)
+
+
+def literal_reader(conn: psycopg.Connection, timezone: str) -> Callable[[Sequence[str], Sequence[str]], list[str]]:
+    """``FilterSource.cast`` on ``conn``: the source's input functions read
+    each literal, in ``timezone``; the ISO text of the value comes back."""
+    cache: dict[tuple, list[str]] = {}
+
+    def cast(texts: Sequence[str], types: Sequence[str]) -> list[str]:
+        key = (tuple(texts), tuple(types))
+        if key not in cache:
+            expr: sql.Composable = sql.SQL("u.x")
+            try:
+                with conn.transaction():
+                    for t in types:
+                        name = conn.execute("SELECT format_type(to_regtype(%s), NULL)", (t,)).fetchone()[0]
+                        if name is None:
+                            raise ValueError(f"type {t} does not exist")
+                        expr = sql.SQL("CAST({} AS {})").format(expr, sql.SQL(name))  # a name the server printed
+                    conn.execute("SELECT set_config('TimeZone', %s, true)", (timezone,))
+                    query = sql.SQL("SELECT ({})::text FROM unnest(%s::text[]) WITH ORDINALITY AS u(x, i) "
+                                    "ORDER BY u.i").format(expr)
+                    cache[key] = [r[0] for r in conn.execute(query, (list(texts),))]
+            except psycopg.Error as e:
+                raise ValueError(e.diag.message_primary or str(e)) from None
+        return cache[key]
+
+    return cast
+
+
 @dataclass(frozen=True)
 class PublicationPlan:
     full_tables: tuple[str, ...]  # INSERT/UPDATE/DELETE/TRUNCATE
@@ -231,7 +324,8 @@ def plan_publication(tables: list[TableInfo], keyless_policy: str) -> Publicatio
 _IDENTITY = {"d": "default", "n": "nothing", "f": "full", "i": "using index"}
 
 
-def inspect_source(conn: psycopg.Connection, config: Config) -> tuple[dict[str, TableInfo], list[Finding]]:
+def inspect_source(conn: psycopg.Connection, config: Config, source: FilterSource | None = None
+                   ) -> tuple[dict[str, TableInfo], list[Finding]]:
     """What the live catalog says of the config: table infos by
     ``schema.table`` and one finding per thing checked. Read-only."""
     findings: list[Finding] = []
@@ -274,10 +368,11 @@ def inspect_source(conn: psycopg.Connection, config: Config) -> tuple[dict[str, 
                 findings.append(Finding(f"{where}.columns", False, f"must include the primary key column(s) "
                                         f"{', '.join(lacking_key)} of {shape.table}"))
         if shape.where is not None:
+            source = source or filter_source(conn, config.source.dsn)
             try:
-                compile_filter(shape.where, {c.name: c.type_name for c in info.columns})
+                compile_filter(shape.where, filter_columns(conn, info.oid), shape=shape.shape_name, source=source)
             except FilterError as e:
-                findings.append(Finding(f"{where}.where", False, str(e)))
+                findings.append(Finding(f"{where}.where", False, str(e), config=True))
         has_select = conn.execute("SELECT has_table_privilege(%s, 'SELECT')", (info.oid,)).fetchone()[0]
         if not has_select:
             findings.append(Finding(f"{where}.table", False, f"the connecting role cannot SELECT from "
@@ -286,10 +381,15 @@ def inspect_source(conn: psycopg.Connection, config: Config) -> tuple[dict[str, 
     return tables, findings
 
 
-def check_source(conn: psycopg.Connection, config: Config) -> dict[str, TableInfo]:
+def check_source(conn: psycopg.Connection, config: Config, source: FilterSource | None = None
+                 ) -> dict[str, TableInfo]:
     """Validate the shapes against the live catalog; returns table infos by
-    ``schema.table``. Read-only; raises :class:`SourceError` naming every problem."""
-    tables, findings = inspect_source(conn, config)
+    ``schema.table``. Read-only; raises a :data:`CONFIG` failure for refused
+    filters (one line each), else :class:`SourceError` naming every problem."""
+    tables, findings = inspect_source(conn, config, source)
+    refused = [f.detail for f in findings if f.config]
+    if refused:
+        raise Failure(CONFIG, "\n".join(refused))
     problems = [f for f in findings if not f.ok]
     if problems:
         raise SourceError("the source database does not match the config:\n"

@@ -139,6 +139,7 @@ class Pipeline:
         self._encoders: dict[int, Any] = {}  # relation oid -> compiled encoder (fastcodec), where one applies
         self.shape_specs: dict[str, list[ShapeSpec]] = defaultdict(list)
         self.tables: dict[str, TableInfo] = {}
+        self.filter_source = None  # the source as shape filters see it (catalog.filter_source)
         self.publications: list[str] = []
         self.repl: ReplicationConnection | None = None
         self.catalog_conn: psycopg.Connection | None = None
@@ -173,7 +174,10 @@ class Pipeline:
         cfg = self.config
         self.catalog_conn = connect(cfg.source.dsn)
         self.db_name = self.catalog_conn.info.dbname
-        self.tables = catalog.check_source(self.catalog_conn, cfg)
+        # Filters are compiled against the source itself: its collations, its reading of literals
+        self.filter_source = catalog.filter_source(self.catalog_conn, cfg.source.dsn) if any(
+            s.where for s in cfg.shapes) else None
+        self.tables = catalog.check_source(self.catalog_conn, cfg, self.filter_source)
         self._cluster_id = cluster_metadata(self.admin, self._kafka_conf, METADATA_TIMEOUT, self._stop).cluster_id
         self._slot = catalog.slot_state(self.catalog_conn, cfg.source.slot)
         if self._slot is not None:
@@ -183,8 +187,8 @@ class Pipeline:
         self.publications = catalog.ensure_publications(self.catalog_conn, cfg.source.publication, plan)
         for shape in cfg.shapes:
             table = self.tables[shape.table]
-            types = {c.name: c.type_name for c in table.columns}
-            row_filter = compile_filter(shape.where, types) if shape.where else None
+            row_filter = compile_filter(shape.where, catalog.filter_columns(self.catalog_conn, table.oid),
+                                        shape=shape.shape_name, source=self.filter_source) if shape.where else None
             if row_filter is not None and table.replica_identity != "f":
                 log.warning("shape %s filters on %s, whose REPLICA IDENTITY is not FULL: updates of rows "
                             "outside the filter are sent as deletes (harmless, but extra traffic); "
@@ -211,7 +215,7 @@ class Pipeline:
         self.partition_watch = PartitionWatch(self.catalog_conn, self.tables, shapes, self._request_backfill)
         self.schema = SchemaFollower(cfg, self.catalog_conn, self.tables, self.shape_specs, self.stats, self.acks,
                                      self._type_info, self._hold_position, self._request_backfill,
-                                     self._defer_backfill)
+                                     self._defer_backfill, self.filter_source)
 
     def writers(self) -> list[Writer]:
         return [(t, p) for t, n in self.partitions.items() for p in range(n)]

@@ -55,7 +55,7 @@ from producer.schema_changes import RelationShape, ShapeRef
 from producer.shapes import ShapeSpec
 from producer.status import Stats
 from schemas.config import Config
-from schemas.shape_filter import FilterError, compile_filter
+from schemas.shape_filter import FilterError, FilterSource, compile_filter
 
 log = logging.getLogger("walbridge.producer")
 
@@ -83,8 +83,10 @@ class SchemaFollower:
     def __init__(self, config: Config, conn: psycopg.Connection, tables: dict[str, TableInfo],
                  shape_specs: dict[str, list[ShapeSpec]], stats: Stats, acks: Acks,
                  type_info: Callable[[int, int], Any], position: Callable[[], int],
-                 request_backfill: Callable[[str, str], None], defer_backfill: Callable[[str, str], None]):
+                 request_backfill: Callable[[str, str], None], defer_backfill: Callable[[str, str], None],
+                 filter_source: FilterSource | None = None):
         self._config = config
+        self._filter_source = filter_source  # what the shape filters are compiled against
         self._conn = conn  # the catalog connection
         self._tables = tables
         self._specs = shape_specs
@@ -139,7 +141,7 @@ class SchemaFollower:
             log.warning("%s lost its key (%s): its shapes follow the keyless rules from now on (null Kafka "
                         "keys, no key schema), and are re-read", qualified, new.identity)
         stops = {**schema_changes.unknown_columns(refs, [c.name for c in rel.columns], qualified), **out.stop}
-        stops.update(self._recompile_filters(qualified, {c[0]: c[3] for c in columns}, set(stops)))
+        stops.update(self._recompile_filters(qualified, rel, set(stops)))
         if table is not None and not any(c.kind == schema_changes.TABLE_RENAMED for c in changes):
             self._tables[qualified] = table
         for shape, error in stops.items():
@@ -200,16 +202,22 @@ class SchemaFollower:
         """(name, type oid, typmod, type name) of each column of ``rel``."""
         return [(c.name, c.type_oid, c.typmod, self._type_info(c.type_oid, c.typmod).name) for c in rel.columns]
 
-    def _recompile_filters(self, qualified: str, types: dict[str, str], skip: set[str]) -> dict[str, str]:
-        """The table's shape filters compiled again for ``types`` (name → type);
-        returns the shapes whose filter no longer compiles, with the error."""
+    def _recompile_filters(self, qualified: str, rel: Relation, skip: set[str]) -> dict[str, str]:
+        """The table's shape filters compiled again for ``rel``'s columns (their
+        types, collations and enums as the catalog says now); returns the shapes
+        whose filter no longer compiles, with the error."""
         wheres = {s.shape_name: s.where for s in self._config.shapes if s.where}
         failed = {}
         specs = self._specs[qualified]
+        facts = None
         for i, spec in enumerate(specs):
             if spec.name in wheres and spec.name not in skip:
+                if facts is None:
+                    now = catalog.filter_columns(self._conn, rel.oid)
+                    facts = {c.name: now[c.name] for c in rel.columns if c.name in now}
                 try:
-                    specs[i] = replace(spec, row_filter=compile_filter(wheres[spec.name], types))
+                    specs[i] = replace(spec, row_filter=compile_filter(wheres[spec.name], facts, shape=spec.name,
+                                                                       source=self._filter_source))
                 except FilterError as e:
                     failed[spec.name] = f"shape {spec.name}: its where no longer fits {qualified}: {e}"
         return failed

@@ -33,11 +33,12 @@ Invariants
   - ``LIKE`` / ``NOT LIKE`` / ``ILIKE`` / ``NOT ILIKE`` with a string-literal
     pattern, ``%`` and ``_`` wildcards, backslash escapes by default and an
     optional ``ESCAPE 'c'`` (``ESCAPE ''`` disables escaping);
-  - a boolean column (or boolean literal) used directly as a condition.
+  - a boolean column (or boolean literal) used directly as a condition;
+  - ``COLLATE "C"`` (``"POSIX"``, ``ucs_basic``) on a text operand.
 
   Rejected, with a message naming the construct: function calls, arithmetic
   and other operators (``+ - * / %``, ``||``, ``~``, ``SIMILAR TO``, JSON and
-  array operators, bitwise operators, ``COLLATE``, ``IS DISTINCT FROM``), casts
+  array operators, bitwise operators, other collations, ``IS DISTINCT FROM``), casts
   of anything but a literal, casts with type modifiers, subqueries and
   ``EXISTS``, ``ANY``/``ALL``, ``CASE``, intervals, bit/hex strings, row
   values, parameters, table-qualified columns, aliases / trailing junk, empty
@@ -54,42 +55,50 @@ Invariants
   FALSE" -- which gives short-circuiting two-valued Python code with exact
   Kleene semantics (``NOT p`` is TRUE iff ``p`` is FALSE).
 
-* **Typing.**  With ``columns`` (column -> PostgreSQL type name) unknown
-  columns are rejected, incompatible comparisons (``integer`` column vs
-  ``'abc'``, ``text`` vs ``5``, ``LIKE`` on a number, ordering on an enum or
-  other type of unknown ordering, anything but ``IS NULL`` on json / bytea /
-  array / interval ...) are rejected at compile time, and literals are coerced
-  once, at compile time, to the Python type psycopg loads for the column:
-  ``'2024-01-01'`` -> ``date``, ``'100.5'`` -> ``Decimal``, uuid text ->
-  ``UUID``, timestamptz text -> aware ``datetime``, ``0.1`` vs ``double
-  precision`` -> ``float`` and so on.  ``char(n)`` values are compared without
-  trailing blanks (but ``LIKE`` sees the padding), ``real`` values as float4
-  and ``citext`` values case-insensitively, as PostgreSQL does.
-  Type names that sqlglot does not know (enums, domains, extension types) are
-  "opaque": equality, ``IN`` and ``IS NULL`` are allowed, ordering is not.
+* **The rule: exactly PostgreSQL's WHERE, or refused.**  Compiled against
+  the source (``columns`` as :class:`FilterColumn` from its catalog, and a
+  :class:`FilterSource`), an accepted filter selects exactly the rows the
+  source's own ``WHERE`` returns for the values the producer loads (psycopg's
+  loaders; values a Python type cannot hold arrive as their text form);
+  whatever cannot be evaluated so raises :class:`FilterError` naming the
+  fragment, the column's collation and the fix.  In particular:
 
-* **Incomparable values -- the decision.**  Whatever can be detected at compile
-  time raises :class:`FilterError` (always with ``columns``; literal-vs-literal
-  always).  Without a type for a column, a column compared with a literal is
-  guarded per row by a cheap class check: a value of the wrong Python type
-  (e.g. ``int`` for ``total = '100'``, or a ``datetime`` compared with the
-  untyped string ``'2024-01-01'``) raises :class:`FilterTypeError` (a
-  ``TypeError``) naming the column, the value's type and the fragment, instead
-  of silently comparing unequal.  The fix is to pass ``columns`` or to write a
-  typed literal (``'2024-01-01'::date``).  Untyped column-vs-column
-  comparisons are checked the same way.
+  - text (and ``char(n)``, ``citext``): ordering only under a code-point
+    collation (the column's is ``C``/``POSIX``/``ucs_basic``, or the
+    comparison says ``COLLATE "C"``), on a UTF-8 database; ``=``, ``IN`` and
+    ``LIKE`` under deterministic collations only (they compare code points);
+    ``ILIKE`` and citext lower-case as PostgreSQL's ``lower()`` does under the
+    collation (:attr:`Collation.lower`: ASCII under C, Unicode's full mapping
+    under ICU), else refused.  ``char(n)`` is compared without trailing
+    blanks, but ``LIKE`` sees the padding;
+  - numbers: ``NaN`` (float4, float8, numeric) equals itself and sorts above
+    every number (:class:`_Beyond`), ``-0 = 0``; ``real`` is compared as its
+    float4 value widened to float8; mixed types are compared in the type
+    PostgreSQL's operator resolution picks (an IN list: its common type);
+  - dates and times: ``±infinity``, BC dates and years past 9999 (text forms
+    from the loaders) take their place in the order; ``timetz`` is refused;
+    comparisons PostgreSQL would make by converting every row's value are
+    refused;
+  - enums: equality and ``IN`` only (their order can change under
+    ``ALTER TYPE ... ADD VALUE``); other types of unknown semantics: ``IS
+    NULL`` only;
+  - literals are read by the source (:attr:`FilterSource.cast`: its input
+    functions, its ``TimeZone``), once, at compile time; moving ones
+    (``'now'``) are refused.
+
+  With type names only (``columns`` as strings) collations count as unknown
+  (text ordering is refused) and literals are read by Python's ISO parsers
+  in ``session_timezone``; without ``columns`` (the config's syntax check)
+  a column compared with a literal is guarded per row by a cheap class check:
+  a value of the wrong Python type raises :class:`FilterTypeError` (a
+  ``TypeError``) instead of silently comparing unequal.
 
 * **Missing columns.**  ``matches`` needs every referenced column in the row;
   a missing one raises :class:`MissingColumnError` (a ``LookupError``), it is
   never treated as NULL.  :func:`shape_transition` handles a partial *old* row
   (see there).
 
-Known deviations: string ordering (``<``, ``BETWEEN``) uses code-point order,
-i.e. ``COLLATE "C"``, not the database collation; ``ILIKE`` uses Python case
-folding; float ``NaN`` compares as unknown-like (neither ``<`` nor ``>=`` is
-TRUE) and numeric ``NaN`` literals are rejected; ``timestamp``/``date`` text
-without an offset compared with ``timestamptz`` is read in ``session_timezone``
-(UTC by default) -- PostgreSQL uses the session's ``TimeZone``.
+What is refused, and why, is listed in the README ("Row filters").
 """
 
 from __future__ import annotations
@@ -99,8 +108,9 @@ import re
 import string
 import struct
 import uuid
+from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
-from typing import Any, Callable, Literal, Mapping, NoReturn, Union
+from typing import Any, Callable, Literal, Mapping, NoReturn, Sequence, Union
 
 import sqlglot
 from sqlglot import exp
@@ -108,7 +118,11 @@ from sqlglot.errors import SqlglotError
 from sqlglot.optimizer.normalize_identifiers import normalize_identifiers
 
 __all__ = [
+    "C_COLLATION",
+    "Collation",
+    "FilterColumn",
     "FilterError",
+    "FilterSource",
     "FilterTypeError",
     "MissingColumnError",
     "RowFilter",
@@ -128,12 +142,13 @@ class FilterError(ValueError):
     unknown column or incompatible types.  ``str()`` reads like
     ``shape 'orders_eu': where: function calls are not supported: LOWER(region)``."""
 
-    def __init__(self, reason: str, fragment: str | None = None, shape: str | None = None):
+    def __init__(self, reason: str, fragment: str | None = None, shape: str | None = None, fix: str | None = None):
         self.reason = reason
         self.fragment = fragment
         self.shape = shape
+        self.fix = fix
         prefix = f"shape {shape!r}: where: " if shape else "where: "
-        super().__init__(prefix + reason + (f": {fragment}" if fragment else ""))
+        super().__init__(prefix + reason + (f": {fragment}" if fragment else "") + (f"; fix: {fix}" if fix else ""))
 
 
 class FilterTypeError(TypeError):
@@ -150,14 +165,94 @@ class MissingColumnError(LookupError):
         self.columns = columns
 
 
+# --------------------------------------------------------------------------- source facts
+
+
+@dataclass(frozen=True)
+class Collation:
+    """A collation as the source's catalog describes it (``pg_collation``; the
+    ``default`` collation resolved to the database's provider and locale)."""
+
+    name: str  # "default", "C", "en-US-x-icu", ...
+    provider: str  # "c" libc, "i" ICU, "b" builtin (PostgreSQL 17+)
+    locale: str  # libc: LC_COLLATE; ICU and builtin: the locale
+    ctype: str = ""  # libc: LC_CTYPE, which decides lower() and ILIKE
+    deterministic: bool = True
+
+    @property
+    def bytewise(self) -> bool:
+        """Orders text by its UTF-8 bytes, i.e. by code point, as Python does."""
+        return (self.provider == "c" and self.locale in ("C", "POSIX")) or (
+            self.provider == "b" and self.locale in ("C", "C.UTF-8"))
+
+    @property
+    def lower(self) -> Callable[[str], str] | None:
+        """PostgreSQL's ``lower()`` under this collation (which ILIKE and citext
+        use), or None where Python cannot reproduce it exactly."""
+        if self.provider == "c":
+            return _ascii_lower if self.ctype in ("C", "POSIX") else None  # libc: towlower, per code point
+        if self.provider == "b":
+            return _ascii_lower if self.locale == "C" else None
+        # ICU: Unicode's full lower-case mapping (final sigma, U+0130 -> "i̇"),
+        # which str.lower implements; tr, az and lt have rules of their own.
+        language = re.split(r"[-_@]", self.locale.lower(), maxsplit=1)[0]
+        return None if language in ("tr", "az", "lt") else str.lower
+
+    def describe(self) -> str:
+        provider = {"c": "libc", "i": "ICU", "b": "builtin"}.get(self.provider, self.provider)
+        nondet = ", nondeterministic" if not self.deterministic else ""
+        return f'"{self.name}" ({provider} {self.locale or "root"}{nondet})'
+
+
+C_COLLATION = Collation("C", "c", "C", "C")
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
+def _ascii_lower(s: str) -> str:
+    return s.translate(_ASCII_LOWER)
+
+
+# COLLATE names that mean code-point order (quoted as PostgreSQL spells them).
+_BYTEWISE_COLLATIONS = {"C": C_COLLATION, "POSIX": Collation("POSIX", "c", "POSIX", "POSIX"),
+                        "ucs_basic": Collation("ucs_basic", "c", "C", "C")}
+
+
+@dataclass(frozen=True)
+class FilterColumn:
+    """What the source's catalog says of a column, for :func:`compile_filter`."""
+
+    type: str  # the base type (domains resolved), format_type spelling, e.g. "numeric(12,2)"
+    collation: Collation | None = None  # collatable types
+    enum: bool = False
+    cast_type: str | None = None  # the type literals are read as (no typmod); default ``type``
+
+
+@dataclass(frozen=True)
+class FilterSource:
+    """What the source database decides for every filter.
+
+    ``cast(texts, types)``: each text read by the source's own input functions
+    as ``types[0]`` (then cast to ``types[1]`` ...) in the source's
+    ``TimeZone``, returned in its ISO text form; raises ``ValueError`` with
+    PostgreSQL's message.  ``default_collation``: the database's, which
+    citext lower-cases with."""
+
+    cast: Callable[[Sequence[str], Sequence[str]], list[str]]
+    default_collation: Collation
+    encoding: str = "UTF8"
+
+
 # --------------------------------------------------------------------------- types
 
 # kinds: "int" "numeric" "float4" "float8" "text" "bpchar" "citext" "bool" "date"
-# "timestamp" "timestamptz" "time" "timetz" "uuid" "opaque" (unknown type name:
-# enum/domain/extension) "unsupported" (known type we do not compare: json...).
+# "timestamp" "timestamptz" "time" "uuid" "enum" "opaque" (unknown type name:
+# enum/domain/extension, facts not given) "unsupported" (a type we do not
+# compare: json, timetz, ...).
 _NUM = frozenset({"int", "numeric", "float4", "float8"})
+_FLOAT = frozenset({"float4", "float8"})
 _TEXT = frozenset({"text", "bpchar", "citext"})
-_STRINGY = _TEXT | {"unknown", "opaque"}
+_STRINGY = _TEXT | {"unknown", "opaque", "enum"}
+_TEMPORAL = frozenset({"date", "timestamp", "timestamptz", "time"})
 
 _DTYPE_KIND = {
     **dict.fromkeys(
@@ -174,7 +269,6 @@ _DTYPE_KIND = {
     **dict.fromkeys(("TIMESTAMP", "DATETIME"), "timestamp"),
     **dict.fromkeys(("TIMESTAMPTZ", "TIMESTAMPLTZ"), "timestamptz"),
     "TIME": "time",
-    "TIMETZ": "timetz",
     "UUID": "uuid",
 }
 
@@ -191,8 +285,8 @@ _KIND_NAME = {
     "timestamp": "timestamp without time zone",
     "timestamptz": "timestamp with time zone",
     "time": "time without time zone",
-    "timetz": "time with time zone",
     "uuid": "uuid",
+    "enum": "enum",
     "unknown": "string",
     "null": "NULL",
 }
@@ -208,17 +302,18 @@ _KIND_CLASSES: dict[str, frozenset[type]] = {
     "timestamp": frozenset({_dt.datetime}),
     "timestamptz": frozenset({_dt.datetime}),
     "time": frozenset({_dt.time}),
-    "timetz": frozenset({_dt.time}),
     "uuid": frozenset({uuid.UUID}),
 }
 
 
 class _Type:
-    __slots__ = ("kind", "name")
+    __slots__ = ("kind", "name", "collation", "cast_name")
 
-    def __init__(self, kind: str, name: str):
+    def __init__(self, kind: str, name: str, collation: Collation | None = None, cast_name: str | None = None):
         self.kind = kind
         self.name = name  # for messages
+        self.collation = collation
+        self.cast_name = cast_name or name  # what the source reads a literal of this type as
 
 
 def _type_from_datatype(dt: exp.Expression, name: str) -> _Type:
@@ -252,15 +347,178 @@ def _type_from_name(name: str) -> _Type:
     return _type_from_datatype(dt, name)
 
 
+def _column_type(spec: str | FilterColumn) -> _Type:
+    if isinstance(spec, str):
+        return _type_from_name(spec)
+    t = _type_from_name(spec.type)
+    if spec.enum:
+        t = _Type("enum", spec.type)
+    elif t.kind == "opaque":
+        # the catalog says what it is and it is no enum: an extension type whose
+        # equality walbridge cannot judge from its text form
+        t = _Type("unsupported", spec.type)
+    t.collation = spec.collation
+    t.cast_name = spec.cast_type or spec.type
+    return t
+
+
+# --------------------------------------------------------------------------- PostgreSQL's order of special values
+
+
+class _Beyond:
+    """A value that PostgreSQL orders outside the range of the Python values of
+    its type: ``NaN`` (equal to itself, above every number and +Infinity),
+    ``±infinity`` of dates and times, dates and timestamps before year 1 or
+    after 9999, and ``24:00:00``.  It compares with the ordinary values by
+    ``rank`` alone (the Python types return NotImplemented, so Python asks it)
+    and with its own kind by ``(rank, key)``."""
+
+    __slots__ = ("rank", "key", "text")
+
+    def __init__(self, rank: int, key: Any = (), text: str = ""):
+        self.rank = rank
+        self.key = key
+        self.text = text
+
+    def _t(self, other: Any) -> tuple:
+        return (other.rank, other.key) if other.__class__ is _Beyond else (0,)
+
+    def __eq__(self, other: Any) -> bool:
+        return other.__class__ is _Beyond and (self.rank, self.key) == (other.rank, other.key)
+
+    def __ne__(self, other: Any) -> bool:
+        return not self.__eq__(other)
+
+    def __lt__(self, other: Any) -> bool:
+        return (self.rank, self.key) < self._t(other)
+
+    def __le__(self, other: Any) -> bool:
+        return (self.rank, self.key) <= self._t(other)
+
+    def __gt__(self, other: Any) -> bool:
+        return (self.rank, self.key) > self._t(other)
+
+    def __ge__(self, other: Any) -> bool:
+        return (self.rank, self.key) >= self._t(other)
+
+    def __hash__(self) -> int:
+        return hash((self.rank, self.key))
+
+    def __repr__(self) -> str:
+        return self.text or f"_Beyond({self.rank}, {self.key!r})"
+
+
+_NAN = _Beyond(3, (), "NaN")
+_INFINITY = {"infinity": _Beyond(2, (), "infinity"), "-infinity": _Beyond(-2, (), "-infinity")}
+_TIME_24 = _Beyond(1, (), "24:00:00")
+
+_DATE_RE = re.compile(r"(\d{4,})-(\d\d)-(\d\d)")
+_TIME_RE = re.compile(r" (\d\d):(\d\d):(\d\d)(?:\.(\d{1,6}))?")
+_OFFSET_RE = re.compile(r"([+-])(\d\d)(?::?(\d\d))?(?::?(\d\d))?")
+
+
+def _civil_days(y: int, m: int, d: int) -> int:
+    """Days from 1970-01-01 to the proleptic Gregorian date (astronomical year y)."""
+    y -= m <= 2
+    era = y // 400
+    yoe = y - era * 400
+    doy = (153 * (m + (-3 if m > 2 else 9)) + 2) // 5 + d - 1
+    return era * 146097 + yoe * 365 + yoe // 4 - yoe // 100 + doy - 719468
+
+
+_UNIX_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+
+
+def _beyond(text: str, kind: str) -> Any:
+    """A text form the loader could not hold (ISO DateStyle, as the producer's
+    sessions print it) as a value ordered as PostgreSQL orders it."""
+    s = text.strip()
+    if s.lower() in _INFINITY:
+        return _INFINITY[s.lower()]
+    if kind == "time":
+        if s in ("24:00:00", "24:00"):
+            return _TIME_24
+        raise ValueError(f"cannot order the {kind} value {text!r}")
+    bc = s.endswith(" BC")
+    body = s[:-3] if bc else s
+    m = _DATE_RE.match(body)
+    if m is None:
+        raise ValueError(f"cannot order the {_KIND_NAME[kind]} value {text!r}")
+    y, mo, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    y = 1 - y if bc else y  # astronomical year: 1 BC is year 0
+    rest = body[m.end():]
+    if kind == "date":
+        if rest:
+            raise ValueError(f"cannot order the date value {text!r}")
+        return _Beyond(-1 if y < 1 else 1, (y, mo, d), text)
+    t = _TIME_RE.match(rest)
+    if t is None:
+        raise ValueError(f"cannot order the {_KIND_NAME[kind]} value {text!r}")
+    hh, mi, ss = int(t.group(1)), int(t.group(2)), int(t.group(3))
+    us = int((t.group(4) or "").ljust(6, "0") or 0)
+    rest = rest[t.end():]
+    if kind == "timestamp":
+        if rest:
+            raise ValueError(f"cannot order the timestamp value {text!r}")
+        return _Beyond(-1 if y < 1 else 1, (y, mo, d, hh, mi, ss, us), text)
+    o = _OFFSET_RE.fullmatch(rest)
+    if o is None:
+        raise ValueError(f"cannot order the timestamptz value {text!r}")
+    offset = (int(o.group(2)) * 3600 + int(o.group(3) or 0) * 60 + int(o.group(4) or 0)) * (-1 if o.group(1) == "-" else 1)
+    utc_us = ((_civil_days(y, mo, d) * 86400 + hh * 3600 + mi * 60 + ss - offset) * 1_000_000) + us
+    try:  # an instant inside Python's range is an ordinary value, however it was printed
+        return _UNIX_EPOCH + _dt.timedelta(microseconds=utc_us)
+    except OverflowError:
+        return _Beyond(-1 if utc_us < 0 else 1, utc_us, text)
+
+
+def _n_float4(v: Any) -> Any:
+    # psycopg may load real 0.1 as the float 0.1; PostgreSQL compares the float4
+    # value widened to float8 (0.10000000149...), so widen it too
+    v = _float4(v)
+    return v if v == v else _NAN
+
+
+def _n_numeric(v: Any) -> Any:
+    # bounded numeric loads as Decimal, NaN/±Infinity and unbounded numeric as text
+    if v.__class__ is str:
+        v = Decimal(v)
+    return v if v == v else _NAN
+
+
+def _to_float8(v: Any) -> Any:
+    # integer and numeric compared with a float: PostgreSQL casts them to float8
+    return v if v.__class__ is _Beyond else float(v)
+
+
+def _temporal_normaliser(kind: str, cls: type) -> Callable[[Any], Any]:
+    def normalise(v: Any) -> Any:
+        if v.__class__ is cls or v.__class__ is _Beyond:
+            return v
+        if v.__class__ is str:
+            return _beyond(v, kind)
+        return v
+
+    return normalise
+
+
+_NORMALISE = {
+    kind: _temporal_normaliser(kind, cls)
+    for kind, cls in (("date", _dt.date), ("timestamp", _dt.datetime), ("timestamptz", _dt.datetime),
+                      ("time", _dt.time))
+}
+
+
 # --------------------------------------------------------------------------- operands
 
 
 class _Col:
-    __slots__ = ("name", "type")
+    __slots__ = ("name", "type", "collate")
 
-    def __init__(self, name: str, type_: _Type | None):
+    def __init__(self, name: str, type_: _Type | None, collate: Collation | None = None):
         self.name = name
         self.type = type_
+        self.collate = collate  # an explicit COLLATE on it
 
     @property
     def kind(self) -> str | None:
@@ -268,16 +526,20 @@ class _Col:
 
 
 class _Const:
-    """A literal value, already converted to the Python value psycopg would
-    load.  kind is one of the column kinds, "unknown" (an untyped string
-    literal, which PostgreSQL coerces to the other operand's type) or "null"."""
+    """A literal value, already converted to the Python value the producer
+    loads (special values as :class:`_Beyond`).  kind is one of the column
+    kinds, "unknown" (an untyped string literal, which PostgreSQL coerces to
+    the other operand's type) or "null".  ``src``: (text, type) of a cast
+    string literal, which the source reads again as another type."""
 
-    __slots__ = ("value", "kind", "type_name")
+    __slots__ = ("value", "kind", "type_name", "src", "collate")
 
-    def __init__(self, value: Any, kind: str, type_name: str | None = None):
+    def __init__(self, value: Any, kind: str, type_name: str | None = None, src: tuple[str, str] | None = None):
         self.value = value
         self.kind = kind
         self.type_name = type_name
+        self.src = src
+        self.collate: Collation | None = None
 
     def label(self) -> str:
         if self.kind == "opaque":
@@ -293,6 +555,12 @@ _INT_RE = re.compile(r"\s*[+-]?[0-9]+\s*\Z")
 _NUM_RE = re.compile(r"\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*\Z")
 _BOOL_TRUE = ("true", "yes")
 _BOOL_FALSE = ("false", "no")
+# Kinds whose literals the source reads (when it is known): everything whose
+# input function does more than take the text as it is.
+_SOURCE_READ = frozenset({"int", "numeric", "float4", "float8", "bool", "uuid", "enum", "opaque"}) | _TEMPORAL
+_TEMPORAL_CLASS = {"date": _dt.date, "timestamp": _dt.datetime, "timestamptz": _dt.datetime, "time": _dt.time}
+# Spellings PostgreSQL reads as "the moment the query runs": never a constant.
+_MOVING = re.compile(r"\b(now|today|tomorrow|yesterday)\b", re.IGNORECASE)
 
 
 def _float4(x: float) -> float:
@@ -300,42 +568,83 @@ def _float4(x: float) -> float:
 
 
 class _Coercer:
-    def __init__(self, session_tz: _dt.tzinfo, err: Callable[..., NoReturn]):
+    def __init__(self, session_tz: _dt.tzinfo, err: Callable[..., NoReturn], source: FilterSource | None,
+                 citext_lower: Callable[[str], str]):
         self.tz = session_tz
         self.err = err
+        self.source = source
+        self.citext_lower = citext_lower
 
-    # text -> kind (PostgreSQL input functions, ISO formats only for date/time)
-    def parse(self, s: str, kind: str, frag: str, type_name: str | None = None) -> Any:
+    def canonical(self, text: str, kind: str) -> Any:
+        """The source's text form of a ``kind`` value as the value the producer
+        compares (what its loaders and :func:`_beyond` make of it)."""
+        if kind == "int":
+            return int(text)
+        if kind == "numeric":
+            return _n_numeric(text)
+        if kind == "float8":
+            v = float(text)
+            return v if v == v else _NAN
+        if kind == "float4":
+            return _n_float4(float(text))
+        if kind == "bool":
+            return text in ("t", "true")
+        if kind == "uuid":
+            return uuid.UUID(text)
+        if kind in _TEMPORAL:
+            cls = _TEMPORAL_CLASS[kind]
+            try:
+                v = (_dt.time if kind == "time" else cls).fromisoformat(text)
+            except ValueError:
+                return _beyond(text, kind)
+            return v
+        return text
+
+    def read(self, texts: Sequence[str], types: Sequence[str], kind: str, frag: str) -> list[Any]:
+        """``texts`` read by the source as ``types`` (see :class:`FilterSource`)."""
+        for s in texts:
+            if kind in _TEMPORAL and _MOVING.search(s):
+                self.err(f"{s!r} is read when a query runs, not once: a filter needs a fixed {types[-1]} value", frag)
+        try:
+            out = self.source.cast(list(texts), list(types))  # type: ignore[union-attr]
+        except ValueError as e:
+            self.err(f"the source cannot read the literal as {types[-1]} ({e})", frag)
+        return [self.canonical(t, kind) for t in out]
+
+    # text -> kind: by the source's input functions when it is known, else
+    # Python's (ISO formats only for date/time)
+    def parse(self, s: str, kind: str, frag: str, type_name: str | None = None, cast_name: str | None = None) -> Any:
         def bad(what: str | None = None) -> NoReturn:
             self.err(f"invalid input syntax for type {what or type_name or _KIND_NAME.get(kind, kind)}: {s!r}", frag)
 
-        if kind in ("text", "opaque"):
+        if kind in ("text", "opaque", "enum") and (self.source is None or kind == "text"):
             return s
         if kind == "bpchar":
             return s.rstrip(" ")
         if kind == "citext":
-            return s.lower()
+            return self.citext_lower(s)
+        if self.source is not None and kind in _SOURCE_READ:
+            return self.read([s], [cast_name or type_name or _KIND_NAME[kind]], kind, frag)[0]
+        t = s.strip().lower()
         if kind == "int":
             if not _INT_RE.match(s):
                 bad()
             return int(s)
         if kind == "numeric":
+            if t in ("nan", "infinity", "+infinity", "-infinity", "inf", "+inf", "-inf"):
+                return _n_numeric(t.replace("inity", "").replace("inf", "Infinity"))
             if not _NUM_RE.match(s):
                 bad()
             return Decimal(s.strip())
-        if kind in ("float4", "float8"):
-            t = s.strip().lower()
-            if t in ("infinity", "+infinity", "inf", "+inf"):
-                v = float("inf")
-            elif t in ("-infinity", "-inf"):
-                v = float("-inf")
+        if kind in _FLOAT:
+            if t in ("nan", "infinity", "+infinity", "-infinity", "inf", "+inf", "-inf"):
+                v = float(t.replace("inity", ""))
             elif _NUM_RE.match(s):
                 v = float(t)
             else:
                 bad()
-            return _float4(v) if kind == "float4" else v
+            return _n_float4(v) if kind == "float4" else (v if v == v else _NAN)
         if kind == "bool":
-            t = s.strip().lower()
             if t and any(w.startswith(t) for w in _BOOL_TRUE) or t in ("on", "1"):
                 return True
             if t and any(w.startswith(t) for w in _BOOL_FALSE) or t in ("of", "off", "0"):
@@ -346,6 +655,10 @@ class _Coercer:
                 return uuid.UUID(s.strip())
             except ValueError:
                 bad()
+        if kind in _TEMPORAL and t in _INFINITY:
+            return _INFINITY[t]
+        if kind == "time" and t in ("24:00", "24:00:00"):
+            return _TIME_24
         try:
             if kind == "date":
                 return _dt.date.fromisoformat(s.strip())
@@ -356,13 +669,6 @@ class _Coercer:
                 return v if v.tzinfo is not None else v.replace(tzinfo=self.tz)
             if kind == "time":
                 return _dt.time.fromisoformat(s.strip()).replace(tzinfo=None)
-            if kind == "timetz":
-                v = _dt.time.fromisoformat(s.strip())
-                if v.tzinfo is None:
-                    if not isinstance(self.tz, _dt.timezone):
-                        self.err(f"time with time zone literal needs an explicit UTC offset: {s!r}", frag)
-                    v = v.replace(tzinfo=self.tz)
-                return v
         except ValueError:
             bad(f"{_KIND_NAME[kind]} (expected ISO 8601, e.g. 2024-01-31 12:00:00+00)")
         self.err(f"comparisons with {type_name or kind} values are not supported", frag)
@@ -374,25 +680,35 @@ class _Coercer:
         if kind == "unsupported":
             self.err(f"comparisons on columns of type {t.name} are not supported", frag)
         if k == "unknown":
-            return self.parse(v, kind, frag, t.name)
+            return self.parse(v, kind, frag, t.name, t.cast_name)
         if kind in _NUM and k in _NUM:
-            if kind in ("float4", "float8") and k not in ("float4", "float8"):
-                return float(v)
+            if kind in _FLOAT and k not in _FLOAT:
+                return _to_float8(v)
             return v
         if kind in _TEXT and k in _TEXT:
             return self.parse(v, kind, frag)
-        if kind == "opaque" and k == "opaque":
+        if kind in ("opaque", "enum") and k == "opaque":
+            if self.source is not None and c.src is not None and c.type_name != t.name:
+                # the literal's type must be the column's, or PostgreSQL finds no operator
+                self.read([c.src[0]], [c.src[1], t.cast_name], kind, frag)
             return v
         if kind == k:
             return v
-        if k == "date" and kind == "timestamp":
-            return _dt.datetime.combine(v, _dt.time())
-        if k == "date" and kind == "timestamptz":
-            return _dt.datetime.combine(v, _dt.time(), tzinfo=self.tz)
-        if k == "timestamp" and kind == "timestamptz":
+        if (k, kind) in (("date", "timestamp"), ("date", "timestamptz"), ("timestamp", "timestamptz")):
+            # PostgreSQL casts the literal to the column's type (in its TimeZone)
+            if self.source is not None and c.src is not None:
+                return self.read([c.src[0]], [c.src[1], t.cast_name], kind, frag)[0]
+            if isinstance(v, _Beyond):
+                if v.rank in (-2, 2):
+                    return v
+                self.err(f"cannot compare {t.name} with this {c.label()} literal", frag)
+            if k == "date":
+                return _dt.datetime.combine(v, _dt.time(), tzinfo=self.tz if kind == "timestamptz" else None)
             return v.replace(tzinfo=self.tz)
-        if k == "timestamptz" and kind == "timestamp":
-            return v.astimezone(self.tz).replace(tzinfo=None)
+        if kind in _TEMPORAL and k in _TEMPORAL and kind != "time" and k != "time":
+            # PostgreSQL would cast every column value to the literal's type
+            self.err(f"cannot compare {t.name} with a {c.label()} literal exactly (PostgreSQL would convert "
+                     f"every {t.name} value); write the literal as {t.name}", frag)
         self.err(f"cannot compare {t.name} with {c.label()} literal", frag)
 
     def cast(self, c: _Const, t: _Type, frag: str) -> _Const:
@@ -404,10 +720,16 @@ class _Coercer:
         if kind == "opaque":
             if k not in _STRINGY:
                 self.err(f"cannot cast {c.label()} to {t.name}", frag)
-            return _Const(v, "opaque", t.name)
+            if self.source is not None:
+                v = self.read([v], [t.cast_name], "opaque", frag)[0]
+            return _Const(v, "opaque", t.name, (c.value, t.cast_name))
         if k in _STRINGY:
-            return _Const(self.parse(v, kind, frag, t.name), kind)
+            return _Const(self.parse(v, kind, frag, t.name, t.cast_name), kind, None, (v, t.cast_name))
         if kind in _NUM and k in _NUM:
+            if isinstance(v, _Beyond):
+                if kind == "int":
+                    self.err(f"cannot cast NaN to {t.name}", frag)
+                return _Const(v, kind)
             if kind == "int":
                 if isinstance(v, Decimal):
                     v = int(v.quantize(Decimal(1), rounding=ROUND_HALF_UP))
@@ -416,9 +738,7 @@ class _Coercer:
             elif kind == "numeric":
                 v = Decimal(repr(v)) if isinstance(v, float) else Decimal(v)
             else:
-                v = float(v)
-                if kind == "float4":
-                    v = _float4(v)
+                v = _n_float4(float(v)) if kind == "float4" else float(v)
             return _Const(v, kind)
         if kind in _TEXT and k == "int":
             return _Const(str(v), kind)
@@ -442,6 +762,9 @@ _PY_OPS = {
 }
 
 _TRUE, _FALSE = "True", "False"
+_NUMERIC_RANK = ("int", "numeric", "float4", "float8")  # each converts implicitly to those after it
+# kinds whose loaded value is compared as it is (no normalising): r[col] == K suffices
+_RAW_EQUAL = frozenset({"int", "text", "bool", "uuid", "enum"})
 
 # the predicate node types compiled by _Compiler.pred (not usable as operands)
 _PREDICATES = (exp.And, exp.Or, exp.Not, *_OPS, exp.In, exp.Between, exp.Like, exp.ILike, exp.Escape, exp.Is)
@@ -506,17 +829,37 @@ def _family(v: Any) -> Any:
     return c
 
 
-_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+def _backslash_escaped(pattern: str, escape: str | None) -> str:
+    """``pattern`` with ``ESCAPE escape`` rewritten to backslash escapes, as
+    PostgreSQL's ``like_escape`` does before matching (and before ILIKE lower-cases it)."""
+    if escape == "\\":
+        return pattern
+    if escape is None:
+        return pattern.replace("\\", "\\\\")
+    out, after = [], False
+    for ch in pattern:
+        if ch == escape and not after:
+            out.append("\\")
+            after = True
+        elif ch == "\\":
+            out.append("\\" if after else "\\\\")
+            after = False
+        else:
+            out.append(ch)
+            after = False
+    return "".join(out)
 
 
-def _like_regex(pattern: str, escape: str | None, icase: bool, err: Callable[..., NoReturn], frag: str):
-    """Translate a LIKE pattern.  Returns ("eq"|"prefix"|"suffix"|"contains", text)
-    for the common wildcard shapes (case-sensitive only) or ("regex", compiled)."""
+def _like_regex(pattern: str, err: Callable[..., NoReturn], frag: str):
+    """Translate a LIKE pattern in backslash-escape form.  Returns
+    ("eq"|"prefix"|"suffix"|"contains"|"any", text) for the common wildcard
+    shapes or ("regex", compiled).  Matching is by code point, as PostgreSQL's
+    is for a deterministic collation (ILIKE lower-cases both sides first)."""
     lits: list[tuple[str, str]] = []  # (type, text), type in {"lit", "%", "_"}
     i, n = 0, len(pattern)
     while i < n:
         ch = pattern[i]
-        if escape and ch == escape:
+        if ch == "\\":
             if i + 1 >= n:
                 err("LIKE pattern must not end with escape character", frag)
             lits.append(("lit", pattern[i + 1]))
@@ -538,37 +881,41 @@ def _like_regex(pattern: str, escape: str | None, icase: bool, err: Callable[...
         else:
             parts.append((typ, text))
     shape = tuple(p[0] for p in parts)
-    if not icase:
-        if shape == ():
-            return "eq", ""
-        if shape == ("lit",):
-            return "eq", parts[0][1]
-        if shape == ("%",):
-            return "any", ""
-        if shape == ("lit", "%"):
-            return "prefix", parts[0][1]
-        if shape == ("%", "lit"):
-            return "suffix", parts[1][1]
-        if shape == ("%", "lit", "%"):
-            return "contains", parts[1][1]
+    if shape == ():
+        return "eq", ""
+    if shape == ("lit",):
+        return "eq", parts[0][1]
+    if shape == ("%",):
+        return "any", ""
+    if shape == ("lit", "%"):
+        return "prefix", parts[0][1]
+    if shape == ("%", "lit"):
+        return "suffix", parts[1][1]
+    if shape == ("%", "lit", "%"):
+        return "contains", parts[1][1]
     rx = "".join(".*" if t == "%" else "." if t == "_" else re.escape(s) for t, s in parts)
-    return "regex", re.compile(rx, re.DOTALL | (re.IGNORECASE if icase else 0))
+    return "regex", re.compile(rx, re.DOTALL)
 
 
 class _Compiler:
-    def __init__(self, columns: Mapping[str, str] | None, shape: str | None, session_tz: _dt.tzinfo):
+    def __init__(self, columns: Mapping[str, str | FilterColumn] | None, shape: str | None,
+                 session_tz: _dt.tzinfo, source: FilterSource | None):
         self.shape = shape
         self.types: dict[str, _Type] | None = (
-            None if columns is None else {name: _type_from_name(t) for name, t in columns.items()}
+            None if columns is None else {name: _column_type(t) for name, t in columns.items()}
         )
+        self.source = source
         self.consts: list[Any] = []
         self.nvars = 0
         self.referenced: set[str] = set()
-        self.co = _Coercer(session_tz, self.err)
+        # citext lower-cases with the database's default collation, whatever its own
+        self.citext_lower = source.default_collation.lower if source is not None else str.lower
+        self.co = _Coercer(session_tz, self.err, source, self.citext_lower or str.lower)
+        self.node: exp.Expression | None = None  # the predicate being compiled, for fixes in messages
 
     # -- helpers
-    def err(self, reason: str, fragment: str | None = None) -> NoReturn:
-        raise FilterError(reason, fragment, self.shape)
+    def err(self, reason: str, fragment: str | None = None, fix: str | None = None) -> NoReturn:
+        raise FilterError(reason, fragment, self.shape, fix)
 
     def k(self, value: Any) -> str:
         self.consts.append(value)
@@ -604,7 +951,7 @@ class _Compiler:
         if isinstance(node, exp.DPipe):
             self.err("string concatenation (||) is not supported", f)
         if isinstance(node, exp.Collate):
-            self.err("COLLATE is not supported", f)
+            self.err("COLLATE applies only to a text operand of a comparison, IN or LIKE", f)
         if type(node).__name__.upper().startswith("JSON"):
             self.err("JSON operators are not supported", f)
         if isinstance(node, (exp.Array, exp.Bracket)) or type(node).__name__.startswith("Array"):
@@ -679,12 +1026,25 @@ class _Compiler:
                     return _Const(-inner.value, inner.kind)
                 self.err("unary minus is only supported on numbers", self.frag(node))
             self.unsupported(node)
+        if isinstance(node, exp.Collate):
+            inner = self.operand(node.this)
+            if inner is None:
+                self.unsupported(node)
+            f = self.frag(node)
+            if isinstance(inner, _Col):
+                if inner.kind is not None and inner.kind not in _TEXT:
+                    self.err(f"COLLATE applies to text, not to column {inner.name!r} of type {inner.type.name}", f)
+            elif inner.kind not in ("unknown", *_TEXT):
+                self.err(f"COLLATE applies to text, not to a {inner.label()} literal", f)
+            inner.collate = self.collation_named(node.expression, f)
+            return inner
         if isinstance(node, exp.Cast):
             inner = self.operand(node.this)
             if not isinstance(inner, _Const):
                 self.unsupported(node)
             dt = node.args.get("to")
             t = _type_from_datatype(dt, dt.sql(dialect="postgres").lower() if dt is not None else "?")
+            t.cast_name = dt.sql(dialect="postgres") if dt is not None else "?"
             if t.kind in _KIND_NAME:
                 t.name = _KIND_NAME[t.kind]
             if t.kind not in ("unsupported", "opaque") and isinstance(dt, exp.DataType) and dt.expressions:
@@ -718,12 +1078,103 @@ class _Compiler:
         if col.kind == "bpchar":
             val = f"{v}.rstrip(' ')"
         elif col.kind == "citext":
-            val = f"{v}.lower()"
+            val = self.lowered(self.citext_lower, v)
         elif col.kind == "float4":
-            # psycopg may load real 0.1 as the float 0.1; PostgreSQL compares the
-            # float4 value widened to float8 (0.10000000149...), so widen it too
-            val = f"{self.k(_float4)}({v})"
+            val = f"{self.k(_n_float4)}({v})"
+        elif col.kind == "float8":
+            val = f"({v} if {v} == {v} else {self.k(_NAN)})"  # NaN: equal to itself, above every number
+        elif col.kind == "numeric":
+            val = f"{self.k(_n_numeric)}({v})"
+        elif col.kind in _TEMPORAL:
+            # infinities and years outside 1..9999 load as text: ordered as PostgreSQL orders them
+            val = f"({v} if {v}.__class__ is {self.k(_TEMPORAL_CLASS[col.kind])} else {self.k(_NORMALISE[col.kind])}({v}))"
         return setup, val, v
+
+    def lowered(self, lower: Callable[[str], str] | None, src: str) -> str:
+        if lower is str.lower or lower is None:
+            return f"{src}.lower()"
+        return f"{self.k(lower)}({src})"
+
+    # -- collations
+    def collation_named(self, node: exp.Expression, frag: str) -> Collation:
+        if isinstance(node, exp.Column) and node.args.get("table") is not None:
+            if node.table.lower() != "pg_catalog":
+                self.err("COLLATE names only the collations \"C\", \"POSIX\" and ucs_basic", frag)
+            node = node.this
+        if isinstance(node, exp.Identifier):
+            name = node.this if node.quoted else node.this.lower()
+        else:
+            name = node.name.lower()
+        coll = _BYTEWISE_COLLATIONS.get(name)
+        if coll is None:
+            self.err(f"COLLATE {node.sql(dialect='postgres')} is not supported: only \"C\", \"POSIX\" and "
+                     "ucs_basic (code-point order) can be evaluated outside PostgreSQL", frag)
+        return coll
+
+    def with_collate_c(self, cols: Sequence[_Col]) -> str:
+        """The predicate being compiled with COLLATE "C" on ``cols``: the fix to offer."""
+        names = {c.name for c in cols}
+        node = self.node
+
+        def add(n: exp.Expression) -> exp.Expression:
+            if isinstance(n, exp.Column) and not isinstance(n.parent, exp.Collate) and (
+                    n.name if n.this.quoted else n.name.translate(_ASCII_LOWER)) in names:
+                return exp.Collate(this=n.copy(), expression=exp.Identifier(this="C", quoted=True))
+            return n
+
+        return node.transform(add).sql(dialect="postgres") if node is not None else 'COLLATE "C"'
+
+    def text_collation(self, cols: Sequence[_Col], consts: Sequence[_Const], frag: str) -> Collation | None:
+        """The collation a text comparison runs under, derived as PostgreSQL
+        does: an explicit COLLATE wins, else the columns' (which must agree);
+        None when not known."""
+        explicit = [o.collate for o in (*cols, *consts) if o.collate is not None]
+        if explicit:
+            if len({c.name for c in explicit}) > 1:
+                self.err("conflicting COLLATE clauses", frag)
+            return explicit[0]
+        if not cols:
+            return self.source.default_collation if self.source is not None else None
+        colls = [c.type.collation if c.type is not None else None for c in cols]
+        if any(c is None for c in colls):
+            return None
+        if len({(c.provider, c.locale, c.ctype, c.deterministic) for c in colls}) > 1:
+            self.err(f"columns {' and '.join(repr(c.name) for c in cols)} have different collations "
+                     f"({' and '.join(c.describe() for c in colls)}), so PostgreSQL cannot choose one", frag,
+                     f"write {self.with_collate_c(cols[:1])}")
+        return colls[0]
+
+    def check_text(self, purpose: str, cols: Sequence[_Col], consts: Sequence[_Const], frag: str
+                   ) -> Callable[[str], str] | None:
+        """Refuse a text comparison walbridge cannot evaluate as PostgreSQL does
+        under its collation (``purpose``: "order", "equal", "like" or "ilike");
+        returns the lower-casing ILIKE uses."""
+        if self.types is None:
+            return str.lower  # no catalog: a syntax check only
+        coll = self.text_collation(cols, consts, frag)
+        col = cols[0] if cols else None
+        what = f"text column {col.name!r}" if col is not None else "text literals"
+        under = f"collation {coll.describe()}" if coll is not None else "a collation not known to walbridge"
+        citext = any(c.kind == "citext" for c in cols)
+        if coll is not None and not coll.deterministic and purpose != "order":
+            # PostgreSQL itself refuses LIKE/ILIKE under them; equality is the collation's, not the bytes'
+            self.err(f"{'equality' if purpose == 'equal' else purpose.upper()} on {what} under {under}, which only "
+                     "PostgreSQL can evaluate", frag, f"write {self.with_collate_c(cols)}")
+        if purpose == "order":
+            if coll is None or not coll.bytewise or (self.source is not None and self.source.encoding != "UTF8"):
+                self.err(f"ordering comparison on {what} under {under}, whose order only PostgreSQL knows", frag,
+                         f"write {self.with_collate_c(cols)} (code-point order), or use = or IN")
+        if citext and self.citext_lower is None:
+            self.err(f"citext column {col.name!r} compares values lower-cased under the database's collation "
+                     f"{self.source.default_collation.describe()}, which only PostgreSQL can do", frag,  # type: ignore[union-attr]
+                     "compare a text column, or use a database whose collation is C or ICU")
+        if purpose == "ilike":
+            lower = coll.lower if coll is not None else str.lower
+            if lower is None:
+                self.err(f"ILIKE on {what} under {under}, whose lower-casing only PostgreSQL knows", frag,
+                         f"write {self.with_collate_c(cols)} (ASCII letters only), or LIKE")
+            return lower
+        return None
 
     def _bad_value(self, col: _Col, guard_kind: str, literal: _Const | None, frag: str) -> Callable[[Any], NoReturn]:
         prefix = f"shape {self.shape!r}: where: " if self.shape else "where: "
@@ -771,6 +1222,7 @@ class _Compiler:
         if isinstance(node, exp.Not):
             p = self.pred(node.this)
             return _P(p.f, p.t)
+        self.node = node
         op = _OPS.get(type(node))
         if op is not None:
             return self.compare(op, node.this, node.expression, self.frag(node))
@@ -804,7 +1256,7 @@ class _Compiler:
             return self.negate(node, self.like(node, esc, self.frag(node)))
         if isinstance(node, exp.Is):
             return self.negate(node, self.is_(node))
-        operand = self.operand(node)
+        operand = self.operand(node) if not isinstance(node, exp.Collate) else None
         if operand is None:
             self.unsupported(node)
         return self.as_condition(operand, node)
@@ -866,6 +1318,12 @@ class _Compiler:
         """Evaluate literal <op> literal at compile time (neither is NULL)."""
         if op not in ("==", "!=") and "opaque" in (a.kind, b.kind):
             self.err(f"ordering comparisons on {a.label() if a.kind == 'opaque' else b.label()} are not supported", frag)
+        stringy = ("unknown", *_TEXT)
+        if op not in ("==", "!=") and a.kind in stringy and b.kind in stringy:
+            coll = self.text_collation((), (a, b), frag)
+            if coll is None or not coll.bytewise:
+                self.err("ordering comparison of text literals under the database's collation, whose order only "
+                         "PostgreSQL knows", frag, "add COLLATE \"C\" (code-point order)")
         ta, tb = _Type(a.kind, a.label()), _Type(b.kind, b.label())
         if a.kind == "unknown" and b.kind == "unknown":
             x, y = a.value, b.value
@@ -890,6 +1348,10 @@ class _Compiler:
     def check_orderable(self, col: _Col, op: str, frag: str) -> None:
         if op in ("==", "!=") or col.type is None:
             return
+        if col.kind == "enum":
+            self.err(f"ordering comparisons on enum column {col.name!r} ({col.type.name}) are not supported (an "
+                     "enum orders by its labels' sort order, which ALTER TYPE ... ADD VALUE can change while "
+                     "walbridge runs)", frag, "list the labels wanted with IN (...)")
         if col.kind == "opaque":
             self.err(
                 f"ordering comparisons on column {col.name!r} of type {col.type.name} are not supported "
@@ -900,10 +1362,16 @@ class _Compiler:
     def compare_const(self, op: str, col: _Col, c: _Const, frag: str) -> _P:
         self.check_orderable(col, op, frag)
         if col.type is not None and col.kind != "opaque":
+            if col.kind in _TEXT:
+                self.check_text("equal" if op in ("==", "!=") else "order", [col], [c], frag)
             # typed: coerce once, no per-row guard
-            K = self.k(self.co.coerce(c, col.type, frag))
+            value = self.co.coerce(c, col.type, frag)
             setup, val, _ = self.access(col, None, frag)
-            if op == "==" and col.kind not in ("bpchar", "citext", "float4"):
+            widen = col.kind in ("int", "numeric") and c.kind in _FLOAT
+            if widen:  # PostgreSQL compares in float8
+                val = f"{self.k(_to_float8)}({val})"
+            K = self.k(value)
+            if op == "==" and col.kind in _RAW_EQUAL and not widen:
                 # None == K is False for a non-NULL K: no separate NULL test needed
                 return _P(f"(r[{col.name!r}] == {K})", f"({setup} and {val} != {K})")
             return _P(f"({setup} and {val} {op} {K})", f"({setup} and {val} {_NEG_OP[op]} {K})")
@@ -936,9 +1404,15 @@ class _Compiler:
             if "unsupported" in (ka, kb):
                 self.err("comparisons on columns of type "
                          f"{a.type.name if ka == 'unsupported' else b.type.name} are not supported", frag)
-            same = ka == kb or (ka in _NUM and kb in _NUM) or (ka in _TEXT and kb in _TEXT)
+            # pairs PostgreSQL compares without converting either column's values
+            same = ka == kb or {ka, kb} in ({"int", "numeric"}, _FLOAT)
+            if ka == "enum" and same and a.type.name != b.type.name:
+                same = False
             if not same:
-                self.err(f"cannot compare column {a.name!r} ({a.type.name}) with column {b.name!r} ({b.type.name})", frag)
+                self.err(f"cannot compare column {a.name!r} ({a.type.name}) with column {b.name!r} ({b.type.name})",
+                         frag)
+            if ka in _TEXT:
+                self.check_text("equal" if op in ("==", "!=") else "order", [a, b], [], frag)
         else:
             for c in (a, b):
                 if c.kind == "unsupported":
@@ -946,7 +1420,7 @@ class _Compiler:
             check = self.k(self._colcol_check(a, b, frag))
         sa, va, xa = self.access(a, None, frag)
         sb, vb, xb = self.access(b, None, frag)
-        if "citext" in (a.kind, b.kind):
+        if "citext" in (a.kind, b.kind) and check:
             va, vb = f"{xa}.lower()", f"{xb}.lower()"
         guard = f" and {check}({xa}, {xb})" if check else ""
         return _P(
@@ -981,10 +1455,26 @@ class _Compiler:
         if not consts:
             return _UNKNOWN
         if col.type is not None and col.kind != "opaque":
-            values = frozenset(self.co.coerce(c, col.type, frag) for c in consts)
-            K = self.k(values)
+            if col.kind in _TEXT:
+                self.check_text("equal", [col], consts, frag)
+            target = col.type
+            if col.kind in _NUM:
+                # PostgreSQL compares an IN list in the common type of the column and
+                # the typed literals (int < numeric < real < double precision)
+                common = max((col.kind, *(c.kind for c in consts if c.kind in _NUM)), key=_NUMERIC_RANK.index)
+                if common == "float4" and (col.kind != "float4" or any(c.kind == "numeric" for c in consts)):
+                    self.err("IN compares these values as real (the list's common type), which walbridge cannot "
+                             "round exactly as PostgreSQL does", frag, "write the numbers as strings or as "
+                             "double precision ('0.1'::float8)")
+                if common != col.kind:
+                    target = _Type(common, _KIND_NAME[common])
+            values = frozenset(self.co.coerce(c, target, frag) for c in consts)
             setup, val, _ = self.access(col, None, frag)
-            t = f"(r[{col.name!r}] in {K})" if col.kind not in ("bpchar", "citext", "float4") else f"({setup} and {val} in {K})"
+            widen = target.kind == "float8" and col.kind in ("int", "numeric")
+            if widen:  # the column's values are compared as float8
+                val = f"{self.k(_to_float8)}({val})"
+            K = self.k(values)
+            t = f"(r[{col.name!r}] in {K})" if col.kind in _RAW_EQUAL and not widen else f"({setup} and {val} in {K})"
             return _P(t, _FALSE if has_null else f"({setup} and {val} not in {K})")
         # untyped/opaque: unify the literal kinds (typed literals win over untyped strings)
         typed = [c for c in consts if c.kind != "unknown"]
@@ -1022,17 +1512,23 @@ class _Compiler:
             return _UNKNOWN
         if pat.kind not in ("unknown", "text", "bpchar", "citext"):
             self.err(f"LIKE pattern must be a string literal, not {pat.label()}", frag)
-        pattern = pat.value
+        lower: Callable[[str], str] | None = None
         if isinstance(left, _Col):
             if left.kind is not None and left.kind not in _TEXT:
                 self.err(f"LIKE requires a text column; {left.name!r} is {left.type.name}", frag)
-            if left.kind == "citext":
-                icase = True
+            icase = icase or left.kind == "citext"  # citext's LIKE is ILIKE
+            lower = self.check_text("ilike" if icase else "like", [left], [pat], frag)
         elif left.kind not in ("unknown", "text", "bpchar", "citext"):
             self.err(f"LIKE requires a text operand, not {left.label()}", frag)
-        how, arg = _like_regex(pattern, escape, icase, self.err, frag)
+        elif icase:
+            lower = self.check_text("ilike", [], [left, pat], frag)
+        # ILIKE lower-cases the whole pattern (escapes rewritten to backslashes) and the whole value
+        pattern = _backslash_escaped(pat.value, escape)
+        if icase:
+            pattern = (lower or str.lower)(pattern)
+        how, arg = _like_regex(pattern, self.err, frag)
         if isinstance(left, _Const):
-            s = left.value
+            s = (lower or str.lower)(left.value) if icase else left.value
             if how == "regex":
                 hit = arg.fullmatch(s) is not None
             else:
@@ -1040,10 +1536,8 @@ class _Compiler:
                        "suffix": s.endswith(arg), "contains": arg in s}[how]
             return _const_pred(hit)
         setup, val, v = self.access(left, "text", frag, pat)
-        if left.kind in ("citext", "bpchar"):
-            # citext: the pattern is matched case-insensitively already;
-            # char(n): LIKE (bpcharlike) sees the blank-padded value, unlike =
-            val = v
+        # char(n): LIKE (bpcharlike) sees the blank-padded value, unlike =
+        val = self.lowered(lower, v) if icase else v
         if how == "regex":
             rx = self.k(arg.fullmatch)
             test = f"{rx}({val}) is not None"
@@ -1094,20 +1588,23 @@ class RowFilter:
 
 def compile_filter(
     where: str,
-    columns: Mapping[str, str] | None = None,
+    columns: Mapping[str, str | FilterColumn] | None = None,
     *,
     shape: str | None = None,
     session_timezone: _dt.tzinfo = _dt.timezone.utc,
+    source: FilterSource | None = None,
 ) -> RowFilter:
     """Parse ``where`` (PostgreSQL syntax) once and compile it to a :class:`RowFilter`.
 
-    ``columns`` maps column name -> PostgreSQL type name (``format_type`` or
-    ``information_schema`` spelling).  When given, unknown columns and
-    incompatible comparisons are rejected and literals are coerced to the
-    columns' Python types now.  ``shape`` only prefixes error messages.
-    ``session_timezone`` is used where PostgreSQL would use the session's
-    ``TimeZone`` (a timestamptz literal without an offset, date/timestamp vs
-    timestamptz).  Raises :class:`FilterError`.
+    ``columns`` maps column name -> :class:`FilterColumn` (what the source's
+    catalog says: base type, collation, enum) or just a PostgreSQL type name
+    (``format_type`` spelling; collations then count as unknown).  When given,
+    unknown columns and incompatible comparisons are rejected and literals are
+    converted to the columns' values now.  ``source``: the source database,
+    which reads the literals (its input functions, its ``TimeZone``) and
+    whose default collation citext uses; without it literals are read by
+    Python's ISO parsers in ``session_timezone``.  ``shape`` only prefixes
+    error messages.  Raises :class:`FilterError`.
     """
     if not isinstance(where, str) or not where.strip():
         raise FilterError("empty filter expression", None, shape)
@@ -1123,7 +1620,7 @@ def compile_filter(
         raise FilterError("multiple statements are not allowed", where.strip(), shape)
     tree = statements[0]
 
-    comp = _Compiler(columns, shape, session_timezone)
+    comp = _Compiler(columns, shape, session_timezone, source)
     p = comp.pred(tree)
     names = [f"_k{i}" for i in range(len(comp.consts))]
     columns_ref = frozenset(comp.referenced)

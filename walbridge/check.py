@@ -6,8 +6,9 @@ Invariants:
   schema or table); what is missing and would be created is a note.
 - One failing item never hides the others: each endpoint is checked as far
   as it answers, and an endpoint that does not answer is one failing item.
-- The exit code is the first failure's endpoint's (3 source, 4 Kafka or
-  registry, 5 target), 0 when nothing failed.
+- The exit code is the first failure's endpoint's (2 config: a shape filter
+  the source's catalog shows cannot be evaluated exactly; 3 source, 4 Kafka
+  or registry, 5 target), 0 when nothing failed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from producer import catalog
 from producer.replication import connect
 from schemas import wire
 from schemas.config import Config, redact_dsn
-from schemas.failures import KAFKA, REGISTRY, SOURCE, TARGET, Failure, attributed
+from schemas.failures import CONFIG, KAFKA, REGISTRY, SOURCE, TARGET, Failure, attributed
 from schemas.kafka import METADATA_TIMEOUT, client_config, group_offsets
 from schemas.registry import registry_client
 from walbridge.runtime import EXIT_CODES, EXIT_OK
@@ -104,7 +105,8 @@ def _source_catalog(config: Config, conn, checks: Checklist) -> None:
                f"as {user} to {db} (PostgreSQL {server})")
     tables, findings = catalog.inspect_source(conn, config)
     for f in findings:
-        checks.add(SOURCE, f.item, f.ok, f.detail)
+        # a refused filter is the config's problem (exit status 2), found with the source's help
+        checks.add(CONFIG if f.config else SOURCE, f.item, f.ok, f.detail)
     try:
         plan = catalog.plan_publication(list(tables.values()), config.source.keyless_tables)
     except catalog.SourceError as e:

@@ -9,7 +9,11 @@ from decimal import Decimal
 import pytest
 
 from schemas.shape_filter import (
+    C_COLLATION,
+    Collation,
+    FilterColumn,
     FilterError,
+    FilterSource,
     FilterTypeError,
     MissingColumnError,
     RowFilter,
@@ -208,7 +212,8 @@ ACCEPTED = [
     ("1 = 2", {}, False),
     ("NULL = NULL", {}, False),
     ("NOT NULL = NULL", {}, False),
-    ("'a' < 'b'", {}, True),
+    ("'a' < 'b' COLLATE \"C\"", {}, True),
+    ("'B' < 'a' COLLATE \"C\"", {}, True),
     ("'2' = 2", {}, True),  # an untyped string literal is coerced to the other side's type
     ("1 = 1.0", {}, True),
     ("'2024-01-01'::date < '2024-01-02'", {}, True),
@@ -276,7 +281,9 @@ REJECTED = [
     ("x = $1", "query parameters are not supported"),
     ("x = B'101'", "bit/hex string literals are not supported"),
     ("(x, y) = (1, 2)", "row values are not supported"),
-    ("x = 'a' COLLATE \"C\"", "COLLATE is not supported"),
+    ("x = 'a' COLLATE \"de_DE\"", "COLLATE \"de_DE\" is not supported"),
+    ("x COLLATE \"C\"", "COLLATE applies only to a text operand"),
+    ("'a' < 'b'", "ordering comparison of text literals under the database's collation"),
     ("t.x = 1", "qualified column references are not supported: t.x"),
     ("x = 1 y", "unexpected alias or trailing text"),
     ("x = 1; y = 2", "multiple statements are not allowed"),
@@ -396,7 +403,9 @@ TYPED = [
     ("\"Region\" = 'EU' AND region = 'eu'", {"Region": "EU", "region": "eu"}, True),
     ("n = big", {"n": 5, "big": 5}, True),
     ("total > n", {"total": Decimal("5.5"), "n": 5}, True),
-    ("region < code", {"region": "a", "code": "b  "}, True),
+    ("region COLLATE \"C\" < 'b'", {"region": "a"}, True),
+    ("region COLLATE \"C\" < 'b'", {"region": "B"}, True),  # code-point order: 'B' < 'b'
+    ("region COLLATE \"C\" BETWEEN 'a' AND 'b'", {"region": "ab"}, True),
 ]
 
 
@@ -459,6 +468,8 @@ TYPED_REJECTED = [
     ("payload = '{}'", "comparisons on columns of type jsonb are not supported"),
     ("tags IN ('a')", "comparisons on columns of type text[] are not supported"),
     ("n", "column 'n' of type integer used as a condition"),
+    ("region < code", "cannot compare column 'region' (text) with column 'code' (character(3))"),
+    ("region >= 'b'", "ordering comparison on text column 'region' under a collation not known"),
     ("NOT region", "column 'region' of type text used as a condition"),
 ]
 
@@ -586,3 +597,108 @@ def test_shape_transition_edge_cases():
     assert shape_transition(None, None, US) == "insert"
     assert shape_transition(None, US, US) == "update"
     assert shape_transition(None, US, None) == "delete"
+
+
+# --------------------------------------------------------------------------- the source's semantics (issue 30)
+ICU = Collation("default", "i", "en-US", "C")
+LIBC_US = Collation("default", "c", "en_US.UTF-8", "en_US.UTF-8")
+NONDET = Collation("ci", "i", "und-u-ks-level2", "", deterministic=False)
+
+
+def _source(default=ICU, encoding="UTF8"):
+    def cast(texts, types):  # stands in for the source's input functions
+        return [t.strip() for t in texts]
+
+    return FilterSource(cast, default, encoding)
+
+
+FACTS = {
+    "name": FilterColumn("text", ICU),
+    "cname": FilterColumn("text", C_COLLATION),
+    "libc": FilterColumn("text", LIBC_US),
+    "nd": FilterColumn("text", NONDET),
+    "f8": FilterColumn("double precision"),
+    "f4": FilterColumn("real"),
+    "num": FilterColumn("numeric"),
+    "d": FilterColumn("date"),
+    "m": FilterColumn("mood", enum=True),
+    "tt": FilterColumn("time with time zone"),
+    "x": FilterColumn("ltree"),
+}
+
+
+@pytest.mark.parametrize("where,fragment", [
+    ("name >= 'b'", "under collation \"default\" (ICU en-US), whose order only PostgreSQL knows"),
+    ("name BETWEEN 'apple' AND 'mango'", "fix: write name COLLATE \"C\" BETWEEN 'apple' AND 'mango'"),
+    ("libc < 'x'", "(libc en_US.UTF-8)"),
+    ("nd = 'x'", "equality on text column 'nd' under collation \"ci\" (ICU und-u-ks-level2, nondeterministic)"),
+    ("nd LIKE 'x%'", "LIKE on text column 'nd'"),
+    ("libc ILIKE 'x%'", "ILIKE on text column 'libc' under collation \"default\" (libc en_US.UTF-8)"),
+    ("name < cname", "have different collations"),
+    ("m > 'ok'", "ordering comparisons on enum column 'm'"),
+    ("tt = '12:00+00'", "comparisons on columns of type time with time zone are not supported"),
+    ("x = 'a.b'", "comparisons on columns of type ltree are not supported"),
+    ("d > 'now'", "is read when a query runs"),
+    ("name COLLATE \"de-x-icu\" < 'b'", "only \"C\", \"POSIX\" and ucs_basic"),
+    ("f4 IN (0.1, 0.2)", "IN compares these values as real"),
+])
+def test_refused_against_the_source(where, fragment):
+    with pytest.raises(FilterError) as e:
+        compile_filter(where, FACTS, shape="s", source=_source())
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_ordering_is_refused_on_a_database_that_is_not_utf8():
+    with pytest.raises(FilterError, match="ordering comparison"):
+        compile_filter("cname < 'b'", FACTS, source=_source(encoding="LATIN9"))
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("where,row,expected", [
+    ("cname >= 'b'", {"cname": "Banana"}, False),  # code points: 'B' < 'b'
+    ("name COLLATE \"C\" >= 'b'", {"name": "éclair"}, True),
+    ("name COLLATE ucs_basic < 'b'", {"name": "Zed"}, True),
+    ("name = 'Straße'", {"name": "Straße"}, True),
+    ("name ILIKE 'STRASSE%'", {"name": "straße 1"}, False),  # lower() does not expand ß
+    ("name ILIKE 'i%'", {"name": "İx"}, True),  # ICU: İ -> i̇
+    ("name ILIKE '_x'", {"name": "İx"}, False),  # ... two code points
+    ("name ILIKE 'ας'", {"name": "ΑΣ"}, True),  # final sigma, both sides
+    ("cname ILIKE 'é%'", {"cname": "Éclair"}, False),  # C: ASCII letters only
+    ("cname ILIKE 'e%'", {"cname": "Eclair"}, True),
+    ("name LIKE 'a!_%' ESCAPE '!'", {"name": "a_b"}, True),
+    ("name LIKE 'a!_%' ESCAPE '!'", {"name": "axb"}, False),
+    ("name ILIKE 'A\\_%'", {"name": "a_b"}, True),
+    ("name LIKE 'a\\b' ESCAPE ''", {"name": "a\\b"}, True),
+    ("f8 > 0", {"f8": NAN}, True),
+    ("f8 > 'Infinity'", {"f8": NAN}, True),
+    ("f8 = 'NaN'", {"f8": NAN}, True),
+    ("f8 < 0", {"f8": NAN}, False),
+    ("NOT (f8 <= 1)", {"f8": NAN}, True),
+    ("f8 = 0", {"f8": -0.0}, True),
+    ("f8 IN ('NaN', 1)", {"f8": NAN}, True),
+    ("f4 > 0", {"f4": NAN}, True),
+    ("num > 0", {"num": "NaN"}, True),  # NaN loads as text
+    ("num > 1e300", {"num": "Infinity"}, True),
+    ("num = 'NaN'", {"num": "NaN"}, True),
+    ("num >= 2", {"num": "12345678901234567890.5"}, True),  # unbounded numeric loads as text
+    ("d > '2024-01-01'", {"d": "infinity"}, True),
+    ("d < '0001-01-01'", {"d": "0044-03-15 BC"}, True),
+    ("d > '9999-12-31'", {"d": "10000-01-01"}, True),
+    ("d = 'infinity'", {"d": "infinity"}, True),
+    ("d > '-infinity'", {"d": "0044-03-15 BC"}, True),
+    ("m IN ('ok', 'happy')", {"m": "ok"}, True),
+])
+def test_evaluated_as_postgresql_does(where, row, expected):
+    assert compile_filter(where, FACTS, source=_source()).matches(row) is expected
+
+
+def test_beyond_orders_special_values_around_ordinary_ones():
+    from schemas.shape_filter import _beyond
+    bc, far = _beyond("0044-03-15 BC", "date"), _beyond("10000-01-01", "date")
+    assert _beyond("-infinity", "date") < bc < dt.date(1, 1, 1) < dt.date(9999, 12, 31) < far < _beyond("infinity", "date")
+    assert _beyond("0045-01-01 BC", "date") < bc
+    # a timestamptz printed in another zone but inside Python's range is an ordinary value
+    assert _beyond("0001-01-01 00:00:00-04:56:02", "timestamptz") == dt.datetime(1, 1, 1, 4, 56, 2, tzinfo=UTC)
+    assert _beyond("24:00:00", "time") > dt.time(23, 59, 59, 999999)
