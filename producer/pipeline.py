@@ -72,13 +72,14 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
-from producer import catalog, pgoutput, recovery, schema_changes, slot_binding
+from producer import catalog, pgoutput, recovery, schema_changes
 from producer.acks import Acks
 from producer.backfill import Backfills
 from producer.backfill_requests import request_backfill
 from producer.catalog import TableInfo
 from producer.checkpoint_store import CheckpointStore
 from producer.envelope import control_key
+from producer.failover import Server
 from producer.fastcodec import CHANGE_KINDS, relation_encoder
 from producer.flush_tracker import LogOffset
 from producer.kafka_io import ReadChannel, Tail, producer_config, read_partitions
@@ -86,10 +87,10 @@ from producer.partitions import PartitionWatch
 from producer.pgoutput import Begin, Commit, Delete, Insert, Keepalive, Relation, Truncate, TypeMsg, Update
 from producer.pgtypes import column_codec
 from producer.reads import Reads
-from producer.recovery import check_binding
-from producer.replication import ReplicationConnection, ReplicationError, connect
+from producer.replication import ReplicationConnection, connect
 from producer.schema_follow import SchemaFollower, relation_key, table_relation
 from producer.shapes import Event, RelationPlan, ShapeSpec, event_message
+from producer.slot_setup import FoundSlot, find_slot
 from producer.snapshot import InitialSnapshot, snapshot_id
 from producer.status import Stats, StatusPublisher
 from producer.topics import prepare_topics
@@ -112,7 +113,7 @@ class Pipeline:
     """One run of the producer, from connecting to the first fatal error or stop."""
 
     def __init__(self, config: Config, stop: threading.Event | None = None,
-                 on_status: Callable[[dict], None] | None = None):
+                 on_status: Callable[[dict], None] | None = None, previous_server: Server | None = None):
         self.config = config
         self._on_status = on_status
         self.stats = Stats()
@@ -129,9 +130,9 @@ class Pipeline:
         self.ledger = self.acks.ledger  # the stream's own reference: it counts every message
         self.checkpoints = CheckpointStore(kafka_conf, self.kafka, self.acks.offsets, config.kafka.topic_prefix,
                                            list(config.ack_groups))
-        self._slot: dict | None = None  # the slot's state at start (None: none yet)
+        self._previous_server = previous_server
+        self.slot: FoundSlot | None = None  # the slot as found at start (``slot_setup.py``)
         self._cluster_id: str | None = None
-        self._bind: recovery.Binding | None = None  # a binding to record (a slot from before bindings)
         self.partitions: dict[str, int] = {}
         self.tails: dict[Writer, Tail | None] = {}
         self._replay_until: tuple[int, int] | None = None  # highest tail position: below it, check for replays
@@ -167,18 +168,16 @@ class Pipeline:
         self._stop.set()
 
     def prepare(self) -> None:
-        """Validate against the live source (and an existing slot against what
-        its data went to) and create publication and topics. Nothing here
-        creates a slot."""
+        """Validate against the live source (and an existing slot against the
+        server it was read on and what its data went to, ``slot_setup.py``)
+        and create publication and topics. Nothing here creates a slot."""
         cfg = self.config
         self.catalog_conn = connect(cfg.source.dsn)
         self.db_name = self.catalog_conn.info.dbname
         self.tables = catalog.check_source(self.catalog_conn, cfg)
         self._cluster_id = cluster_metadata(self.admin, METADATA_TIMEOUT, self._stop).cluster_id
-        self._slot = catalog.slot_state(self.catalog_conn, cfg.source.slot)
-        if self._slot is not None:
-            self._bind = check_binding(cfg.source.slot, slot_binding.read(self.catalog_conn, cfg.source.slot),
-                                       cfg.kafka.topic_prefix, self._cluster_id)
+        self.repl = ReplicationConnection(cfg.source.dsn, cfg.source.slot)
+        self.slot = find_slot(cfg, self.catalog_conn, self.repl, self._cluster_id, self._previous_server)
         plan = catalog.plan_publication(list(self.tables.values()), cfg.source.keyless_tables)
         self.publications = catalog.ensure_publications(self.catalog_conn, cfg.source.publication, plan)
         for shape in cfg.shapes:
@@ -220,15 +219,10 @@ class Pipeline:
         cfg = self.config
         self.prepare()
         self._assemble()
-        self.repl = ReplicationConnection(cfg.source.dsn, cfg.source.slot)
-        slot = self._slot
+        slot = self.slot.state
         decision = recovery.Decision(False)
         if slot is not None:
-            if slot["plugin"] != "pgoutput" or slot["slot_type"] != "logical":
-                raise ReplicationError(f"slot {cfg.source.slot} exists but is not a logical pgoutput slot")
-            if slot["active"]:
-                raise ReplicationError(f"slot {cfg.source.slot} is in use by another process "
-                                       f"(pid {slot['active_pid']}); is another producer running?")
+            self.slot.record(self.catalog_conn, self.repl)
             decision = self._recover()
             if decision.resnapshot:
                 log.warning("slot %s: %s: dropping the slot and redoing the snapshot", cfg.source.slot,
@@ -236,10 +230,10 @@ class Pipeline:
                 self.catalog_conn.execute("SELECT pg_drop_replication_slot(%s)", (cfg.source.slot,))
                 slot, decision = None, recovery.Decision(True)
         if slot is None:
-            lsn, snapshot_name = self.repl.create_slot()
-            log.info("created slot %s at %s (snapshot %s)", cfg.source.slot, pgoutput.lsn_to_str(lsn), snapshot_name)
-            slot_binding.write(self.catalog_conn, cfg.source.slot,
-                               recovery.Binding(cfg.kafka.topic_prefix, self._cluster_id))
+            lsn, snapshot_name = self.slot.create(self.catalog_conn, self.repl, cfg.kafka.topic_prefix,
+                                                  self._cluster_id)
+            log.info("created slot %s at %s (snapshot %s%s)", cfg.source.slot, pgoutput.lsn_to_str(lsn), snapshot_name,
+                     ", failover" if self.slot.failover else "")
             self._take_snapshot(lsn, snapshot_name)
             self.schema.start_from(self.tables.values())
             self.tails = {}
@@ -267,8 +261,6 @@ class Pipeline:
         """What to do with the existing slot (:mod:`producer.recovery`), from
         what Kafka holds: the checkpoint and each partition's bounds and tail."""
         cfg = self.config
-        if self._bind is not None:
-            slot_binding.write(self.catalog_conn, cfg.source.slot, self._bind)
         read = read_partitions(self._kafka_conf, self.writers())
         self.tails = {w: tail for w, (_, _, tail) in read.items()}
         ids = self._topic_ids()
@@ -675,7 +667,9 @@ class _Runs:
 
     A run that got going (published its status: source and broker answered)
     and then failed transiently ends the outage it belonged to; the next
-    failures start a new one, so its waits start short again."""
+    failures start a new one, so its waits start short again. Each run is told
+    the server the last one found its slot on, so a reconnect that reaches
+    another server (a failover) is judged as one (``failover.py``)."""
 
     def __init__(self, config: Config, stop: threading.Event, on_status: Callable[[dict], None] | None,
                  outage: Callable[[], Outage]):
@@ -685,6 +679,7 @@ class _Runs:
         self._new_outage = outage
         self._outage: Outage | None = None
         self.lost: Failure | None = None  # the transient failure that ended a run that had got going
+        self.server: Server | None = None  # where the last run found the slot
 
     def outage(self) -> Outage:
         self._outage = self._new_outage()
@@ -709,7 +704,7 @@ class _Runs:
         try:
             with attributed(database=(SOURCE, cfg.source.dsn), kafka=cfg.kafka.bootstrap_servers,
                             registry=cfg.kafka.schema_registry_url):
-                pipeline = Pipeline(cfg, self._stop, on_status)
+                pipeline = Pipeline(cfg, self._stop, on_status, self.server)
                 pipeline.run()
         except Failure as failure:
             if running and not failure.permanent:
@@ -718,6 +713,8 @@ class _Runs:
             raise
         finally:
             if pipeline is not None:
+                if pipeline.slot is not None:
+                    self.server = pipeline.slot.server
                 pipeline.close()
 
 
