@@ -179,6 +179,20 @@ WHERE t.oid = %s
 """
 
 
+class TypeCache:
+    """Type facts (:func:`type_info`) by (oid, typmod), each read from the catalog once."""
+
+    def __init__(self, conn: psycopg.Connection):
+        self._conn = conn
+        self._known: dict[tuple[int, int], PgTypeInfo] = {}
+
+    def __call__(self, oid: int, typmod: int) -> PgTypeInfo:
+        info = self._known.get((oid, typmod))
+        if info is None:
+            info = self._known[(oid, typmod)] = type_info(self._conn, oid, typmod)
+        return info
+
+
 def type_info(conn: psycopg.Connection, oid: int, typmod: int) -> PgTypeInfo:
     """Resolve domains (possibly stacked) down to their base type."""
     row = conn.execute(_TYPE_SQL, (typmod, oid)).fetchone()
