@@ -227,6 +227,16 @@ def _standby(slot: str, conn: psycopg.Connection, where: str, checks: Checklist)
     settings = dict(conn.execute(
         "SELECT name, setting FROM pg_settings WHERE name IN ('sync_replication_slots', 'hot_standby_feedback', "
         "'primary_slot_name', 'primary_conninfo')").fetchall())
+    copy = conn.execute("SELECT synced, temporary, confirmed_flush_lsn::text FROM pg_replication_slots "
+                        "WHERE slot_name = %s", (slot,)).fetchone()
+    checks.add(SOURCE, f"standby {where}", *standby_readiness(slot, settings, copy))
+
+
+def standby_readiness(slot: str, settings: dict[str, str], copy: tuple[bool, bool, str | None] | None
+                      ) -> tuple[str, str]:
+    """(state, detail) of a standby for ``slot``, from its ``pg_settings``
+    (``primary_conninfo`` absent where this role may not read it) and its
+    copy of the slot (synced, temporary, confirmed LSN; None: none)."""
     missing = [f"{k} = on" for k in ("sync_replication_slots", "hot_standby_feedback") if settings.get(k) != "on"]
     if not settings.get("primary_slot_name"):
         missing.append("primary_slot_name = '<its physical slot on the primary>'")
@@ -234,24 +244,20 @@ def _standby(slot: str, conn: psycopg.Connection, where: str, checks: Checklist)
     if conninfo is not None and "dbname" not in conninfo_to_dict(conninfo):
         missing.append("a dbname in primary_conninfo")
     if missing:
-        checks.add(SOURCE, f"standby {where}", WARN, f"not set up to keep a copy of slot {slot}: set "
-                   f"{', '.join(missing)} (ALTER SYSTEM SET ...; SELECT pg_reload_conf();)")
-        return
-    copy = conn.execute("SELECT synced, temporary, confirmed_flush_lsn::text FROM pg_replication_slots "
-                        "WHERE slot_name = %s", (slot,)).fetchone()
+        return WARN, (f"not set up to keep a copy of slot {slot}: set {', '.join(missing)} (ALTER SYSTEM SET ...; "
+                      "SELECT pg_reload_conf();)")
     if copy is None:
-        checks.add(SOURCE, f"standby {where}", WARN, f"set up for slot synchronization, but holds no copy of slot "
-                   f"{slot} yet (a failover slot appears within seconds of its creation)")
-    elif not copy[0]:
-        checks.add(SOURCE, f"standby {where}", WARN, f"holds a slot {slot} that is not synchronized from the "
-                   "primary: a promotion would not carry walbridge's slot on")
-    elif copy[1]:
-        checks.add(SOURCE, f"standby {where}", WARN, f"holds a temporary copy of slot {slot}, which a promotion "
-                   "drops: it becomes persistent once the primary's slot advances past the position this standby "
-                   "reserved (the producer streaming changes the consumers confirm)")
-    else:
-        checks.add(SOURCE, f"standby {where}", OK, f"holds a persistent synchronized copy of slot {slot} (at "
-                   f"{copy[2]}): a promotion carries it on")
+        return WARN, (f"set up for slot synchronization, but holds no copy of slot {slot} yet (a failover slot "
+                      "appears within seconds of its creation)")
+    synced, temporary, lsn = copy
+    if not synced:
+        return WARN, (f"holds a slot {slot} that is not synchronized from the primary: a promotion would not carry "
+                      "walbridge's slot on")
+    if temporary:
+        return WARN, (f"holds a temporary copy of slot {slot}, which a promotion drops: it becomes persistent once "
+                      "the primary's slot advances past the position this standby reserved (the producer streaming "
+                      "changes the consumers confirm)")
+    return OK, f"holds a persistent synchronized copy of slot {slot} (at {lsn}): a promotion carries it on"
 
 
 def _kafka(config: Config, checks: Checklist) -> None:

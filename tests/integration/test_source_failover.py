@@ -13,6 +13,8 @@ promoted.
   walbridge process exited, and the slot confirmed to the last change.
 - Without it, the promoted server holds no copy of the slot: the producer
   stops with one clear error and exit code 3, and creates no slot there.
+
+``check-config --live`` says which of the two set-ups it looks at.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from typing import Iterator
 
 import psycopg
 
+from schemas.config import parse_config
 from tests.helpers import ConsumerProcess, ProducerProcess, make_config, wait_for, write_toml
 from tests.integration.test_e2e import _applied_batches, _caught_up, _verify_ok, assert_applied_once, e2e_config
+from walbridge.check import OK, WARN, live_checks
 from walbridge.embedded import PostgresCluster, find_pg_bin
 
 VERSION = 18
@@ -134,6 +138,11 @@ def test_primary_killed_walbridge_carries_on_from_the_synced_slot_on_the_promote
                 loader.start()
                 wait_for(lambda: synced_copy_persistent(primary, standby, "src", slot), timeout=120, interval=0.5,
                          what="a persistent synchronized copy of the slot on the standby")
+                checks = {c.item: c for c in live_checks(parse_config(cfg))}
+                ready = checks[f"standby host {standby.host}:{standby.port}"]
+                assert ready.state == OK and "persistent synchronized copy" in ready.detail, ready
+                assert checks["synchronized_standby_slots"].state == OK
+                assert checks[f"slot {slot} failover"].state == OK
                 fail_over(primary, standby)
                 promoted.set()
                 wait_for(lambda: "the source failed over" in producer_log.read_text(), timeout=90,
@@ -182,6 +191,14 @@ def test_standby_promoted_without_a_synced_slot_stops_the_producer_with_exit_cod
                 conn.execute("INSERT INTO items VALUES (101, 'after the snapshot')")
             wait_for(lambda: replayed(standby, "src"), timeout=60, interval=0.1, what="the standby has the database")
             assert slot_row(standby, "src", slot) is None  # nothing synchronizes it
+            checks = live_checks(parse_config(cfg))
+            by_item = {c.item: c for c in checks}
+            unsynchronized = by_item["synchronized_standby_slots"]
+            assert unsynchronized.state == WARN and (
+                f"ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'" in unsynchronized.detail)
+            not_set_up = by_item[f"standby host {standby.host}:{standby.port}"]
+            assert not_set_up.state == WARN and "sync_replication_slots = on" in not_set_up.detail
+            assert checks.exit_code() == 0  # warnings fail nothing
             fail_over(primary, standby)
             code = producer.proc.wait(60)
         text = log.read_text()
