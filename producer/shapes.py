@@ -214,7 +214,7 @@ class RelationPlan:
         return 1
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamTx:
     """The transaction being streamed, as its messages carry it: commit LSN
     (the first half of every position), xid, commit time, and when walbridge
