@@ -373,11 +373,12 @@ class PostgresCluster:
         (not started): ``pg_basebackup`` streaming from it through the
         physical slot ``slot`` (created), ``standby.signal``, and
         ``primary_conninfo`` naming a database (``dbname=postgres``, which
-        ``sync_replication_slots`` needs) and ``primary_slot_name``. Its
-        ``settings`` are this cluster's plus ``settings``."""
+        ``sync_replication_slots`` needs) and ``primary_slot_name``, with
+        ``settings`` of its own (not this cluster's: a promoted standby with
+        its primary's ``synchronized_standby_slots`` would wait for a standby
+        slot it does not have)."""
         standby = PostgresCluster(base_dir, host=self.host, trusted_networks=self.trusted_networks,
-                                  durable=self.durable, pg_bin=self.pg_bin,
-                                  settings={**self.settings, **(settings or {})})
+                                  durable=self.durable, pg_bin=self.pg_bin, settings=settings)
         standby.base_dir.mkdir(parents=True, exist_ok=True)
         if _is_root():
             standby._prepare_for_postgres_user()
