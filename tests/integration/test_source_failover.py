@@ -118,16 +118,16 @@ def test_primary_killed_walbridge_carries_on_from_the_synced_slot_on_the_promote
         path = write_toml(cfg, tmp_path / "wb.toml")
         producer_log, consumer_log = tmp_path / "producer.log", tmp_path / "consumer.log"
         stop_load, promoted = threading.Event(), threading.Event()
-        rounds_after_promotion = []
+        rounds = {False: 0, True: 0}  # pgbench rounds done before / after the promotion
 
         def load() -> None:
             """pgbench in rounds of 2 s through the multi-host DSN: the rounds
             the failover breaks fail, the next ones run on the new primary."""
             while not stop_load.is_set():
-                ok = pgbench(source, "-n", "-c", "2", "-T", "2", check=False).returncode == 0
-                if ok and promoted.is_set():
-                    rounds_after_promotion.append(1)
-                elif not ok:
+                after = promoted.is_set()
+                if pgbench(source, "-n", "-c", "2", "-T", "2", check=False).returncode == 0:
+                    rounds[after] += 1
+                else:
                     stop_load.wait(0.2)  # no server accepts writes yet
 
         loader = threading.Thread(target=load, daemon=True)
@@ -136,6 +136,7 @@ def test_primary_killed_walbridge_carries_on_from_the_synced_slot_on_the_promote
                 wait_for(lambda: _applied_batches(target_db) > 5000, timeout=180, interval=0.5,
                          what="the consumer applying the snapshot")
                 loader.start()
+                wait_for(lambda: rounds[False] >= 1, timeout=60, what="pgbench on the primary")
                 wait_for(lambda: synced_copy_persistent(primary, standby, "src", slot), timeout=120, interval=0.5,
                          what="a persistent synchronized copy of the slot on the standby")
                 checks = {c.item: c for c in live_checks(parse_config(cfg))}
@@ -147,7 +148,7 @@ def test_primary_killed_walbridge_carries_on_from_the_synced_slot_on_the_promote
                 promoted.set()
                 wait_for(lambda: "the source failed over" in producer_log.read_text(), timeout=90,
                          what="the producer streaming from the promoted standby")
-                wait_for(lambda: len(rounds_after_promotion) >= 3, timeout=120,
+                wait_for(lambda: rounds[True] >= 3, timeout=120,
                          what="pgbench going on against the new primary")
                 stop_load.set()
                 loader.join(60)
