@@ -423,14 +423,14 @@ def slot_state(conn: psycopg.Connection, slot: str) -> dict | None:
         """SELECT plugin, slot_type, database, active, active_pid, confirmed_flush_lsn::text,
                   restart_lsn::text, pg_current_wal_lsn()::text,
                   pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint, temporary,
-                  coalesce((to_jsonb(s) ->> 'failover')::bool, false), coalesce((to_jsonb(s) ->> 'synced')::bool, false)
+                  coalesce((to_jsonb(s) ->> 'failover')::bool, false),
+                  coalesce((to_jsonb(s) ->> 'synced')::bool, false)
            FROM pg_replication_slots s WHERE slot_name = %s""", (slot,)).fetchone()
     if row is None:
         return None
     keys = ("plugin", "slot_type", "database", "active", "active_pid", "confirmed_flush_lsn",
             "restart_lsn", "current_wal_lsn", "retained_wal_bytes", "temporary", "failover", "synced")
     return dict(zip(keys, row))
-
 
 
 def standby_slots(conn: psycopg.Connection) -> tuple[list[str], list[str]]:
