@@ -61,7 +61,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from psycopg import sql
 
 from producer import metrics
-from producer.backfill_requests import publish_state, read_states
+from producer.backfill_requests import publish_state, read_states, request_backfill
 from producer.catalog import TableInfo, row_estimate
 from producer.kafka_io import DeliveryLedger
 from producer.pgoutput import lsn_to_str
@@ -222,6 +222,18 @@ class Backfills:
         self.running: Backfill | None = None
         self.done: list[dict] = []  # the last few finished, for status
         self._requests_consumer: Consumer | None = None
+
+    def request(self, shape: str, reason: str) -> None:
+        """A backfill of ``shape`` for what the WAL did not carry (a schema
+        change, a truncated partition, a table attached with rows)."""
+        request_id = request_backfill(self._config, shape, reason=reason)
+        log.warning("%s: backfill %s of shape %s requested", reason, request_id, shape)
+
+    def defer(self, shape: str, reason: str) -> None:
+        """A backfill of a stopped ``shape``, for the run after the fix: known
+        to this run, so it does not start it."""
+        request_id = request_backfill(self._config, shape, reason=reason)
+        self.requests[request_id] = {"request_id": request_id, "shape": shape, "state": "requested"}
 
     def load(self, new_topics: set[str]) -> None:
         """Requests not done yet are (re)started; shapes whose topics are new get one."""

@@ -187,6 +187,20 @@ WHERE t.oid = %s
 """
 
 
+class TypeCache:
+    """Type facts (:func:`type_info`) by (oid, typmod), each read from the catalog once."""
+
+    def __init__(self, conn: psycopg.Connection):
+        self._conn = conn
+        self._known: dict[tuple[int, int], PgTypeInfo] = {}
+
+    def __call__(self, oid: int, typmod: int) -> PgTypeInfo:
+        info = self._known.get((oid, typmod))
+        if info is None:
+            info = self._known[(oid, typmod)] = type_info(self._conn, oid, typmod)
+        return info
+
+
 def type_info(conn: psycopg.Connection, oid: int, typmod: int) -> PgTypeInfo:
     """Resolve domains (possibly stacked) down to their base type."""
     row = conn.execute(_TYPE_SQL, (typmod, oid)).fetchone()
@@ -503,14 +517,26 @@ def row_estimate(conn: psycopg.Connection, table: TableInfo) -> int:
 
 
 def slot_state(conn: psycopg.Connection, slot: str) -> dict | None:
+    """The slot as ``pg_replication_slots`` shows it (None: no such slot);
+    ``failover`` and ``synced`` (PostgreSQL 17+) are false before 17."""
     row = conn.execute(
         """SELECT plugin, slot_type, database, active, active_pid, confirmed_flush_lsn::text,
                   restart_lsn::text, pg_current_wal_lsn()::text,
-                  pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint
-           FROM pg_replication_slots WHERE slot_name = %s""", (slot,)).fetchone()
+                  pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint, temporary,
+                  coalesce((to_jsonb(s) ->> 'failover')::bool, false),
+                  coalesce((to_jsonb(s) ->> 'synced')::bool, false)
+           FROM pg_replication_slots s WHERE slot_name = %s""", (slot,)).fetchone()
     if row is None:
         return None
     keys = ("plugin", "slot_type", "database", "active", "active_pid", "confirmed_flush_lsn",
-            "restart_lsn", "current_wal_lsn", "retained_wal_bytes")
+            "restart_lsn", "current_wal_lsn", "retained_wal_bytes", "temporary", "failover", "synced")
     return dict(zip(keys, row))
 
+
+def standby_slots(conn: psycopg.Connection) -> tuple[list[str], list[str]]:
+    """On a primary: the physical slots standbys stream through, and those
+    ``synchronized_standby_slots`` names (PostgreSQL 17+; empty before)."""
+    physical = [r[0] for r in conn.execute(
+        "SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'physical' ORDER BY slot_name")]
+    setting = conn.execute("SELECT current_setting('synchronized_standby_slots', true)").fetchone()[0] or ""
+    return physical, [s.strip() for s in setting.split(",") if s.strip()]

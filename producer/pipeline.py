@@ -8,11 +8,12 @@ The path of one change, top to bottom:
 2. ``Begin`` opens a transaction whose position (commit LSN) is known up front,
    so its changes are produced as they arrive: nothing is buffered per
    transaction, whatever its size.
-3. A change is loaded once and routed to its shapes by its ``RelationPlan``
-   (``shapes.py``), yielding ``Event``s with their positions.
-4. ``_produce`` encodes each event (``envelope.py``) and hands it to the
-   idempotent Kafka producer on the key's partition, unless that partition already
-   holds it (its tail position is at or past the event's: a replay after a crash).
+3. A change is loaded once, routed to its shapes by its ``RelationPlan`` and
+   encoded (``envelope.py``) into its Kafka messages on their keys' partitions,
+   all in ``shapes.change_messages`` with the transaction's ``StreamTx``.
+4. ``_produce`` hands each message to the idempotent Kafka producer, unless that
+   partition already holds it (its tail position is at or past the message's:
+   a replay after a crash or a failover).
    Steps 1, 3 and 4 are one compiled call (``fastcodec.py``) for every change
    but key changes and a few rarer cases; the path above is its reference and
    fallback.
@@ -31,8 +32,9 @@ tables' leaves (``partitions.py``: a table attached with rows is backfilled).
 Schema changes: a shape table's Relation message goes to the
 ``SchemaFollower`` (``schema_follow.py``) before the relation is planned
 again: the changed shapes are logged, backfilled where rows changed without a
-change in the WAL, given the aliases of renamed columns, or stopped (left out
-of the plan, WAL held); a new schema the registry refuses stops its shape too.
+change in the WAL (it asks ``backfill.py``), given the aliases of renamed
+columns, or stopped (left out of the plan, WAL held from the position the
+stream passes it); a new schema the registry refuses stops its shape too.
 
 Invariants:
 - The LSN confirmed to PostgreSQL never passes a change that some configured
@@ -43,6 +45,10 @@ Invariants:
   unrelated tables never hold WAL back.
 - A restart (crash or lost connection) takes the same path as a first start:
   read partition tails, rebuild ack state from Kafka, stream from the slot.
+  The slot is found, judged and created in ``slot_setup.py``: a reconnect
+  that reaches another server (a failover, told by ``IDENTIFY_SYSTEM``'s
+  system identifier and timeline) goes on only from a synchronized copy of
+  the slot (``failover.py``), never from a new slot and snapshot.
 - Initial snapshot (``snapshot.py``): taken when the slot is created, which is
   recorded in the source database (``slot_binding.py``: the topic prefix and
   Kafka cluster the slot's data goes to), and in ``<prefix>._checkpoint``
@@ -65,20 +71,20 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import psycopg
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
-from producer import catalog, pgoutput, recovery, schema_changes, slot_binding
+from producer import catalog, pgoutput, recovery, schema_changes
 from producer.acks import Acks
 from producer.backfill import Backfills
-from producer.backfill_requests import request_backfill
 from producer.catalog import TableInfo
 from producer.checkpoint_store import CheckpointStore
 from producer.envelope import control_key
+from producer.failover import Server
 from producer.fastcodec import CHANGE_KINDS, relation_encoder
 from producer.flush_tracker import LogOffset
 from producer.kafka_io import ReadChannel, Tail, producer_config, read_partitions
@@ -86,10 +92,10 @@ from producer.partitions import PartitionWatch
 from producer.pgoutput import Begin, Commit, Delete, Insert, Keepalive, Relation, Truncate, TypeMsg, Update
 from producer.pgtypes import column_codec
 from producer.reads import Reads
-from producer.recovery import check_binding
-from producer.replication import ReplicationConnection, ReplicationError, connect
+from producer.replication import ReplicationConnection, connect
 from producer.schema_follow import SchemaFollower, relation_key, table_relation
-from producer.shapes import Event, RelationPlan, ShapeSpec, event_message
+from producer.shapes import Message, RelationPlan, ShapeSpec, StreamTx, change_messages, truncate_messages
+from producer.slot_setup import FoundSlot, find_slot
 from producer.snapshot import InitialSnapshot, snapshot_id
 from producer.status import Stats, StatusPublisher
 from producer.topics import prepare_topics
@@ -112,7 +118,7 @@ class Pipeline:
     """One run of the producer, from connecting to the first fatal error or stop."""
 
     def __init__(self, config: Config, stop: threading.Event | None = None,
-                 on_status: Callable[[dict], None] | None = None):
+                 on_status: Callable[[dict], None] | None = None, previous_server: Server | None = None):
         self.config = config
         self._on_status = on_status
         self.stats = Stats()
@@ -129,9 +135,9 @@ class Pipeline:
         self.ledger = self.acks.ledger  # the stream's own reference: it counts every message
         self.checkpoints = CheckpointStore(kafka_conf, self.kafka, self.acks.offsets, config.kafka.topic_prefix,
                                            list(config.ack_groups))
-        self._slot: dict | None = None  # the slot's state at start (None: none yet)
+        self._previous_server = previous_server
+        self.slot: FoundSlot | None = None  # the slot as found at start (``slot_setup.py``)
         self._cluster_id: str | None = None
-        self._bind: recovery.Binding | None = None  # a binding to record (a slot from before bindings)
         self.partitions: dict[str, int] = {}
         self.tails: dict[Writer, Tail | None] = {}
         self._replay_until: tuple[int, int] | None = None  # highest tail position: below it, check for replays
@@ -143,7 +149,7 @@ class Pipeline:
         self.publications: list[str] = []
         self.repl: ReplicationConnection | None = None
         self.catalog_conn: psycopg.Connection | None = None
-        self._type_cache: dict[tuple[int, int], Any] = {}
+        self.types: catalog.TypeCache | None = None
         self.db_name = ""
         # The parts around the stream, made once the source is known (``_assemble``).
         self.snapshot: InitialSnapshot | None = None
@@ -152,13 +158,10 @@ class Pipeline:
         self.partition_watch: PartitionWatch | None = None
         self.schema: SchemaFollower | None = None
         # Current transaction.
-        self._tx: Begin | None = None
-        self._tx_ts_ms = 0
+        self._tx: StreamTx | None = None
         self._op = 0
         self._tx_writers: set[Writer] = set()
         self._tx_done_writers: set[Writer] = set()
-        self._tx_sources: dict[str, Any] = {}
-        self._tx_seen_ms = 0
         self._change_lsn = 0  # WAL position of the message being handled (source.lsn)
         self._tombstones = config.kafka.tombstones_on_delete
         self._streaming = False
@@ -168,21 +171,20 @@ class Pipeline:
         self._stop.set()
 
     def prepare(self) -> None:
-        """Validate against the live source (and an existing slot against what
-        its data went to) and create publication and topics. Nothing here
-        creates a slot."""
+        """Validate against the live source (and an existing slot against the
+        server it was read on and what its data went to, ``slot_setup.py``)
+        and create publication and topics. Nothing here creates a slot."""
         cfg = self.config
         self.catalog_conn = connect(cfg.source.dsn)
         self.db_name = self.catalog_conn.info.dbname
+        self.types = catalog.TypeCache(self.catalog_conn)
         # Filters are compiled against the source itself: its collations, its reading of literals
         self.filter_source = catalog.filter_source(self.catalog_conn, cfg.source.dsn) if any(
             s.where for s in cfg.shapes) else None
         self.tables = catalog.check_source(self.catalog_conn, cfg, self.filter_source)
         self._cluster_id = cluster_metadata(self.admin, self._kafka_conf, METADATA_TIMEOUT, self._stop).cluster_id
-        self._slot = catalog.slot_state(self.catalog_conn, cfg.source.slot)
-        if self._slot is not None:
-            self._bind = check_binding(cfg.source.slot, slot_binding.read(self.catalog_conn, cfg.source.slot),
-                                       cfg.kafka.topic_prefix, self._cluster_id)
+        self.repl = ReplicationConnection(cfg.source.dsn, cfg.source.slot)
+        self.slot = find_slot(cfg, self.catalog_conn, self.repl, self._cluster_id, self._previous_server)
         plan = catalog.plan_publication(list(self.tables.values()), cfg.source.keyless_tables)
         self.publications = catalog.ensure_publications(self.catalog_conn, cfg.source.publication, plan)
         for shape in cfg.shapes:
@@ -212,10 +214,9 @@ class Pipeline:
         shapes = defaultdict(list)
         for shape in cfg.shapes:
             shapes[shape.table].append(shape.shape_name)
-        self.partition_watch = PartitionWatch(self.catalog_conn, self.tables, shapes, self._request_backfill)
+        self.partition_watch = PartitionWatch(self.catalog_conn, self.tables, shapes, self.backfills.request)
         self.schema = SchemaFollower(cfg, self.catalog_conn, self.tables, self.shape_specs, self.stats, self.acks,
-                                     self._type_info, self._hold_position, self._request_backfill,
-                                     self._defer_backfill, self.filter_source)
+                                     self.types, self.backfills, self.filter_source)
 
     def writers(self) -> list[Writer]:
         return [(t, p) for t, n in self.partitions.items() for p in range(n)]
@@ -224,15 +225,10 @@ class Pipeline:
         cfg = self.config
         self.prepare()
         self._assemble()
-        self.repl = ReplicationConnection(cfg.source.dsn, cfg.source.slot)
-        slot = self._slot
+        slot = self.slot.state
         decision = recovery.Decision(False)
         if slot is not None:
-            if slot["plugin"] != "pgoutput" or slot["slot_type"] != "logical":
-                raise ReplicationError(f"slot {cfg.source.slot} exists but is not a logical pgoutput slot")
-            if slot["active"]:
-                raise ReplicationError(f"slot {cfg.source.slot} is in use by another process "
-                                       f"(pid {slot['active_pid']}); is another producer running?")
+            self.slot.record(self.catalog_conn, self.repl)
             decision = self._recover()
             if decision.resnapshot:
                 log.warning("slot %s: %s: dropping the slot and redoing the snapshot", cfg.source.slot,
@@ -240,10 +236,10 @@ class Pipeline:
                 self.catalog_conn.execute("SELECT pg_drop_replication_slot(%s)", (cfg.source.slot,))
                 slot, decision = None, recovery.Decision(True)
         if slot is None:
-            lsn, snapshot_name = self.repl.create_slot()
-            log.info("created slot %s at %s (snapshot %s)", cfg.source.slot, pgoutput.lsn_to_str(lsn), snapshot_name)
-            slot_binding.write(self.catalog_conn, cfg.source.slot,
-                               recovery.Binding(cfg.kafka.topic_prefix, self._cluster_id))
+            lsn, snapshot_name = self.slot.create(self.catalog_conn, self.repl, cfg.kafka.topic_prefix,
+                                                  self._cluster_id)
+            log.info("created slot %s at %s (snapshot %s%s)", cfg.source.slot, pgoutput.lsn_to_str(lsn), snapshot_name,
+                     ", failover" if self.slot.failover else "")
             self._take_snapshot(lsn, snapshot_name)
             self.schema.start_from(self.tables.values())
             self.tails = {}
@@ -271,8 +267,6 @@ class Pipeline:
         """What to do with the existing slot (:mod:`producer.recovery`), from
         what Kafka holds: the checkpoint and each partition's bounds and tail."""
         cfg = self.config
-        if self._bind is not None:
-            slot_binding.write(self.catalog_conn, cfg.source.slot, self._bind)
         read = read_partitions(self._kafka_conf, self.writers())
         self.tails = {w: tail for w, (_, _, tail) in read.items()}
         ids = self._topic_ids()
@@ -372,7 +366,7 @@ class Pipeline:
                 self.read_channel.in_flight()  # raises a failed read
                 backfills.poll()
                 self.partition_watch.poll()
-                self.schema.poll()
+                self.schema.poll(self._hold_position())
                 self.checkpoints.watch_consumed(now)
             elif idle and acks.confirmed_lsn > repl.flushed and now - self._last_status >= CONFIRM_INTERVAL:
                 # Caught up: release the WAL now rather than at the next periodic update.
@@ -385,8 +379,8 @@ class Pipeline:
         encoder = self._encoders.get(int.from_bytes(frame[26:30], "big"))
         if encoder is None or tx is None:
             return False
-        lsn, op = tx.final_lsn, self._op
-        messages = encoder.encode(frame, 25, op, lsn, tx.xid, self._tx_ts_ms, self._tx_seen_ms)
+        lsn, op = tx.lsn, self._op
+        messages = encoder.encode(frame, 25, op, lsn, tx.xid, tx.ts_ms, tx.seen_ms)
         if messages is None:
             return False
         self._op = op + encoder.span
@@ -415,23 +409,22 @@ class Pipeline:
                                                      len(msg.old if isinstance(msg, Delete) else msg.new))
             if unannounced is not None:
                 raise Failure(SOURCE, unannounced, permanent=False)
-            for event in plan.events(msg, self._op):
-                self._produce(event)
+            self._produce(change_messages(plan, msg, self._op, self._tx, self._change_lsn, self.partitions,
+                                          self._tombstones))
             self._op += plan.span(msg)
         elif isinstance(msg, Begin):
-            self._tx = msg
-            self._tx_ts_ms = pgoutput.pg_us_to_unix_ms(msg.commit_ts_us)
+            # The envelope's ts_ms: when walbridge read the transaction.
+            self._tx = StreamTx(msg.final_lsn, msg.xid, pgoutput.pg_us_to_unix_ms(msg.commit_ts_us),
+                                int(time.time() * 1000))
             self._op = 0
             # Reused, not reallocated: nothing keeps them past the transaction's commit.
             self._tx_writers.clear()
             self._tx_done_writers.clear()
-            self._tx_sources.clear()
-            self._tx_seen_ms = int(time.time() * 1000)  # envelope ts_ms: when walbridge read the transaction
         elif isinstance(msg, Commit):
             self._commit(msg)
         elif isinstance(msg, Relation):
             if msg.oid in self.schema.shape_tables:
-                self.schema.relation(msg)
+                self.schema.relation(msg, self._hold_position())
             plan = self.relations[msg.oid] = self._plan_relation(msg)
             encoder = relation_encoder(plan, self.partitions, self._tombstones)
             if encoder is not None:
@@ -441,10 +434,15 @@ class Pipeline:
         elif isinstance(msg, Truncate):
             plans = [p for p in map(self.relations.get, msg.relation_oids) if p is not None]
             truncated = set()
+            tx, now_ms = self._tx, int(time.time() * 1000)
             for plan in plans:
                 if not plan.routed:
                     for route in plan.routes:
-                        self._produce_truncate(route)
+                        key = self._control_key(route.topic, wire.TRUNCATE_KEY_EVENT,
+                                                f"{pgoutput.lsn_to_str(tx.lsn)}:{self._op}")
+                        self._produce(truncate_messages(route, tx, self._op, self._change_lsn,
+                                                        self.partitions[route.topic], key, now_ms))
+                        self.stats.events[(route.name, "t")] += 1
                         truncated.add(route.name)
             for plan in plans:
                 if plan.routed:
@@ -463,7 +461,7 @@ class Pipeline:
         specs = [s for s in self.shape_specs.get(qualified, []) if s.name not in stopped]
         if not specs and table is not None and qualified not in self.shape_specs:
             specs, key = self._routed_specs(table, key)
-        codecs = [column_codec(self._type_info(c.type_oid, c.typmod), self.catalog_conn) for c in rel.columns]
+        codecs = [column_codec(self.types(c.type_oid, c.typmod), self.catalog_conn) for c in rel.columns]
         # The shape table's attnums, which a routed plan's writer schemas carry too.
         above = {spec.table for spec in specs if spec.table}
         attnums = {t.qualified: self.schema.attnums(t.oid) for t in self.tables.values() if (t.schema, t.name) in above}
@@ -479,7 +477,8 @@ class Pipeline:
                 if not self._streaming:
                     raise
                 # That shape stops; the others are planned again without it.
-                self.schema.stop(route.name, f"shape {route.name}: {e.headline} (fix: {e.fix})")
+                self.schema.stop(route.name, f"shape {route.name}: {e.headline} (fix: {e.fix})",
+                                 self._hold_position())
                 return self._plan_relation(rel)
         return plan
 
@@ -507,23 +506,12 @@ class Pipeline:
         the rows it does not see), since a shape-wide truncate would drop the
         other partitions' rows too."""
         for shape in shapes:
-            self._request_backfill(shape, f"truncate of {plan.relation.schema}.{plan.relation.name}")
-
-    def _request_backfill(self, shape: str, reason: str) -> None:
-        """A backfill of ``shape`` for what the WAL did not carry."""
-        request_id = request_backfill(self.config, shape, reason=reason)
-        log.warning("%s: backfill %s of shape %s requested", reason, request_id, shape)
-
-    def _defer_backfill(self, shape: str, reason: str) -> None:
-        """A backfill of a stopped ``shape``, for the run after the fix: known
-        to this run's backfills, so they do not start it."""
-        request_id = request_backfill(self.config, shape, reason=reason)
-        self.backfills.requests[request_id] = {"request_id": request_id, "shape": shape, "state": "requested"}
+            self.backfills.request(shape, f"truncate of {plan.relation.schema}.{plan.relation.name}")
 
     def _hold_position(self) -> int:
         """Where a shape stopped now holds WAL from: the transaction being
         read, or (between transactions) what is confirmed."""
-        return self._tx.final_lsn if self._tx is not None else self.acks.confirmed_lsn
+        return self._tx.lsn if self._tx is not None else self.acks.confirmed_lsn
 
     def _fetch_current(self, rel: Relation, key: dict, columns: list[str]) -> dict | None:
         if not key:
@@ -533,12 +521,6 @@ class Pipeline:
             sql.SQL(" AND ").join(sql.SQL("{} = {}").format(sql.Identifier(k), sql.Literal(v)) for k, v in key.items()))
         row = self.catalog_conn.execute(query).fetchone()
         return dict(zip(columns, row)) if row is not None else None
-
-    def _type_info(self, oid: int, typmod: int):
-        key = (oid, typmod)
-        if key not in self._type_cache:
-            self._type_cache[key] = catalog.type_info(self.catalog_conn, oid, typmod)
-        return self._type_cache[key]
 
     def _register(self, codec, topic: str) -> None:
         # The key schema first: a consumer that finds the value schema must find
@@ -551,46 +533,16 @@ class Pipeline:
         """The plan of a table read whole (snapshot, backfill), as if its Relation message had arrived."""
         return self._plan_relation(table_relation(table))
 
-    def _produce(self, event: Event) -> None:
-        tx = self._tx
-        lsn = tx.final_lsn
-        route = event.route
-        source = self._tx_sources.get(route.name)
-        if source is None:
-            source = self._tx_sources[route.name] = route.codec.source_bytes(lsn, tx.xid, self._tx_ts_ms)
-        writer, key, value = event_message(event, lsn, self._change_lsn, source, self._tx_seen_ms,
-                                           self.partitions[route.topic])
-        position = [(wire.POSITION_HEADER, wire.position_header(lsn, event.op_offset))]
-        if not self._already_in_kafka(writer, lsn, event.op_offset):
-            headers = position
-            if event.peer is not None:  # a primary-key change, as Debezium marks it
-                codec = route.codec
-                headers = position + [(wire.NEW_KEY_HEADER if event.op == "d" else wire.OLD_KEY_HEADER,
-                                       codec.encode_key(codec.key_prefix, event.peer))]
+    def _produce(self, messages: Iterable[Message]) -> None:
+        """A change's messages to Kafka, but those a partition already holds (a replay)."""
+        lsn, tx_writers, events = self._tx.lsn, self._tx_writers, self.stats.events
+        for writer, key, value, headers, op, stat in messages:
+            if self._already_in_kafka(writer, lsn, op, value is None):
+                continue
             self._send(writer, key, value, headers)
-            self._tx_writers.add(writer)
-            self.stats.events[(route.name, event.op)] += 1
-        if (event.op == "d" and key is not None and self._tombstones
-                and not self._already_in_kafka(writer, lsn, event.op_offset, tombstone=True)):
-            self._send(writer, key, None, position)
-            self._tx_writers.add(writer)
-
-    def _produce_truncate(self, route) -> None:
-        """TRUNCATE reaches every partition of the shape's topic (rows of every
-        key are gone), at one position."""
-        tx = self._tx
-        codec = route.codec
-        source = codec.source_bytes(tx.final_lsn, tx.xid, self._tx_ts_ms)
-        value = codec.encode_change(codec.value_prefix, "t", None, None, source, self._op, int(time.time() * 1000),
-                                    (), self._change_lsn)
-        headers = [(wire.POSITION_HEADER, wire.position_header(tx.final_lsn, self._op))]
-        key = self._control_key(route.topic, wire.TRUNCATE_KEY_EVENT, f"{pgoutput.lsn_to_str(tx.final_lsn)}:{self._op}")
-        for p in range(self.partitions[route.topic]):
-            writer = (route.topic, p)
-            if not self._already_in_kafka(writer, tx.final_lsn, self._op):
-                self._send(writer, key, value, headers)
-                self._tx_writers.add(writer)
-        self.stats.events[(route.name, "t")] += 1
+            tx_writers.add(writer)
+            if stat is not None:
+                events[stat] += 1
 
     def _already_in_kafka(self, writer: Writer, lsn: int, op: int, tombstone: bool = False) -> bool:
         """Does ``writer`` hold the message at (lsn, op) already (a replay)? A
@@ -620,11 +572,12 @@ class Pipeline:
 
     def _commit(self, commit: Commit) -> None:
         last = LogOffset(commit.commit_lsn, max(self._op - 1, 0))
-        self.acks.commit(last, self._tx_writers, self._tx_done_writers, self._tx_ts_ms, time.monotonic())
+        ts_ms = self._tx.ts_ms
+        self.acks.commit(last, self._tx_writers, self._tx_done_writers, ts_ms, time.monotonic())
         self._tx = None
         stats = self.stats
         stats.transactions += 1
-        stats.last_commit_ts_ms, stats.stream_idle = self._tx_ts_ms, False
+        stats.last_commit_ts_ms, stats.stream_idle = ts_ms, False
 
     def _on_keepalive(self, ka: Keepalive) -> None:
         if self._tx is None and self.acks.idle():
@@ -679,7 +632,9 @@ class _Runs:
 
     A run that got going (published its status: source and broker answered)
     and then failed transiently ends the outage it belonged to; the next
-    failures start a new one, so its waits start short again."""
+    failures start a new one, so its waits start short again. Each run is told
+    the server the last one found its slot on, so a reconnect that reaches
+    another server (a failover) is judged as one (``failover.py``)."""
 
     def __init__(self, config: Config, stop: threading.Event, on_status: Callable[[dict], None] | None,
                  outage: Callable[[], Outage]):
@@ -689,6 +644,7 @@ class _Runs:
         self._new_outage = outage
         self._outage: Outage | None = None
         self.lost: Failure | None = None  # the transient failure that ended a run that had got going
+        self.server: Server | None = None  # where the last run found the slot
 
     def outage(self) -> Outage:
         self._outage = self._new_outage()
@@ -713,7 +669,7 @@ class _Runs:
         try:
             with attributed(database=(SOURCE, cfg.source.dsn), kafka=cfg.kafka.bootstrap_servers,
                             registry=cfg.kafka.schema_registry_url):
-                pipeline = Pipeline(cfg, self._stop, on_status)
+                pipeline = Pipeline(cfg, self._stop, on_status, self.server)
                 pipeline.run()
         except Failure as failure:
             if running and not failure.permanent:
@@ -722,6 +678,8 @@ class _Runs:
             raise
         finally:
             if pipeline is not None:
+                if pipeline.slot is not None:
+                    self.server = pipeline.slot.server
                 pipeline.close()
 
 

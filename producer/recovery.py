@@ -32,6 +32,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable
 
+from producer.failover import Server
 from producer.kafka_io import Tail
 from schemas.failures import SOURCE, Failure
 from schemas.kafka import Writer
@@ -47,10 +48,12 @@ class SlotElsewhereError(Failure):
 
 @dataclass(frozen=True)
 class Binding:
-    """Where a slot's data goes: the topic prefix and Kafka cluster id."""
+    """Where a slot's data goes: the topic prefix and Kafka cluster id; and the
+    PostgreSQL server it was last read on (None: not recorded)."""
 
     topic_prefix: str
     cluster_id: str | None
+    server: Server | None = None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import time
 import psycopg
 from psycopg import pq
 
+from producer.failover import Server
 from producer.pgoutput import PG_EPOCH_UNIX_US, lsn_to_int, lsn_to_str, standby_status
 from schemas.failures import SOURCE, Failure, postgres_failure
 
@@ -58,13 +59,23 @@ class ReplicationConnection:
         self.flushed = 0
         self.written = 0
 
-    def create_slot(self, temporary: bool = False) -> tuple[int, str]:
+    def identify(self) -> Server:
+        """The server this connection reached (``IDENTIFY_SYSTEM``)."""
+        system_id, timeline, _, _ = self.conn.execute("IDENTIFY_SYSTEM").fetchone()
+        return Server(str(system_id), int(timeline))
+
+    def create_slot(self, temporary: bool = False, failover: bool = False) -> tuple[int, str]:
         """Create the slot, exporting its snapshot; returns (consistent LSN, snapshot
-        name). A temporary slot goes away with this connection."""
+        name). A temporary slot goes away with this connection; a failover slot
+        (PostgreSQL 17+) is synchronized to standbys that ask for it."""
         kind = "TEMPORARY LOGICAL" if temporary else "LOGICAL"
-        row = self.conn.execute(
-            f'CREATE_REPLICATION_SLOT "{self.slot}" {kind} pgoutput (SNAPSHOT \'export\')').fetchone()
+        options = "SNAPSHOT 'export'" + (", FAILOVER true" if failover else "")
+        row = self.conn.execute(f'CREATE_REPLICATION_SLOT "{self.slot}" {kind} pgoutput ({options})').fetchone()
         return lsn_to_int(row[1]), row[2]
+
+    def enable_failover(self) -> None:
+        """Let standbys synchronize the (inactive) slot from now on (PostgreSQL 17+)."""
+        self.conn.execute(f'ALTER_REPLICATION_SLOT "{self.slot}" (FAILOVER true)')
 
     def start(self, publications: list[str], start_lsn: int = 0) -> None:
         names = ",".join(f'"{p}"' for p in publications)

@@ -36,6 +36,9 @@ Invariants:
   schemas cannot confirm is re-read.
 - Writer schemas carry each column's attnum as the follower last knew it
   (``attnums``), so the next run's comparison is exact.
+- It calls nothing of the stream: what it needs comes in as parts (the
+  catalog's ``TypeCache``, ``Backfills`` for re-reads now or after a fix) or
+  as arguments (the position a stop holds WAL from).
 """
 
 from __future__ import annotations
@@ -43,12 +46,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterable
+from typing import Iterable
 
 import psycopg
 
 from producer import catalog, schema_changes
 from producer.acks import Acks
+from producer.backfill import Backfills
 from producer.catalog import TableInfo
 from producer.pgoutput import Column, Relation, lsn_to_str
 from producer.schema_changes import RelationShape, ShapeRef
@@ -81,10 +85,8 @@ class SchemaFollower:
     """The schema changes of the shape tables, for one run of the stream."""
 
     def __init__(self, config: Config, conn: psycopg.Connection, tables: dict[str, TableInfo],
-                 shape_specs: dict[str, list[ShapeSpec]], stats: Stats, acks: Acks,
-                 type_info: Callable[[int, int], Any], position: Callable[[], int],
-                 request_backfill: Callable[[str, str], None], defer_backfill: Callable[[str, str], None],
-                 filter_source: FilterSource | None = None):
+                 shape_specs: dict[str, list[ShapeSpec]], stats: Stats, acks: Acks, types: catalog.TypeCache,
+                 backfills: Backfills, filter_source: FilterSource | None = None):
         self._config = config
         self._filter_source = filter_source  # what the shape filters are compiled against
         self._conn = conn  # the catalog connection
@@ -92,10 +94,8 @@ class SchemaFollower:
         self._specs = shape_specs
         self._stats = stats
         self._acks = acks
-        self._type_info = type_info
-        self._position = position  # the LSN a stop holds WAL from: the transaction's, or what is confirmed
-        self._request_backfill = request_backfill  # now
-        self._defer_backfill = defer_backfill  # for the run after the fix
+        self._types = types
+        self._backfills = backfills  # re-reads: now, or (a stopped shape's) for the run after the fix
         self.shape_tables = {t.oid: q for q, t in tables.items()}  # oid → the shape table's name in the config
         self._relations: dict[int, RelationShape] = {}  # oid → as the stream last planned it
         self._aliases: dict[int, dict[str, tuple[str, ...]]] = {}  # oid → column → its former names
@@ -110,8 +110,10 @@ class SchemaFollower:
     def aliases(self, oid: int) -> dict[str, tuple[str, ...]] | None:
         return self._aliases.get(oid)
 
-    def relation(self, rel: Relation) -> None:
-        """A Relation message of a shape table (``rel.oid`` in ``shape_tables``)."""
+    def relation(self, rel: Relation, hold_lsn: int) -> None:
+        """A Relation message of a shape table (``rel.oid`` in ``shape_tables``);
+        ``hold_lsn``: where a shape it stops holds WAL from (the transaction
+        being read, or between transactions what is confirmed)."""
         qualified = self.shape_tables[rel.oid]
         facts = catalog.relation_facts(self._conn, rel.oid)
         if facts is None:
@@ -145,10 +147,10 @@ class SchemaFollower:
         if table is not None and not any(c.kind == schema_changes.TABLE_RENAMED for c in changes):
             self._tables[qualified] = table
         for shape, error in stops.items():
-            self.stop(shape, error)
+            self.stop(shape, error, hold_lsn)
         for shape, why in out.reread.items():
             if shape not in stops:
-                self._request_backfill(shape, f"schema change of {qualified}: {why}")
+                self._backfills.request(shape, f"schema change of {qualified}: {why}")
 
     def start_from(self, tables: Iterable[TableInfo]) -> None:
         """The shape tables as the initial snapshot read them (``tables``): what
@@ -194,13 +196,13 @@ class SchemaFollower:
 
     def _type_name(self, oid: int, typmod: int) -> str:
         try:
-            return self._type_info(oid, typmod).name
+            return self._types(oid, typmod).name
         except catalog.SourceError:  # a type dropped since
             return f"type oid {oid}"
 
     def _columns(self, rel: Relation) -> list[tuple[str, int, int, str]]:
         """(name, type oid, typmod, type name) of each column of ``rel``."""
-        return [(c.name, c.type_oid, c.typmod, self._type_info(c.type_oid, c.typmod).name) for c in rel.columns]
+        return [(c.name, c.type_oid, c.typmod, self._types(c.type_oid, c.typmod).name) for c in rel.columns]
 
     def _recompile_filters(self, qualified: str, rel: Relation, skip: set[str]) -> dict[str, str]:
         """The table's shape filters compiled again for ``rel``'s columns (their
@@ -222,23 +224,23 @@ class SchemaFollower:
                     failed[spec.name] = f"shape {spec.name}: its where no longer fits {qualified}: {e}"
         return failed
 
-    def stop(self, shape: str, error: str) -> None:
-        """``shape`` stops (see the module invariants); the caller plans its relation again without it."""
+    def stop(self, shape: str, error: str, lsn: int) -> None:
+        """``shape`` stops, holding WAL from ``lsn`` (see the module invariants);
+        the caller plans its relation again without it."""
         if shape in self.stopped:
             return
-        lsn = self._position()
         self._acks.hold(shape, lsn, time.monotonic())
         self.stopped[shape] = {"error": error, "held_lsn": lsn_to_str(lsn), "since": time.time()}
         log.error("%s. Shape %s is stopped, the other shapes keep streaming; WAL is held from %s", error, shape,
                   lsn_to_str(lsn))
-        self._defer_backfill(shape, f"stopped: {error}")
+        self._backfills.defer(shape, f"stopped: {error}")
 
-    def poll(self) -> None:
-        """A dropped shape table stops its shapes."""
+    def poll(self, hold_lsn: int) -> None:
+        """A dropped shape table stops its shapes (holding WAL from ``hold_lsn``)."""
         live = catalog.existing(self._conn, list(self.shape_tables))
         for oid, qualified in self.shape_tables.items():
             if oid not in live:
                 for spec in self._specs[qualified]:
                     if spec.name not in self.stopped:
                         self.stop(spec.name, f"shape {spec.name}: table {qualified} was dropped (its target keeps "
-                                             "its rows); remove the shape from the config and restart")
+                                             "its rows); remove the shape from the config and restart", hold_lsn)

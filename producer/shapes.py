@@ -1,4 +1,5 @@
-"""From one decoded change to the events each shape must publish.
+"""From one decoded change to the events each shape must publish, and to
+their Kafka messages (``change_messages``, ``truncate_messages``).
 
 Invariants:
 - Pure. A relation is planned once (when its Relation message arrives); each
@@ -33,13 +34,14 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from producer.envelope import ShapeCodec, ShapeColumn, SourceBytes
 from producer.partitioner import partition_for
 from producer.pgoutput import UNCHANGED_TOAST, Delete, Insert, Relation, Update
 from producer.pgtypes import ColumnCodec
+from schemas import wire
 from schemas.kafka import Writer
 from schemas.shape_filter import RowFilter
 
@@ -212,19 +214,69 @@ class RelationPlan:
         return 1
 
 
-def event_message(event: Event, lsn: int, change_lsn: int, source: SourceBytes, seen_ms: int,
-                  partitions: int) -> tuple[Writer, bytes | None, bytes]:
-    """The Kafka message of a streamed event of the transaction committed at
-    ``lsn``, whose change sits at ``change_lsn``: (writer, key, value), the key
-    on its partition (keyless rows spread by position). This is the reference
+@dataclass(slots=True)
+class StreamTx:
+    """The transaction being streamed, as its messages carry it: commit LSN
+    (the first half of every position), xid, commit time, and when walbridge
+    read it (the envelope's ``ts_ms``); each shape's ``source`` block is
+    encoded once per transaction."""
+
+    lsn: int
+    xid: int
+    ts_ms: int
+    seen_ms: int
+    sources: dict[str, SourceBytes] = field(default_factory=dict)
+
+    def source(self, route: ShapeRoute) -> SourceBytes:
+        source = self.sources.get(route.name)
+        if source is None:
+            source = self.sources[route.name] = route.codec.source_bytes(self.lsn, self.xid, self.ts_ms)
+        return source
+
+
+#: A streamed change's Kafka message: (writer, key, value, headers, op offset,
+#: stat); ``value`` None for a delete's tombstone, whose ``stat`` is None too
+#: (it is no event); ``stat`` otherwise (shape, op), as the compiled encoder's.
+Message = tuple[Writer, "bytes | None", "bytes | None", list, int, "tuple[str, str] | None"]
+
+
+def change_messages(plan: RelationPlan, change: Insert | Update | Delete, op_offset: int, tx: StreamTx,
+                    change_lsn: int, partitions: dict[str, int], tombstones: bool) -> Iterator[Message]:
+    """The Kafka messages of one streamed change at ``op_offset`` of ``tx``,
+    whose WAL record sits at ``change_lsn``: each event's message on its key's
+    partition (keyless rows spread by position), a primary-key change's halves
+    carrying the other key (Debezium's headers), and with ``tombstones`` a
+    keyed delete followed by its key's tombstone. This is the reference
     encoding the compiled encoder (:mod:`producer.fastcodec`) reproduces."""
-    route = event.route
+    lsn = tx.lsn
+    for event in plan.events(change, op_offset):
+        route = event.route
+        codec = route.codec
+        source = tx.source(route)
+        key = codec.encode_key(codec.key_prefix, event.key_values)
+        writer = (route.topic, partition_for(key, lsn + event.op_offset, partitions[route.topic]))
+        value = codec.encode_change(codec.value_prefix, event.op, event.before, event.after, source,
+                                    event.op_offset, tx.seen_ms, event.unchanged, change_lsn)
+        position = [(wire.POSITION_HEADER, wire.position_header(lsn, event.op_offset))]
+        headers = position
+        if event.peer is not None:
+            headers = position + [(wire.NEW_KEY_HEADER if event.op == "d" else wire.OLD_KEY_HEADER,
+                                   codec.encode_key(codec.key_prefix, event.peer))]
+        yield writer, key, value, headers, event.op_offset, (route.name, event.op)
+        if event.op == "d" and key is not None and tombstones:
+            yield writer, key, None, position, event.op_offset, None
+
+
+def truncate_messages(route: ShapeRoute, tx: StreamTx, op_offset: int, change_lsn: int, partitions: int,
+                      key: bytes, ts_ms: int) -> Iterator[Message]:
+    """A TRUNCATE reaches every partition of the shape's topic (rows of every
+    key are gone), at one position, keyed by its control key ``key``."""
     codec = route.codec
-    key = codec.encode_key(codec.key_prefix, event.key_values)
-    partition = partition_for(key, lsn + event.op_offset, partitions)
-    value = codec.encode_change(codec.value_prefix, event.op, event.before, event.after, source,
-                                event.op_offset, seen_ms, event.unchanged, change_lsn)
-    return (route.topic, partition), key, value
+    value = codec.encode_change(codec.value_prefix, "t", None, None, tx.source(route), op_offset, ts_ms, (),
+                                change_lsn)
+    headers = [(wire.POSITION_HEADER, wire.position_header(tx.lsn, op_offset))]
+    for p in range(partitions):
+        yield (route.topic, p), key, value, headers, op_offset, None
 
 
 def _safe_match(row_filter: RowFilter, row: dict) -> bool:

@@ -1,32 +1,49 @@
-"""Which Kafka topics hold a replication slot's data, recorded in the source
-database itself: the one record that survives a broker that lost everything.
+"""Which Kafka topics hold a replication slot's data, and which PostgreSQL
+server the slot was read on, recorded in the source database itself: the one
+record that survives a broker that lost everything, and that a physical
+standby carries through a failover.
 
 Invariants:
 - ``_walbridge.producer_slots`` holds, per slot, the topic prefix and the
-  Kafka cluster id its data went to. It is written when the slot is created
-  (and adopted, with the running config, by a slot from before it existed),
-  and read at every start: a slot bound elsewhere is never dropped nor its
-  database re-snapshotted by a changed config (see :mod:`producer.recovery`).
+  Kafka cluster id its data went to, and the server (system identifier and
+  timeline, :class:`producer.failover.Server`) it was last read on. It is
+  written when the slot is created (and adopted, with the running config, by
+  a slot from before it existed), and read at every start: a slot bound
+  elsewhere is never dropped nor its database re-snapshotted by a changed
+  config (see :mod:`producer.recovery`), and a server change is judged by
+  :mod:`producer.failover`. After a failover the record follows the slot's
+  synchronized copy: same database and topics, the new server.
+- A table from before the server columns gets them (``ADD COLUMN IF NOT
+  EXISTS``) at the next write; read before that, its server is unknown.
 - A role that may not create the table stops the producer with the grant (or
   the table's DDL) it needs; nothing here guesses.
 """
 
 from __future__ import annotations
 
+import logging
+
 import psycopg
 from psycopg import sql
+from psycopg.rows import dict_row
 
+from producer.failover import Server
 from producer.recovery import Binding
 from schemas import wire
 
-TABLE = "producer_slots"
+TABLE = wire.SLOT_BINDING_TABLE
 DDL = f"""CREATE SCHEMA IF NOT EXISTS {wire.META_SCHEMA};
 CREATE TABLE IF NOT EXISTS {wire.META_SCHEMA}.{TABLE} (
     slot_name text PRIMARY KEY,
     topic_prefix text NOT NULL,
     kafka_cluster_id text,
     bound_at timestamptz NOT NULL DEFAULT now()
-)"""
+);
+ALTER TABLE {wire.META_SCHEMA}.{TABLE} ADD COLUMN IF NOT EXISTS system_identifier text,
+    ADD COLUMN IF NOT EXISTS timeline bigint"""
+_SERVER_COLUMNS = ("system_identifier", "timeline")
+
+log = logging.getLogger("walbridge.producer")
 
 
 class BindingError(RuntimeError):
@@ -37,42 +54,68 @@ def _ident() -> sql.Composable:
     return sql.Identifier(wire.META_SCHEMA, TABLE)
 
 
-def _exists(conn: psycopg.Connection) -> bool:
-    return conn.execute("SELECT to_regclass(%s)", (f"{wire.META_SCHEMA}.{TABLE}",)).fetchone()[0] is not None
+def _columns(conn: psycopg.Connection) -> set[str]:
+    """The table's columns (none: no table)."""
+    rows = conn.execute("SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0 "
+                        "AND NOT attisdropped", (f"{wire.META_SCHEMA}.{TABLE}",)).fetchall()
+    return {r[0] for r in rows}
 
 
-def _ensure(conn: psycopg.Connection) -> None:
-    if _exists(conn):
-        return  # created before (perhaps by an administrator: CREATE SCHEMA would need a grant)
+def _ensure(conn: psycopg.Connection) -> set[str]:
+    """The table, created if missing, with the server columns where this role
+    may add them; returns its columns."""
+    columns = _columns(conn)
+    if set(_SERVER_COLUMNS) <= columns:
+        return columns  # created before (perhaps by an administrator: CREATE SCHEMA would need a grant)
+    create, alter = DDL.rsplit(";\n", 1)
+    user, db = conn.info.user, conn.info.dbname
+    if not columns:
+        try:
+            for statement in create.split(";\n"):
+                conn.execute(statement)
+        except psycopg.errors.InsufficientPrivilege as e:
+            raise BindingError(
+                f"walbridge records which Kafka topics hold each slot's data in {wire.META_SCHEMA}.{TABLE} of "
+                f"the source database, and role {user} may not create it ({str(e).strip()}). As a superuser run "
+                f"GRANT CREATE ON DATABASE {db} TO {user}; or create it for the role:\n{DDL};\n"
+                f"GRANT SELECT, INSERT, UPDATE ON {wire.META_SCHEMA}.{TABLE} TO {user};") from None
     try:
-        for statement in DDL.split(";\n"):
-            conn.execute(statement)
-    except psycopg.errors.InsufficientPrivilege as e:
-        user, db = conn.info.user, conn.info.dbname
-        raise BindingError(
-            f"walbridge records which Kafka topics hold each slot's data in {wire.META_SCHEMA}.{TABLE} of the "
-            f"source database, and role {user} may not create it ({str(e).strip()}). As a superuser run "
-            f"GRANT CREATE ON DATABASE {db} TO {user}; or create it for the role:\n{DDL};\n"
-            f"GRANT SELECT, INSERT, UPDATE ON {wire.META_SCHEMA}.{TABLE} TO {user};") from None
+        conn.execute(alter)
+    except psycopg.errors.InsufficientPrivilege:
+        # An administrator's table from before the server columns: the slot's
+        # topics are recorded as before, its server is not.
+        log.warning("%s.%s lacks the columns that record which PostgreSQL server each slot was read on, and "
+                    "role %s may not add them: a failover of the source cannot be told from a reconnect. As the "
+                    "table's owner run: %s;", wire.META_SCHEMA, TABLE, user, alter)
+    return _columns(conn)
 
 
 def read(conn: psycopg.Connection, slot: str) -> Binding | None:
     """The slot's binding, or None where none was recorded."""
-    if not _exists(conn):
+    if not _columns(conn):
         return None
-    row = conn.execute(sql.SQL("SELECT topic_prefix, kafka_cluster_id FROM {} WHERE slot_name = %s").format(_ident()),
-                       (slot,)).fetchone()
-    return Binding(row[0], row[1]) if row else None
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(sql.SQL("SELECT * FROM {} WHERE slot_name = %s").format(_ident()), (slot,)).fetchone()
+    if row is None:
+        return None
+    known = row.get("system_identifier") is not None and row.get("timeline") is not None
+    return Binding(row["topic_prefix"], row["kafka_cluster_id"],
+                   Server(row["system_identifier"], row["timeline"]) if known else None)
 
 
 def write(conn: psycopg.Connection, slot: str, binding: Binding) -> None:
-    _ensure(conn)
+    values = {"slot_name": slot, "topic_prefix": binding.topic_prefix, "kafka_cluster_id": binding.cluster_id}
+    if set(_SERVER_COLUMNS) <= _ensure(conn):
+        server = binding.server
+        values.update(system_identifier=server.system_id if server else None,
+                      timeline=server.timeline if server else None)
+    names = [sql.Identifier(c) for c in values]
     try:
-        conn.execute(sql.SQL(
-            "INSERT INTO {} (slot_name, topic_prefix, kafka_cluster_id) VALUES (%s, %s, %s) "
-            "ON CONFLICT (slot_name) DO UPDATE SET topic_prefix = excluded.topic_prefix, "
-            "kafka_cluster_id = excluded.kafka_cluster_id, bound_at = now()").format(_ident()),
-            (slot, binding.topic_prefix, binding.cluster_id))
+        conn.execute(sql.SQL("INSERT INTO {} ({}) VALUES ({}) ON CONFLICT (slot_name) DO UPDATE SET ({}) = ({}), "
+                             "bound_at = now()").format(
+            _ident(), sql.SQL(", ").join(names), sql.SQL(", ").join(sql.Placeholder() * len(names)),
+            sql.SQL(", ").join(names[1:]), sql.SQL(", ").join(sql.SQL("excluded.{}").format(n) for n in names[1:])),
+            list(values.values()))
     except psycopg.errors.InsufficientPrivilege as e:
         raise BindingError(
             f"role {conn.info.user} may not write {wire.META_SCHEMA}.{TABLE} ({str(e).strip()}): as its owner run "

@@ -80,6 +80,9 @@ class SourceConfig(_Reconnecting):
     # to a publication that publishes UPDATE/DELETE would make PostgreSQL reject the
     # application's own UPDATE/DELETE on it, so walbridge never does that silently.
     keyless_tables: Literal["refuse", "inserts_only"] = "refuse"
+    # PostgreSQL 17+: the slot is a failover slot, which a standby with sync_replication_slots keeps a copy
+    # of, so the producer carries on from it after a promotion (no effect on older servers).
+    slot_failover: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -116,6 +116,9 @@ _PG_MESSAGES: list[tuple[re.Pattern, bool, str | None]] = [(re.compile(p, re.I),
     (r"invalid port number|invalid integer value|invalid connection option|invalid sslmode|"
      r"missing \"=\"|invalid URI", True, "correct {setting}"),
     (r"is not a logical pgoutput slot", True, "drop that slot or choose another [source] slot name"),
+    (r"session is read-only|server is in hot standby mode", False,
+     "no server of {setting} accepts writes now: a failover under way? (target_session_attrs=read-write "
+     "waits for a primary among its hosts)"),
     (r"Connection refused", False, "is PostgreSQL running and listening on that host and port?"),
     (r"failed to resolve host|could not translate host name", False, "check the host name in {setting}"),
     (r"timeout expired|timed out", False, "is the host reachable from here (firewall, network)?"),

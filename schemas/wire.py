@@ -133,6 +133,8 @@ TYPMOD_PROP = "pg.typmod"
 # Value schemas written before it lack it: their key is the key schema's.
 KEY_PROP = "pg.key"
 META_SCHEMA = "_walbridge"  # progress, backfills, staging
+# In the source database: per slot, the topics, Kafka cluster and PostgreSQL server its data came from and went to.
+SLOT_BINDING_TABLE = "producer_slots"
 TOMBSTONES_SUFFIX = "__wb_tombstones"  # after a keyed shape's table name: its deleted keys
 
 _POS = struct.Struct(">QQ")

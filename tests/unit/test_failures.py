@@ -33,6 +33,9 @@ PG_CASES = [
     ('connection failed: ... FATAL:  no pg_hba.conf entry for replication connection from host "10.0.0.9"',
      None, True, None, "pg_hba.conf"),
     (REFUSED, None, False, "Connection refused", "is PostgreSQL running"),
+    # A multi-host DSN mid-failover: the old primary is gone, the standby not yet promoted.
+    (REFUSED + '\nconnection to server at "127.0.0.1", port 2 failed: session is read-only', None, False, None,
+     "no server of [source] dsn accepts writes now"),
     ("failed to resolve host 'db.invalid': [Errno -2] Name or service not known", None, False, None, "host name"),
     ("terminating connection due to administrator command", "57P01", False, None, None),
     ("replication slot \"wb\" is active for PID 4242", "55006", False, None, "another producer"),

@@ -5,8 +5,8 @@ numerics, infinities, NaN, BC and 5-digit years, 24:00, time zones, escape
 bytea, arrays, text that COPY escapes), as key and as row field, through
 INSERT, UPDATE and DELETE, on a full shape, a column-limited one and a keyless
 relation; and the same rows read with COPY (snapshot, backfill), filtered
-shapes included. The references are ``RelationPlan.events`` → ``event_message``
-and ``Reads.send_rows`` (psycopg loaders + fastavro).
+shapes included. The references are ``shapes.change_messages`` (what the
+pipeline's reference path sends) and ``Reads.send_rows`` (psycopg loaders + fastavro).
 """
 
 import collections
@@ -20,7 +20,7 @@ from producer.envelope import avro_long, avro_string
 from producer.pgoutput import UNCHANGED_TOAST, Column, Delete, Insert, Relation, Update
 from producer.pgtypes import PgTypeInfo, column_codec
 from producer.reads import Reads, copy_rows
-from producer.shapes import RelationPlan, ShapeSpec, event_message
+from producer.shapes import RelationPlan, ShapeSpec, StreamTx, change_messages
 from schemas.shape_filter import compile_filter
 from tests.fakes import ListChannel
 
@@ -176,14 +176,9 @@ def changes(oid: int, keyed: bool):
 
 def reference(plan: RelationPlan, change, op_index: int, tombstones: bool = True) -> list:
     """What the pipeline's reference path sends: each event, a keyed delete followed by its tombstone."""
-    out = []
-    for event in plan.events(change, op_index):
-        source = event.route.codec.source_bytes(LSN, XID, TS_MS)
-        writer, key, value = event_message(event, LSN, CHANGE_LSN, source, SEEN_MS, PARTITIONS)
-        out.append((writer, key, value, (event.route.name, event.op)))
-        if event.op == "d" and key is not None and tombstones:
-            out.append((writer, key, None, None))
-    return out
+    partitions = {route.topic: PARTITIONS for route in plan.routes}
+    return [(writer, key, value, stat) for writer, key, value, _, _, stat in change_messages(
+        plan, change, op_index, StreamTx(LSN, XID, TS_MS, SEEN_MS), CHANGE_LSN, partitions, tombstones)]
 
 
 @pytest.mark.parametrize("layout", ["plain", "union"])

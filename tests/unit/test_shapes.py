@@ -4,7 +4,8 @@ from decimal import Decimal
 
 from producer.pgoutput import UNCHANGED_TOAST, Column, Delete, Insert, Relation, Update
 from producer.pgtypes import PgTypeInfo, column_codec
-from producer.shapes import RelationPlan, ShapeSpec
+from producer.shapes import RelationPlan, ShapeSpec, StreamTx, change_messages, truncate_messages
+from schemas import wire
 from schemas.shape_filter import compile_filter
 
 INT4 = PgTypeInfo(23, "integer", 23, "integer", -1, "b")
@@ -128,3 +129,34 @@ def test_a_partition_arriving_under_its_own_name_is_routed_in_its_roots_order():
     (event,) = leaf_plan.events(Insert(2, (b"x", b"10.00", b"5", b"eu")), 0)
     assert leaf_codec.row(event.after) == root_codec.row((5, "eu", Decimal("10.00"), "x"))
     assert leaf_codec.encode_key(b"", event.key_values) == root_codec.encode_key(b"", (5, "eu", None, None))
+
+
+def test_a_key_change_s_messages_name_the_other_key_and_the_delete_is_followed_by_its_tombstone():
+    """The reference path's messages (``change_messages``): each at its own
+    position, Debezium's key headers on the two halves, the tombstone after
+    the delete on the old key's partition."""
+    p = plan(ALL)
+    change = Update(1, (b"1", b"eu", b"1.00", b"x"), False, (b"2", b"eu", b"1.00", b"x"))
+    tx = StreamTx(lsn=0x5000, xid=7, ts_ms=1_700_000_000_000, seen_ms=1_700_000_000_100)
+    messages = list(change_messages(p, change, 4, tx, 0x4F00, {"wb.public.orders": 3}, tombstones=True))
+    (w_del, k_del, v_del, h_del, op_del, s_del), (w_tomb, k_tomb, v_tomb, h_tomb, op_tomb, s_tomb), \
+        (w_new, k_new, v_new, h_new, op_new, s_new) = messages
+    codec = p.routes[0].codec
+    assert (s_del, s_tomb, s_new) == (("public.orders", "d"), None, ("public.orders", "c"))
+    assert (op_del, op_tomb, op_new) == (4, 4, 5)
+    assert w_tomb == w_del and k_tomb == k_del and v_tomb is None
+    assert h_del == [(wire.POSITION_HEADER, wire.position_header(0x5000, 4)),
+                     (wire.NEW_KEY_HEADER, k_new)]
+    assert h_tomb == [(wire.POSITION_HEADER, wire.position_header(0x5000, 4))]
+    assert h_new == [(wire.POSITION_HEADER, wire.position_header(0x5000, 5)), (wire.OLD_KEY_HEADER, k_del)]
+    assert k_del == codec.encode_key(codec.key_prefix, (1,)) and v_del and v_new
+    assert list(tx.sources) == ["public.orders"]  # the source block encoded once for the transaction
+
+
+def test_a_truncate_reaches_every_partition_at_one_position():
+    p = plan(ALL)
+    tx = StreamTx(lsn=0x5000, xid=7, ts_ms=1, seen_ms=2)
+    messages = list(truncate_messages(p.routes[0], tx, 3, 0x4F00, 3, b"KEY", ts_ms=9))
+    assert [m[0] for m in messages] == [("wb.public.orders", n) for n in range(3)]
+    assert {(m[1], m[2], m[4], m[5]) for m in messages} == {(b"KEY", messages[0][2], 3, None)}
+    assert messages[0][3] == [(wire.POSITION_HEADER, wire.position_header(0x5000, 3))]
