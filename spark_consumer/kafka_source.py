@@ -261,7 +261,9 @@ class SourceOptions:
         return out
 
     def client_conf(self) -> dict[str, Any]:
-        return {"bootstrap.servers": self.bootstrap_servers, **self.kafka_client}
+        """Settings of a client made where it runs (driver or executor): it logs
+        through Python logging there, never straight to stderr."""
+        return client_config(self.bootstrap_servers, self.kafka_client)
 
     def registry(self) -> dict[str, Any] | None:
         """The Schema Registry client settings, or None without a registry."""
