@@ -692,7 +692,7 @@ def run_producer(config: Config, stop: threading.Event | None = None,
     permanent failure, or an outage longer than ``[source]
     reconnect_max_elapsed``, raises :class:`~schemas.failures.Failure`."""
     stop = stop or threading.Event()
-    policy = RetryPolicy(config.source.reconnect_max_backoff, config.source.reconnect_max_elapsed)
+    policy = RetryPolicy.of(config.source)
     runs = _Runs(config, stop, on_status, lambda: Outage(policy, stop, log))
     while not stop.is_set():
         for attempt in runs.outage():

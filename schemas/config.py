@@ -31,6 +31,7 @@ from confluent_kafka import KafkaException, Producer
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from schemas.java_client import JavaClientError, java_client_options
 from schemas.shape_filter import FilterError, compile_filter
 
 _IDENT = r'(?:[A-Za-z_][A-Za-z0-9_$]*|"(?:[^"]|"")+")'
@@ -236,14 +237,13 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
     group: str = "walbridge-spark"
     target_dsn: str | None = Field(default=None, repr=False)
     target_password: str | None = Field(default=None, repr=False)  # joined into target_dsn
+    # Spark's checkpoint of the running query: scratch, emptied at every start
+    # (the target's progress is what says where a start begins).
     checkpoint_dir: str = ".walbridge/checkpoints"
-    max_offsets_per_trigger: Annotated[int, Field(ge=1)] | None = None
-    trigger_interval: Annotated[float, Field(ge=0)] = 1.0
-    # true: executors stage their partitions' rows in the target in parallel and
-    # the driver commits them in one transaction; false: the driver applies each
-    # micro-batch. false is faster in local mode and on the measured cluster
-    # (bench/RESULTS.md, "Apply paths by deploy mode").
-    staged_apply: bool = False
+    # Offsets read per micro-batch at most, all topics together (Spark's
+    # maxOffsetsPerTrigger): a restart in front of a backlog reads it in steps.
+    max_offsets_per_trigger: Annotated[int, Field(ge=1)] = 50_000
+    trigger_interval: Annotated[float, Field(ge=0)] = 0.25
     # Kafka lost data (topics recreated): "follow" re-reads the new topics from
     # their start and applies by position (the producer re-snapshots); "stop"
     # stops the consumer with an error.
@@ -251,25 +251,11 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
     # A column the shape's new writer schema lacks (DROP COLUMN at the source):
     # "keep" it in the target, nullable (later rows leave it NULL); "drop" it.
     on_dropped_column: Literal["keep", "drop"] = "keep"
-    # "per_shape": one streaming query per shape, each with its own checkpoint;
-    # "one": one query over every shape's topic, each micro-batch split per
-    # shape and applied in one target transaction (spark_consumer.shapes_query);
-    # "continuous": the same source and apply driven by the driver's own loop,
-    # no Spark micro-batches (lowest latency; reads on the driver only:
-    # spark_consumer.continuous).
-    queries: Literal["per_shape", "one", "continuous"] = "per_shape"
 
     @model_validator(mode="before")
     @classmethod
     def _password(cls, data: Any) -> Any:
         return _join_password(data, "target_dsn", "target_password")
-
-    @model_validator(mode="after")
-    def _one_query_driver_apply(self) -> ConsumerConfig:
-        if self.queries != "per_shape" and self.staged_apply:
-            raise ValueError(f'queries = "{self.queries}" applies on the driver; staged_apply = true needs '
-                             'queries = "per_shape"')
-        return self
 
     @field_validator("target_dsn")
     @classmethod
@@ -311,6 +297,16 @@ class Config(_Section):
     ack: AckConfig = AckConfig()
     backfill: BackfillConfig = BackfillConfig()
     metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="after")
+    def _consumer_kafka_client(self) -> Config:
+        """The consumer's Spark source must be able to take ``[kafka.client]``."""
+        if self.consumer.target_dsn:
+            try:
+                java_client_options(self.kafka.bootstrap_servers, self.kafka.client)
+            except JavaClientError as e:
+                raise ValueError("; ".join(e.problems)) from None
+        return self
 
     @model_validator(mode="after")
     def _unique_shape_names(self) -> Config:

@@ -254,17 +254,15 @@ def attributed(*, database: tuple[str, str | None] = (SOURCE, None), kafka: str 
         raise failure from e
 
 
-# A partition read that waited in vain for the next offset of its batch says
-# this (spark_consumer.kafka_source): a broker that stopped answering, or one
-# still coming back. Transient: the restarted query re-plans from the broker's
-# answers, and an incarnation that is gone is told apart there.
-READ_GAP = "no message at offset"
-
-# Failures that reach the driver as text (a Spark task's Python traceback):
-# markers of the transient ones, by endpoint.
+# Failures that reach the driver as text (a Spark task's Python traceback, or
+# the Java Kafka client's exception from Spark's Kafka source): markers of the
+# transient ones, by endpoint.
 _TEXT_TRANSIENT = [
     (KAFKA, re.compile(r"_TRANSPORT|_ALL_BROKERS_DOWN|_TIMED_OUT|Broker transport failure|_RESOLVE|"
-                       r"NOT_COORDINATOR|COORDINATOR_NOT_AVAILABLE|LEADER_NOT_AVAILABLE|" + re.escape(READ_GAP))),
+                       r"NOT_COORDINATOR|COORDINATOR_NOT_AVAILABLE|LEADER_NOT_AVAILABLE|"
+                       r"org\.apache\.kafka\.common\.errors\.(?:TimeoutException|DisconnectException|"
+                       r"NetworkException|NotLeaderOrFollowerException|LeaderNotAvailableException|"
+                       r"NotCoordinatorException|CoordinatorNotAvailableException)")),
     (TARGET, re.compile(r"psycopg\.OperationalError|Connection refused|server closed the connection|"
                         r"the database system is (starting up|shutting down)|terminating connection")),
 ]

@@ -34,6 +34,7 @@ import logging
 import re
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 from confluent_kafka import (
@@ -266,37 +267,44 @@ def read_to_end(conf: dict[str, Any], topic: str, purpose: str = "read",
         consumer.close()
 
 
+@dataclass(frozen=True)
+class Described:
+    """What a topic is now: its id (KIP-516; it changes when the topic is
+    recreated; None where the broker keeps none) and its partitions."""
+
+    topic_id: str | None
+    partitions: tuple[int, ...]
+
+
+def describe_topics(admin: AdminClient, topics: Iterable[str], timeout: float = 30.0
+                    ) -> dict[str, Described | Exception]:
+    """Many topics described in one request: topic -> :class:`Described`, or
+    the exception met for it (LookupError: the topic is missing; KafkaException)."""
+    topics = sorted(set(topics))
+    futures = admin.describe_topics(TopicCollection(topics)) if topics else {}
+    out: dict[str, Described | Exception] = {}
+    for topic in topics:
+        try:
+            out[topic] = _described(topic, futures[topic], timeout)
+        except (LookupError, KafkaException) as e:
+            out[topic] = e
+    return out
+
+
 def topic_id(admin: AdminClient, topic: str, timeout: float = 30.0) -> str | None:
-    """The topic's id (KIP-516; it changes when the topic is recreated), or
-    None where the broker has none. Raises LookupError if the topic is missing."""
-    return _described_id(topic, admin.describe_topics(TopicCollection([topic]))[topic], timeout)
+    """The topic's id, or None where the broker has none. Raises LookupError
+    if the topic is missing."""
+    return _described(topic, admin.describe_topics(TopicCollection([topic]))[topic], timeout).topic_id
 
 
 def topic_ids(admin: AdminClient, topics: Iterable[str], timeout: float = 30.0) -> dict[str, str | None | Exception]:
     """:func:`topic_id` of many topics in one request: topic -> its id, None,
     or the exception :func:`topic_id` would raise for it (LookupError: missing)."""
-    return ask_topic_ids(admin, topics)(timeout)
+    described = describe_topics(admin, topics, timeout)
+    return {t: d.topic_id if isinstance(d, Described) else d for t, d in described.items()}
 
 
-def ask_topic_ids(admin: AdminClient, topics: Iterable[str]) -> Callable[[float], dict[str, str | None | Exception]]:
-    """:func:`topic_ids` in two steps: the request is sent now, the returned
-    function waits for its answers (so other requests can be in flight meanwhile)."""
-    topics = sorted(set(topics))
-    futures = admin.describe_topics(TopicCollection(topics)) if topics else {}
-
-    def answers(timeout: float) -> dict[str, str | None | Exception]:
-        out: dict[str, str | None | Exception] = {}
-        for topic in topics:
-            try:
-                out[topic] = _described_id(topic, futures[topic], timeout)
-            except (LookupError, KafkaException) as e:
-                out[topic] = e
-        return out
-
-    return answers
-
-
-def _described_id(topic: str, future, timeout: float) -> str | None:
+def _described(topic: str, future, timeout: float) -> Described:
     try:
         desc = future.result(timeout=timeout)
     except KafkaException as e:
@@ -306,7 +314,8 @@ def _described_id(topic: str, future, timeout: float) -> str | None:
     except TimeoutError:  # the future's own wait (a broker that accepts and never answers)
         raise timed_out(f"describing topic {topic}: no answer within {timeout:.0f}s") from None
     tid = str(desc.topic_id) if desc.topic_id is not None else ""
-    return tid if tid.strip("A=") else None  # all-zero id: the broker keeps none
+    return Described(tid if tid.strip("A=") else None,  # all-zero id: the broker keeps none
+                     tuple(sorted(p.id for p in desc.partitions)))
 
 
 class GroupOffsets:

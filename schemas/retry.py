@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import tenacity
 from prometheus_client import Counter, Gauge
@@ -42,6 +42,11 @@ class RetryPolicy:
     max_backoff: float = 30.0  # seconds, the longest wait between two attempts
     max_elapsed: float | None = None  # seconds an outage may last; None: forever
     initial: float = 0.5  # seconds, the scale of the first waits
+
+    @classmethod
+    def of(cls, section: Any) -> RetryPolicy:
+        """A config section's policy (``reconnect_max_backoff``, ``reconnect_max_elapsed``)."""
+        return cls(section.reconnect_max_backoff, section.reconnect_max_elapsed)
 
     def wait(self) -> tenacity.wait.wait_base:
         return tenacity.wait_random_exponential(multiplier=self.initial, max=self.max_backoff)

@@ -132,10 +132,35 @@ TYPMOD_PROP = "pg.typmod"
 # subject that may lag behind it (or, once keyless, keep an old version).
 # Value schemas written before it lack it: their key is the key schema's.
 KEY_PROP = "pg.key"
-META_SCHEMA = "_walbridge"  # progress, backfills, staging
+META_SCHEMA = "_walbridge"  # progress, backfills
 # In the source database: per slot, the topics, Kafka cluster and PostgreSQL server its data came from and went to.
 SLOT_BINDING_TABLE = "producer_slots"
 TOMBSTONES_SUFFIX = "__wb_tombstones"  # after a keyed shape's table name: its deleted keys
+
+# The consumer's decoded rows (spark_consumer.decode: what each means) and the
+# target tables' bookkeeping columns (spark_consumer.target_layout).
+OP_COLUMN = "_wb_op"
+LSN_COLUMN = "_wb_lsn"
+OP_INDEX_COLUMN = "_wb_op_index"
+TOPIC_COLUMN = "_wb_topic"
+PARTITION_COLUMN = "_wb_partition"
+OFFSET_COLUMN = "_wb_offset"
+UNCHANGED_COLUMN = "_wb_unchanged"
+SPECIAL_COLUMN = SPECIAL_FIELD
+CONTROL_COLUMN = "_wb_control"
+CONTROL_INFO_COLUMN = "_wb_control_info"
+SNAPSHOT_ID_COLUMN = "_wb_snapshot_id"
+TS_MS_COLUMN = "_wb_ts_ms"
+ERROR_COLUMN = "_wb_error"
+BEFORE_COLUMN = "_wb_before"
+BEFORE_SPECIAL_COLUMN = "_wb_before_special"
+APPLIED_AT_COLUMN = "_wb_applied_at"  # target tables: the applying transaction's start
+ROW_COLUMN = "_wb_row"  # a keyless shape's pending removals: the removed row as text
+# A staged plan row's kind and kept columns (spark_consumer.staging).
+KIND_COLUMN = "_wb_kind"
+KEEP_COLUMN = "_wb_keep"
+# The executors' decoded parts of one micro-batch: a shape's rows as an Arrow IPC stream.
+ARROW_COLUMN = "_wb_arrow"
 
 _POS = struct.Struct(">QQ")
 _BAD_AVRO_CHARS = re.compile(r"[^A-Za-z0-9_]")

@@ -122,18 +122,19 @@ def test_attributed_turns_endpoint_errors_into_failures_and_lets_bugs_pass():
 
 
 def test_failures_from_spark_tasks_are_recognised_in_their_text():
-    text = ("pyspark.errors.exceptions.captured.StreamingQueryException: ... File \"kafka_source.py\", line 400\n"
+    text = ("pyspark.errors.exceptions.captured.StreamingQueryException: ... File \"batch_split.py\", line 40\n"
             "cimpl.KafkaException: KafkaError{code=_TRANSPORT,val=-195,str=\"Failed to get metadata\"}")
     assert classify_text(text).endpoint == KAFKA and not classify_text(text).permanent
     assert classify_text("psycopg.OperationalError: connection failed: Connection refused").endpoint == TARGET
     assert classify_text("ZeroDivisionError: division by zero") is None
 
 
-def test_a_partition_read_that_waited_in_vain_is_a_transient_kafka_failure():
-    """Not counted against the query's restart budget: an outage cannot end the consumer through it."""
-    text = ("pyspark.errors.exceptions.captured.StreamingQueryException: ... File \"kafka_source.py\", line 820\n"
-            "TimeoutError: t.public.items[2]: no message at offset 41 for 60.0s (batch range ends at 57; broker "
-            "end of partition None): the broker lost data?")
+def test_the_java_kafka_clients_outages_are_transient_kafka_failures():
+    """Spark's Kafka source fails a task with the Java client's exception: not
+    counted against the query's restart budget, an outage cannot end the consumer through it."""
+    text = ("org.apache.spark.SparkException: Job aborted due to stage failure: ... "
+            "org.apache.kafka.common.errors.TimeoutException: Timeout of 60000ms expired before the position "
+            "for partition t.public.items-2 could be determined")
     failure = classify_text(text)
     assert failure.endpoint == KAFKA and not failure.permanent
 
