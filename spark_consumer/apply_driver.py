@@ -1,6 +1,6 @@
-"""The driver apply: one micro-batch, of one shape (:func:`apply_batch`, what
-:class:`spark_consumer.job.ShapeApplier` runs) or of several
-(:func:`apply_shapes`), applied on one connection in one target transaction.
+"""The driver apply: one micro-batch of several shapes (:func:`apply_shapes`,
+what :class:`spark_consumer.query.BatchApplier` runs; :func:`apply_batch`:
+of one), applied on one connection in one target transaction.
 
 The path of one batch, top to bottom:
 1. Lock the parts' progress rows, in a fixed order
@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 
 import psycopg
 
-from spark_consumer.apply_plan import DEFAULT_GC_CONTROLS, Position, ShapeTarget, plan_batch, split_replayed
+from spark_consumer.apply_plan import DEFAULT_GC_CONTROLS, Position, plan_batch, split_replayed
 from spark_consumer.batch import (
     BatchResult,
     Part,
@@ -44,7 +44,8 @@ from spark_consumer.batch import (
     progress_update,
 )
 from spark_consumer.progress import check_gap, lock_progress, write_progress
-from spark_consumer.staging import copy_rows, plan_rows, staged_kinds, temp_stage
+from spark_consumer.shape_record import ShapeTarget
+from spark_consumer.staging import copy_rows, staged_kinds, temp_stage
 from spark_consumer.statements import apply_stage, insert_new_keys, only_new_keys, record_backfills, upsert_keys
 
 
@@ -111,7 +112,7 @@ def apply_shapes(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
                 else:
                     stage = temp_stage(conn, target)
                     if plan.stage_rows:
-                        copy_rows(conn, target, stage, plan_rows(plan))
+                        copy_rows(conn, target, stage, plan.stage_rows)
                     applied = apply_stage(cur, target, stage, plan.cuts.values(), plan.keep_sets, staged,
                                           plan.scoped_cuts, keys)
                 fill_results(result.parts, parts[0].topic, staged, applied)

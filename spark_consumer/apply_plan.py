@@ -1,6 +1,6 @@
 """Apply planning: one micro-batch of decoded change rows of one shape → what
 must happen to the shape's target table. Pure: no database, no Spark; the I/O
-shells are :mod:`spark_consumer.apply_driver` and :mod:`spark_consumer.apply_staged`.
+shell is :mod:`spark_consumer.apply_driver`.
 
 Input: the rows :mod:`spark_consumer.decode` produces (one per Kafka message;
 the shape's row columns by PostgreSQL name plus the ``_wb_*`` bookkeeping
@@ -81,155 +81,28 @@ Invariants:
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Iterable, Mapping, Sequence
 
 from schemas import wire
+from spark_consumer.progress import Progress
+from spark_consumer.shape_record import ShapeTarget
 
 Position = tuple[int, int]
 
 UPSERT, DELETE, APPEND, REMOVE = "u", "d", "a", "x"
 DEFAULT_GC_CONTROLS = frozenset({wire.SNAPSHOT_END, wire.BACKFILL_END})
 
-# PostgreSQL types for columns whose Avro field carries no "pg.type".
-_AVRO_SQL = {"boolean": "boolean", "int": "integer", "long": "bigint", "float": "real",
-             "double": "double precision", "bytes": "bytea", "string": "text"}
-_LOGICAL_SQL = {"date": "date", "time-micros": "time", "timestamp-micros": "timestamp with time zone",
-                "local-timestamp-micros": "timestamp", "uuid": "uuid"}
-
-
 class PlanError(ValueError):
     """The batch holds a row this shape's apply cannot interpret."""
-
-
-# ------------------------------------------------------------ shape metadata
-@dataclass(frozen=True)
-class TargetColumn:
-    name: str  # PostgreSQL column name (the Avro field's "pg.column", else its name)
-    field: str  # Avro field name
-    pg_type: str | None  # "pg.type" of the Avro field: the type to recreate
-    is_key: bool
-    avro_type: Any = None
-    aliases: tuple[str, ...] = ()  # the Avro field's aliases: earlier names of a renamed column
-
-    @property
-    def sql_type(self) -> str:
-        """The column type to create (before checking the target knows it)."""
-        if self.pg_type:
-            return self.pg_type
-        return _sql_from_avro(self.avro_type)
-
-
-def _sql_from_avro(avro_type: Any) -> str:
-    branches = avro_type if isinstance(avro_type, list) else [avro_type]
-    typed = [b for b in branches if b not in ("null", "string")] or ["string"]
-    t = typed[0]
-    if isinstance(t, str):
-        return _AVRO_SQL.get(t, "text")
-    if isinstance(t, dict):
-        logical = t.get("logicalType")
-        if logical == "decimal":
-            return f"numeric({int(t['precision'])},{int(t.get('scale', 0))})"
-        if logical in _LOGICAL_SQL:
-            return _LOGICAL_SQL[logical]
-        if t.get("type") == "array":
-            return _sql_from_avro(t["items"]) + "[]"
-        if isinstance(t.get("type"), str):
-            return _AVRO_SQL.get(t["type"], "text")
-    return "text"
-
-
-def split_shape_name(shape: str) -> tuple[str, str]:
-    """A shape's target table (:func:`schemas.wire.target_table`)."""
-    try:
-        return wire.target_table(shape)
-    except ValueError as e:
-        raise PlanError(str(e)) from None
-
-
-def _row_record(value_schema: Mapping) -> Mapping:
-    if value_schema.get("type") == "record" and value_schema.get("name") == "Value":
-        return value_schema
-    for f in value_schema.get("fields", ()):
-        if f.get("name") == "before":
-            branches = f["type"] if isinstance(f["type"], list) else [f["type"]]
-            for b in branches:
-                if isinstance(b, Mapping) and b.get("type") == "record":
-                    return b
-    raise PlanError("value schema is not a walbridge envelope (no 'before' row record)")
-
-
-@dataclass(frozen=True)
-class ShapeTarget:
-    """What the apply needs to know about one shape: its name, its target table
-    and its columns (in the shape's order)."""
-
-    shape: str
-    schema: str
-    table: str
-    columns: tuple[TargetColumn, ...]
-
-    @classmethod
-    def from_avro(cls, shape: str, value_schema: Mapping, key_schema: Mapping | None = None, *,
-                  key_fields: Iterable[str] | None = None, table: tuple[str, str] | None = None) -> ShapeTarget:
-        """From the shape's Avro value schema (the envelope, or its row record)
-        and its key: the row record's ``"pg.key"`` when it has one, else the
-        key schema (None for keyless shapes); plus ``key_fields``."""
-        row = _row_record(value_schema)
-        keys = set(key_fields or ()) | set(wire.key_fields(row, key_schema))
-        cols = []
-        seen: set[str] = set()
-        for f in row["fields"]:
-            if f["name"] == wire.SPECIAL_FIELD:
-                continue  # the plain layout's side field: special values, not a column
-            name = f.get("pg.column", f["name"])
-            if name.startswith(wire.RESERVED_PREFIX):
-                raise PlanError(f"column {name!r}: names starting with {wire.RESERVED_PREFIX!r} are reserved")
-            if name in seen:
-                raise PlanError(f"column {name!r} appears twice")
-            seen.add(name)
-            cols.append(TargetColumn(name, f["name"], f.get("pg.type"), f["name"] in keys or name in keys,
-                                     f.get("type"), tuple(f.get("aliases") or ())))
-        unknown = keys - {c.field for c in cols} - {c.name for c in cols}
-        if unknown:
-            raise PlanError(f"key field(s) {sorted(unknown)} are not columns of shape {shape!r}")
-        schema, tbl = table or split_shape_name(shape)
-        return cls(shape, schema, tbl, tuple(cols))
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(c.name for c in self.columns)
-
-    @property
-    def key_columns(self) -> tuple[str, ...]:
-        return tuple(c.name for c in self.columns if c.is_key)
-
-    @property
-    def keyless(self) -> bool:
-        return not any(c.is_key for c in self.columns)
-
-    @property
-    def tombstone_table(self) -> str:
-        return tombstone_name(self.table)
-
-
-def tombstone_name(table: str) -> str:
-    """``<table>__wb_tombstones``, shortened with a stable suffix if it would
-    pass PostgreSQL's 63-byte identifier limit."""
-    name = f"{table}{wire.TOMBSTONES_SUFFIX}"
-    if len(name.encode()) <= 63:
-        return name
-    suffix = f"__wb_t{zlib.crc32(table.encode()):08x}"
-    head = table.encode()[: 63 - len(suffix)].decode("utf-8", "ignore")
-    return head + suffix
 
 
 # ------------------------------------------------------------------ the plan
 # A staged row is one flat tuple, in the order the shell COPYs it: the shape's
 # column values, then these (offsets from the number of columns).
-STAGE_EXTRA = ("_wb_kind", "_wb_keep", "_wb_lsn", "_wb_op_index", "_wb_partition", "_wb_offset", "_wb_snapshot_id")
+STAGE_EXTRA = (wire.KIND_COLUMN, wire.KEEP_COLUMN, wire.LSN_COLUMN, wire.OP_INDEX_COLUMN, wire.PARTITION_COLUMN,
+               wire.OFFSET_COLUMN, wire.SNAPSHOT_ID_COLUMN)
 _KIND, _KEEP, _LSN, _OPI, _PART, _OFF, _SNAP = range(7)
 
 
@@ -372,15 +245,6 @@ class ApplyPlan:
     backfill_ends: list[Cut] = field(default_factory=list)  # backfill_ends with a backfill id (scoped or not)
 
     @property
-    def cut_events(self) -> list[Cut]:
-        """Every cut the shell must know of (floor cuts, scoped cuts, backfill
-        ends), each once."""
-        out: dict[tuple[int, int], Cut] = {}
-        for c in (*self.cuts.values(), *self.scoped_cuts, *self.backfill_ends):
-            out.setdefault((c.partition, c.offset), c)
-        return list(out.values())
-
-    @property
     def rows(self) -> list[PlannedRow]:
         n = len(self.target.columns)
         return [PlannedRow.from_stage(t, n) for t in self.stage_rows]
@@ -402,8 +266,9 @@ def _hashable(v: Any) -> Any:
 
 # The bookkeeping fields the planner reads (see spark_consumer.decode), in the
 # order they follow the shape's columns in the planner's row tuples.
-PLAN_FIELDS = ("_wb_op", "_wb_lsn", "_wb_op_index", "_wb_topic", "_wb_partition", "_wb_offset", "_wb_unchanged",
-               "_wb_special", "_wb_control", "_wb_control_info", "_wb_snapshot_id", "_wb_before", "_wb_before_special")
+PLAN_FIELDS = (wire.OP_COLUMN, wire.LSN_COLUMN, wire.OP_INDEX_COLUMN, wire.TOPIC_COLUMN, wire.PARTITION_COLUMN,
+               wire.OFFSET_COLUMN, wire.UNCHANGED_COLUMN, wire.SPECIAL_COLUMN, wire.CONTROL_COLUMN,
+               wire.CONTROL_INFO_COLUMN, wire.SNAPSHOT_ID_COLUMN, wire.BEFORE_COLUMN, wire.BEFORE_SPECIAL_COLUMN)
 
 
 def field_index(fields: Sequence[str] | None, name: str) -> int | None:
@@ -474,13 +339,13 @@ class _Columns:
     def with_special(self, values: tuple, special: Any) -> tuple:
         out = list(values)
         for col, text in _as_dict(special).items():
-            out[self.idx(col, "_wb_special")] = text
+            out[self.idx(col, wire.SPECIAL_COLUMN)] = text
         return tuple(out)
 
     def before(self, b: Any) -> tuple:
         values: list = [None] * len(self.target.columns)
         for col, v in _as_dict(b).items():
-            values[self.idx(col, "_wb_before")] = v
+            values[self.idx(col, wire.BEFORE_COLUMN)] = v
         return tuple(values)
 
 
@@ -496,7 +361,7 @@ def _row_tuples(target: ShapeTarget, rows: Iterable, fields: Sequence[str] | Non
         if fields[:n] == target.names and all(f in fields for f in PLAN_FIELDS):
             rows = rows if isinstance(rows, Sequence) else list(rows)
             return rows, tuple(fields.index(f) for f in PLAN_FIELDS), None  # decode's layout: no copy
-        for f in ("_wb_partition", "_wb_offset"):
+        for f in (wire.PARTITION_COLUMN, wire.OFFSET_COLUMN):
             field_index(fields, f)
         mappings = [dict(zip(fields, r)) for r in rows]
     else:
@@ -591,7 +456,7 @@ def plan_batch(target: ShapeTarget, rows: Iterable, *,
         if special:
             values = cols.with_special(values, special)
         unchanged = row[I_UNCH]
-        unch = tuple(cols.idx(u, "_wb_unchanged") for u in unchanged) if unchanged else None
+        unch = tuple(cols.idx(u, wire.UNCHANGED_COLUMN) for u in unchanged) if unchanged else None
         snap = row[I_SNAP]
         if not keyless:
             if op == "d":
@@ -768,24 +633,6 @@ def _plan_keyless(data: list[tuple], n: int, stat) -> list[tuple]:
 
 
 # ------------------------------------------------------------ replay filtering
-@dataclass(frozen=True)
-class Progress:
-    """What the target has applied of one (topic, partition) for one group."""
-
-    next_offset: int
-    applied: Position | None = None  # highest position applied
-    floor: Position | None = None  # highest cut applied
-    topic_id: str | None = None  # the topic incarnation next_offset counts in (None: not recorded)
-
-    def for_incarnation(self, topic_id: str | None) -> "Progress":
-        """This progress as seen by a part read from incarnation ``topic_id``:
-        offsets counted in another incarnation say nothing of it (next offset
-        0); the positions and the floor still hold (they are the source's)."""
-        if topic_id is None or self.topic_id is None or topic_id == self.topic_id:
-            return self
-        return Progress(0, self.applied, self.floor, self.topic_id)
-
-
 class OffsetResetError(RuntimeError):
     """Rows at offsets progress says were applied carry newer positions than
     anything applied there: the topic-partition was recreated (Kafka lost its
@@ -804,8 +651,8 @@ def split_replayed(rows: Sequence, progress: Progress | None, *, where: str = ""
     if progress is None:
         return list(rows), 0, False
     nxt = progress.next_offset
-    offset_of = field_getter(fields, "_wb_offset")
-    lsn_of, opi_of = _getter(fields, "_wb_lsn"), _getter(fields, "_wb_op_index")
+    offset_of = field_getter(fields, wire.OFFSET_COLUMN)
+    lsn_of, opi_of = _getter(fields, wire.LSN_COLUMN), _getter(fields, wire.OP_INDEX_COLUMN)
     todo, skipped = [], 0
     for row in rows:
         if int(offset_of(row)) >= nxt:

@@ -1,6 +1,5 @@
-"""One micro-batch of a shape as both apply paths see it (the driver apply,
-:mod:`spark_consumer.apply_driver`, and the staged apply,
-:mod:`spark_consumer.apply_staged`): the parts that go in, one per
+"""One micro-batch of a shape as the apply sees it
+(:mod:`spark_consumer.apply_driver`): the parts that go in, one per
 topic-partition, what happened to each, and where each part moves its
 partition's progress. Pure: no database.
 
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Iterable, Mapping, Sequence
 
+from schemas import wire
 from spark_consumer.apply_plan import (
     APPEND,
     DELETE,
@@ -33,10 +33,10 @@ from spark_consumer.apply_plan import (
     Cut,
     PlanStats,
     Position,
-    Progress,
     field_getter,
     field_index,
 )
+from spark_consumer.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,10 @@ def parts_from_rows(rows: Iterable, ranges: Mapping[tuple[str, int], tuple[int, 
     fields = tuple(fields) if fields is not None else None
     if fields is None:
         def tp_of(r):
-            return (r["_wb_topic"], int(r["_wb_partition"]))
+            return (r[wire.TOPIC_COLUMN], int(r[wire.PARTITION_COLUMN]))
     else:
-        tp_of = itemgetter(field_index(fields, "_wb_topic"), field_index(fields, "_wb_partition"))
-    offset_of = field_getter(fields, "_wb_offset")
+        tp_of = itemgetter(field_index(fields, wire.TOPIC_COLUMN), field_index(fields, wire.PARTITION_COLUMN))
+    offset_of = field_getter(fields, wire.OFFSET_COLUMN)
     grouped: dict[tuple[str, int], list] = defaultdict(list)
     for r in rows:
         grouped[tp_of(r)].append(r)
@@ -95,7 +95,7 @@ def check_range(part: Part) -> None:
     """Refuse a part whose rows lie outside its offset range."""
     if not part.rows:
         return
-    offsets = list(map(field_getter(part.fields, "_wb_offset"), part.rows))
+    offsets = list(map(field_getter(part.fields, wire.OFFSET_COLUMN), part.rows))
     lo, hi = min(offsets), max(offsets)
     if lo < part.start or hi >= part.end:
         raise ValueError(f"{part.topic}[{part.partition}]: rows at offsets {lo}..{hi} are outside the part's "
@@ -161,8 +161,7 @@ class BatchResult:
         return sum(getattr(r, name) for r in self.parts.values())
 
 
-# The PartResult counts that planning decides (the staged apply carries them
-# from executor to driver in ``staged_parts.info``).
+# The PartResult counts that planning decides.
 PLAN_COUNTS = ("control", "dlq", "superseded", "erased", "truncates")
 
 
@@ -214,7 +213,7 @@ def progress_update(part: Part, prog: Progress, res: PartResult, max_position: P
     :func:`spark_consumer.progress.write_progress` takes it: (topic,
     partition, next_offset, applied, floor, topic_id). Sets
     ``res.next_offset``. ``prog``: as the part's incarnation sees it
-    (:meth:`~spark_consumer.apply_plan.Progress.for_incarnation`)."""
+    (:meth:`~spark_consumer.progress.Progress.for_incarnation`)."""
     applied = _pmax(prog.applied, max_position)
     floor = _pmax(prog.floor, cut.position if cut is not None else None)
     nxt = part.end if res.offset_reset else max(prog.next_offset, part.end)

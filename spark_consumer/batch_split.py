@@ -1,23 +1,26 @@
-"""One micro-batch of many shapes, split per shape: the raw rows of the one
-query over every shape topic (:mod:`spark_consumer.topics_source`) are
-grouped by ``_wb_topic`` and each group decoded with its own shape's writer
-schemas, on the executors, in one Spark job (:func:`decode_shapes`).
+"""One micro-batch of many shapes, split per shape and decoded: the raw
+messages Spark's Kafka source read (:data:`RAW_COLUMNS`, one row per message
+as it is on the wire) are grouped by topic and each group decoded with its
+own shape's writer schemas (:mod:`spark_consumer.decode`), on the executors,
+in one Spark job (:func:`decode_shapes`, a ``mapInArrow``).
 
 Each shape's rows have a layout of their own, so one DataFrame cannot carry
-them: a task yields one row per shape it read, ``(_wb_topic, _wb_arrow)``, the
-shape's decoded rows as an Arrow IPC stream, and the driver reads them back
-into one Arrow table per shape (:func:`tables_by_topic`).
+them: a task yields one row per shape it read, ``(topic, Arrow IPC stream of
+the shape's decoded rows)``, and the driver reads them back into one Arrow
+table per shape (:func:`tables_by_topic`).
 
 Invariants:
 - Nothing is lost or moved between shapes: every raw row of a topic the
-  decoder is given reaches that topic's table (decoded, or as a ``dlq`` or
-  ``new_schema`` control row, as :func:`~spark_consumer.kafka_source.decode_batches`
-  makes them); rows of a topic it is not given (a shape the query no longer
-  applies) are left out, and the apply moves no progress for them.
-- Within a topic-partition, rows keep their offset order (the decoder and
-  the splitting both keep input order).
-- Pure but for what :func:`~spark_consumer.kafka_source.decode_batches` does
-  (the dead-letter topic of an undecodable message).
+  decoder is given reaches that topic's table, decoded, or as a ``dlq`` row
+  (the message went to ``<topic>.dlq``, :mod:`spark_consumer.dead_letters`),
+  or as the one ``new_schema`` row that ends a part written with a value
+  schema the shape's schemas did not know (the driver learns them again and
+  decodes that part anew). Rows of a topic the decoder is not given (a shape
+  the query no longer applies) are left out, and the apply moves no progress
+  for them.
+- Within a topic-partition, rows keep their offset order (Spark's source,
+  the decoder and the splitting all keep input order).
+- Pure but for the dead letters.
 """
 
 from __future__ import annotations
@@ -29,20 +32,69 @@ import pyarrow.compute as pc
 from pyspark.sql.types import BinaryType, StringType, StructField, StructType
 
 from schemas import wire
-from spark_consumer.kafka_source import TOPIC_ID, ShapeSchemas, SourceOptions, decode_batches
+from spark_consumer.dead_letters import DeadLetters
+from spark_consumer.decode import BatchBuilder, SchemaChangedError, UndecodableMessage
+from spark_consumer.shape_schemas import ShapeSchemas, ShapeSource, writer_schemas_for
+
+# The raw columns the decoder reads, named as Spark's Kafka source names them.
+RAW_COLUMNS = ("topic", "partition", "offset", "key", "value", "headers")
+ARROW_BATCH_ROWS = 8192
 
 # What the executors hand back: one row per (task, shape), the shape's decoded rows.
-DECODED_SCHEMA = StructType([StructField("_wb_topic", StringType(), nullable=False),
-                             StructField("_wb_arrow", BinaryType(), nullable=False)])
-DECODED_ARROW_SCHEMA = pa.schema([("_wb_topic", pa.string(), False), ("_wb_arrow", pa.binary(), False)])
+DECODED_SCHEMA = StructType([StructField(wire.TOPIC_COLUMN, StringType(), nullable=False),
+                             StructField(wire.ARROW_COLUMN, BinaryType(), nullable=False)])
+DECODED_ARROW_SCHEMA = pa.schema([(wire.TOPIC_COLUMN, pa.string(), False), (wire.ARROW_COLUMN, pa.binary(), False)])
+
+
+def raw_messages(batch: Any) -> Iterator[tuple]:
+    """(topic, partition, offset, key, value, headers) of each row of a raw
+    record batch; headers as confluent-kafka gives them (a list of (name,
+    value) pairs, or None)."""
+    topics, partitions, offsets, keys, values = (batch.column(name).to_pylist() for name in RAW_COLUMNS[:5])
+    hcol = batch.column("headers")
+    bounds = hcol.offsets.to_pylist()
+    flat = hcol.flatten()  # the slice's headers, from bounds[0] on
+    pairs = list(zip(flat.field(0).to_pylist(), flat.field(1).to_pylist()))
+    base = bounds[0]
+    for i in range(len(offsets)):
+        lo, hi = bounds[i] - base, bounds[i + 1] - base
+        yield topics[i], partitions[i], offsets[i], keys[i], values[i], pairs[lo:hi] if hi > lo else None
+
+
+def decode_batches(src: ShapeSource, schemas: ShapeSchemas, batches: Iterable[Any]) -> Iterator[pa.RecordBatch]:
+    """One shape's raw record batches decoded into ``schemas.layout()``
+    (:mod:`spark_consumer.decode`): undecodable messages sent to the DLQ
+    (flushed before the last batch is yielded) and given a ``dlq`` row; a
+    message written with a value schema not among the known ones ends the
+    output with one ``new_schema`` row (what was decoded before it is dropped)."""
+    builder = BatchBuilder(schemas.layout(), writer_schemas_for(src, schemas))
+    dead_letters = DeadLetters(src.topic, src.client_conf())
+    for batch in batches:
+        for topic, partition, offset, key, value, headers in raw_messages(batch):
+            try:
+                builder.add(topic, partition, offset, key, value, headers)
+            except UndecodableMessage as e:
+                dead_letters.send(topic, partition, offset, key, value, headers, str(e))
+                builder.add_dlq(topic, partition, offset, headers, str(e))
+            except SchemaChangedError as e:  # a value schema the layout was not derived with
+                builder.to_record_batch()  # dropped: the part is decoded again
+                builder.add_control(topic, partition, offset, wire.NEW_SCHEMA_CONTROL, str(e))
+                dead_letters.flush()
+                yield builder.to_record_batch()
+                return
+            if builder.count >= ARROW_BATCH_ROWS:
+                yield builder.to_record_batch()
+    dead_letters.flush()
+    if builder.count:
+        yield builder.to_record_batch()
 
 
 def split_by_topic(batches: Iterable[Any]) -> dict[str, list[pa.RecordBatch]]:
-    """Record batches (any with a ``_wb_topic`` column) regrouped per topic,
-    each topic's rows in their input order; topics in order of first appearance."""
+    """Record batches (any with a ``topic`` column) regrouped per topic, each
+    topic's rows in their input order; topics in order of first appearance."""
     out: dict[str, list[pa.RecordBatch]] = {}
     for batch in batches:
-        topics = batch.column("_wb_topic")
+        topics = batch.column("topic")
         distinct = pc.unique(topics).to_pylist()
         if len(distinct) == 1:
             out.setdefault(distinct[0], []).append(batch)
@@ -60,27 +112,25 @@ def to_ipc(batches: list[pa.RecordBatch]) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def decode_by_topic(shapes: Mapping[str, tuple[SourceOptions, ShapeSchemas]], batches: Iterable[Any]
+def decode_by_topic(shapes: Mapping[str, tuple[ShapeSource, ShapeSchemas]], batches: Iterable[Any]
                     ) -> dict[str, list[pa.RecordBatch]]:
-    """Per topic of ``shapes``, its raw rows of ``batches`` decoded as
-    :func:`~spark_consumer.kafka_source.decode_batches` decodes one shape's
-    (marking a value schema it does not know); topics not in ``shapes``, or
-    whose rows decode to nothing, are left out. What an executor runs
-    (:func:`decode_shapes`), and the continuous reader on the driver."""
+    """Per topic of ``shapes``, its raw rows of ``batches`` decoded
+    (:func:`decode_batches`); topics not in ``shapes``, or whose rows decode
+    to nothing, are left out."""
     out: dict[str, list[pa.RecordBatch]] = {}
     for topic, raw in split_by_topic(batches).items():
         if topic not in shapes:
             continue
-        opts, schemas = shapes[topic]
-        decoded = [b for b in decode_batches(opts, schemas, True, iter(raw)) if b.num_rows]
+        src, schemas = shapes[topic]
+        decoded = [b for b in decode_batches(src, schemas, raw) if b.num_rows]
         if decoded:
             out[topic] = decoded
     return out
 
 
-def decode_shapes(shapes: Mapping[str, tuple[SourceOptions, ShapeSchemas]], batches: Iterator[Any]
+def decode_shapes(shapes: Mapping[str, tuple[ShapeSource, ShapeSchemas]], batches: Iterator[Any]
                   ) -> Iterator[pa.RecordBatch]:
-    """``mapInArrow`` over the raw rows of many topics (executor side): each
+    """``mapInArrow`` over raw rows of many topics (executor side): each
     topic's rows decoded (:func:`decode_by_topic`) as one :data:`DECODED_SCHEMA` row."""
     decoded = decode_by_topic(shapes, batches)
     if decoded:
@@ -93,7 +143,8 @@ def tables_by_topic(decoded: pa.Table) -> dict[str, pa.Table]:
     """The driver's side of :func:`decode_shapes`: one Arrow table per topic
     (the parts of several tasks concatenated, in task order)."""
     parts: dict[str, list[pa.Table]] = {}
-    for topic, blob in zip(decoded.column("_wb_topic").to_pylist(), decoded.column("_wb_arrow").to_pylist()):
+    for topic, blob in zip(decoded.column(wire.TOPIC_COLUMN).to_pylist(),
+                           decoded.column(wire.ARROW_COLUMN).to_pylist()):
         parts.setdefault(topic, []).append(pa.ipc.open_stream(blob).read_all())
     return {t: ts[0] if len(ts) == 1 else pa.concat_tables(ts) for t, ts in parts.items()}
 
@@ -101,30 +152,5 @@ def tables_by_topic(decoded: pa.Table) -> dict[str, pa.Table]:
 def new_schema_reason(table: pa.Table) -> str | None:
     """Why a topic's decoded rows must be decoded again (a value schema the
     shape's schemas did not hold), or None."""
-    marks = table.filter(pc.equal(table.column("_wb_control"), wire.NEW_SCHEMA_CONTROL))
-    return marks.column("_wb_error")[0].as_py() if marks.num_rows else None
-
-
-def starting_offsets(progress: Mapping[tuple[str, int], Any], topics: Iterable[str]) -> dict[str, dict[str, int]]:
-    """Where each of ``topics`` starts when it joins the query: the target's
-    progress (next offset per partition; ``progress`` as
-    :func:`spark_consumer.progress.read_progress` gives it), with the topic id
-    the offsets count in when the progress recorded it (the source reads a
-    recreated topic from its earliest offsets). A topic without progress, or
-    whose partitions' progress counts in different incarnations, is absent
-    (it starts at its earliest offsets; the target's progress skips what it
-    applied)."""
-    wanted = set(topics)
-    out: dict[str, dict[str, Any]] = {}
-    ids: dict[str, set[str]] = {}
-    for (topic, partition), prog in sorted(progress.items()):
-        if topic in wanted:
-            out.setdefault(topic, {})[str(partition)] = int(prog.next_offset)
-            if prog.topic_id:
-                ids.setdefault(topic, set()).add(prog.topic_id)
-    for topic, seen in ids.items():
-        if len(seen) > 1:
-            del out[topic]
-        else:
-            out[topic][TOPIC_ID] = seen.pop()
-    return out
+    marks = table.filter(pc.equal(table.column(wire.CONTROL_COLUMN), wire.NEW_SCHEMA_CONTROL))
+    return marks.column(wire.ERROR_COLUMN)[0].as_py() if marks.num_rows else None

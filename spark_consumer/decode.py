@@ -1,5 +1,6 @@
 """Shape messages → typed Spark rows: the schema mapping and the decoding the
-Kafka source (:mod:`spark_consumer.kafka_source`) runs in its executors. Pure:
+consumer's executors run on the messages Spark's Kafka source read
+(:mod:`spark_consumer.batch_split`). Pure:
 no Kafka, no Spark session; writer schemas come in through a lookup function.
 
 Output columns (the contract the apply step builds on)
@@ -84,10 +85,10 @@ Invariants:
   older, known writer schema are read into it by name (columns dropped since
   are ignored, columns added since are null). A writer schema the layout was
   not derived with raises :class:`SchemaChangedError` where it cannot be read
-  faithfully: with ``WriterSchemas.only_known`` (the consumer job) any value
+  faithfully: with ``WriterSchemas.only_known`` (the consumer) any value
   schema not known when the layout was made, so the driver learns the schemas
   again and decodes the batch with the new layout; otherwise one that adds or
-  retypes a column (a stream with a fixed layout must stop, never drop data
+  retypes a column (a decode with a fixed layout must stop, never drop data
   silently), while one that only lacks columns is read (they are null).
 - A value of an older writer in a column retyped since (numeric(10,2) →
   numeric(10,0), bigint → integer, text → integer, integer → text ...) is
@@ -146,26 +147,27 @@ from pyspark.sql.types import (
 
 from schemas import wire
 from spark_consumer import fastdecode
+from spark_consumer.shape_record import UnsupportedSchema, full_name, row_record, shape_columns
 
 SPARK_MAX_DECIMAL_PRECISION = 38
 
 BOOKKEEPING: tuple[StructField, ...] = (
-    StructField("_wb_op", StringType()),
-    StructField("_wb_lsn", LongType()),
-    StructField("_wb_op_index", LongType()),
-    StructField("_wb_topic", StringType(), nullable=False),
-    StructField("_wb_partition", IntegerType(), nullable=False),
-    StructField("_wb_offset", LongType(), nullable=False),
-    StructField("_wb_unchanged", ArrayType(StringType(), containsNull=False)),
-    StructField("_wb_special", MapType(StringType(), StringType(), valueContainsNull=False)),
-    StructField("_wb_control", StringType()),
-    StructField("_wb_control_info", StringType()),
-    StructField("_wb_snapshot_id", StringType()),
-    StructField("_wb_ts_ms", LongType()),
-    StructField("_wb_error", StringType()),
+    StructField(wire.OP_COLUMN, StringType()),
+    StructField(wire.LSN_COLUMN, LongType()),
+    StructField(wire.OP_INDEX_COLUMN, LongType()),
+    StructField(wire.TOPIC_COLUMN, StringType(), nullable=False),
+    StructField(wire.PARTITION_COLUMN, IntegerType(), nullable=False),
+    StructField(wire.OFFSET_COLUMN, LongType(), nullable=False),
+    StructField(wire.UNCHANGED_COLUMN, ArrayType(StringType(), containsNull=False)),
+    StructField(wire.SPECIAL_COLUMN, MapType(StringType(), StringType(), valueContainsNull=False)),
+    StructField(wire.CONTROL_COLUMN, StringType()),
+    StructField(wire.CONTROL_INFO_COLUMN, StringType()),
+    StructField(wire.SNAPSHOT_ID_COLUMN, StringType()),
+    StructField(wire.TS_MS_COLUMN, LongType()),
+    StructField(wire.ERROR_COLUMN, StringType()),
 )
 BOOKKEEPING_NAMES = tuple(f.name for f in BOOKKEEPING)
-BEFORE_COLUMNS = ("_wb_before", "_wb_before_special")
+BEFORE_COLUMNS = (wire.BEFORE_COLUMN, wire.BEFORE_SPECIAL_COLUMN)
 
 _PRIMITIVES: dict[str, DataType] = {
     "int": IntegerType(), "long": LongType(), "float": FloatType(), "double": DoubleType(),
@@ -177,13 +179,9 @@ _STRIPPED_LOGICAL = frozenset({"date", "time-micros", "timestamp-micros", "local
 _SPECIAL_LOGICAL = frozenset({"decimal", "date", "time-micros", "timestamp-micros", "local-timestamp-micros"})
 
 
-class UnsupportedSchema(ValueError):
-    """The shape's Avro schema uses something this consumer cannot map."""
-
-
 class SchemaChangedError(RuntimeError):
-    """A writer schema newer than the stream's layout adds or retypes columns:
-    restart the query so the layout is derived again."""
+    """A writer schema the layout was not derived with: derive the layout
+    again (the consumer learns the shape's schemas and decodes the batch anew)."""
 
 
 class UndecodableMessage(ValueError):
@@ -364,22 +362,6 @@ class LayoutColumn:
         return StructField(self.name, self.type.spark_type, nullable=True, metadata=meta)
 
 
-def row_record(value_schema: dict) -> dict:
-    """The row record (``Value``) of an envelope schema, from its ``before`` field."""
-    for f in value_schema.get("fields", ()):
-        if f.get("name") == "before":
-            for branch in _non_null_branches(f["type"]):
-                if isinstance(branch, dict) and branch.get("type") == "record":
-                    return branch
-    raise UnsupportedSchema("value schema is not a walbridge envelope (no 'before' row record)")
-
-
-def full_name(schema: dict) -> str:
-    name = schema.get("name", "")
-    ns = schema.get("namespace")
-    return name if "." in name or not ns else f"{ns}.{name}"
-
-
 def _canonical_type(avro_type: Any) -> str:
     return json.dumps(avro_type, sort_keys=True, separators=(",", ":"))
 
@@ -394,24 +376,10 @@ class ShapeLayout:
 
     @classmethod
     def from_schemas(cls, value_schema: dict, key_schema: dict | None = None) -> ShapeLayout:
-        row = row_record(value_schema)
-        keys = set(wire.key_fields(row, key_schema))
-        columns = []
-        seen: set[str] = set()
-        for f in row["fields"]:
-            if f["name"] == wire.SPECIAL_FIELD:
-                continue  # the plain layout's side field: special values, not a column
-            name = f.get("pg.column", f["name"])
-            if name.startswith(wire.RESERVED_PREFIX):
-                raise UnsupportedSchema(f"column {name!r}: names starting with {wire.RESERVED_PREFIX!r} are reserved "
-                                        "for walbridge's bookkeeping columns")
-            if name in seen:
-                raise UnsupportedSchema(f"column {name!r} appears twice")
-            seen.add(name)
-            columns.append(LayoutColumn(name, f["name"], f["type"], f.get("pg.type"), f["name"] in keys,
-                                        column_type(f["type"], f"column {name!r}"),
-                                        tuple(f.get("aliases") or ())))
-        return cls(full_name(value_schema), tuple(columns))
+        columns = tuple(LayoutColumn(c.name, c.field, c.avro_type, c.pg_type, c.is_key,
+                                     column_type(c.avro_type, f"column {c.name!r}"), c.aliases)
+                        for c in shape_columns(value_schema, key_schema))
+        return cls(full_name(value_schema), columns)
 
     def spark_schema(self) -> StructType:
         """Row columns, ``BOOKKEEPING``, then ``BEFORE_COLUMNS``."""
@@ -637,7 +605,7 @@ class BatchBuilder:
         self.layout = layout
         self.schemas = schemas
         if arrow_schema is None:
-            arrow_schema = to_arrow_schema(layout.spark_schema(), timezone="UTC")
+            arrow_schema = to_arrow_schema(layout.spark_schema())
         self.arrow_schema = arrow_schema
         self._fields = [c.avro_field for c in layout.columns]
         self._row_fields = layout.row_fields()

@@ -1,6 +1,5 @@
 """A foreachBatch function that applies one batch while Spark reads the next
-(the driver apply of :class:`spark_consumer.job.ShapeApplier` and
-:class:`spark_consumer.shapes_query.ShapesApplier`).
+(:class:`spark_consumer.query.BatchApplier`).
 
 ``__call__`` runs the subclass's ``_call``, which reads batch N (Spark's job),
 waits for batch N-1's apply (:meth:`PipelinedApply._finish_pending`) and hands
@@ -8,8 +7,9 @@ N to the one apply thread; Spark plans and reads N+1 meanwhile.
 
 Invariants:
 - One batch in flight: ``_call`` waits for the previous apply before it
-  hands a new one over, so Spark logs at most the newest committed batch
-  before the target has it (repaired at the next start, :mod:`spark_consumer.checkpoint`).
+  hands a new one over, so Spark logs at most the newest batch before the
+  target has it; a failed apply fails the next batch (or is found by the
+  supervisor), and the restarted query begins at the target's progress.
 - A query is stopped only while its foreachBatch is outside Spark
   (:meth:`PipelinedApply.quiesce`): an interrupt inside a Spark call returns
   as a Py4J error carrying Java's stack, whose text Spark's interruption

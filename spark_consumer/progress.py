@@ -16,8 +16,6 @@ Layout
   replay adds nothing) and, once all are, when its final GC ran and what it
   removed (:func:`read_backfills`; written by
   :func:`spark_consumer.statements.record_backfills`).
-- ``_walbridge.staged_parts``: the staged apply's parts
-  (:mod:`spark_consumer.apply_staged`), created here with the others.
 
 Invariants:
 - An apply locks the progress rows of its batch's parts, creating missing
@@ -31,7 +29,7 @@ Invariants:
 - Offsets are compared only within one topic incarnation: progress recorded
   for another (the broker lost the topic and it was recreated) reads as next
   offset 0 to a part of this one, its positions and floor unchanged
-  (:meth:`~spark_consumer.apply_plan.Progress.for_incarnation`). A new
+  (:meth:`Progress.for_incarnation`). A new
   incarnation's batch that is not its first therefore fails with a gap when
   its first batch was never applied, instead of passing on offsets that
   counted in the lost topic.
@@ -53,16 +51,47 @@ superuser (or explicit grants) on the target.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
 
 import psycopg
 from psycopg.rows import dict_row
 
 from schemas import wire
-from spark_consumer.apply_plan import Progress
-from spark_consumer.batch import Part
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the target has applied of one (topic, partition) for one group:
+    the next offset, the highest position applied, the highest cut applied,
+    and the topic incarnation ``next_offset`` counts in (None: not recorded)."""
+
+    next_offset: int
+    applied: tuple[int, int] | None = None
+    floor: tuple[int, int] | None = None
+    topic_id: str | None = None
+
+    def for_incarnation(self, topic_id: str | None) -> Progress:
+        """This progress as seen by a part read from incarnation ``topic_id``:
+        offsets counted in another incarnation say nothing of it (next offset
+        0); the positions and the floor still hold (they are the source's)."""
+        if topic_id is None or self.topic_id is None or topic_id == self.topic_id:
+            return self
+        return Progress(0, self.applied, self.floor, self.topic_id)
+
+
+class PartRange(Protocol):
+    """The offsets a part of a batch covers (:class:`spark_consumer.batch.Part`)."""
+
+    topic: str
+    partition: int
+    start: int
+    topic_id: str | None
+
+    @property
+    def tp(self) -> tuple[str, int]: ...
 
 _META_DDL = f"""
 CREATE SCHEMA IF NOT EXISTS {wire.META_SCHEMA};
@@ -84,18 +113,6 @@ DO $$ BEGIN  -- added later: targets made before have the table without it
         ALTER TABLE {wire.META_SCHEMA}.progress ADD COLUMN topic_id text;
     END IF;
 END $$;
-CREATE UNLOGGED TABLE IF NOT EXISTS {wire.META_SCHEMA}.staged_parts (
-    consumer_group text NOT NULL,
-    topic text NOT NULL,
-    partition integer NOT NULL,
-    end_offset bigint NOT NULL,
-    start_offset bigint NOT NULL,
-    stage_table text NOT NULL,
-    shape text NOT NULL,
-    info jsonb NOT NULL,
-    staged_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (consumer_group, topic, partition, end_offset)
-);
 CREATE TABLE IF NOT EXISTS {wire.META_SCHEMA}.backfills (
     consumer_group text NOT NULL,
     topic text NOT NULL,
@@ -129,8 +146,7 @@ def lock_ddl(conn: psycopg.Connection) -> None:
 
 
 def ensure_progress(conn: psycopg.Connection) -> None:
-    """Create ``_walbridge.progress``, ``_walbridge.staged_parts`` and
-    ``_walbridge.backfills`` if missing."""
+    """Create ``_walbridge.progress`` and ``_walbridge.backfills`` if missing."""
     with conn.transaction():
         lock_ddl(conn)
         conn.execute(_META_DDL)
@@ -147,17 +163,6 @@ def read_progress(conn: psycopg.Connection, group: str, topic: str | None = None
         q += " AND topic = %s"
         params.append(topic)
     return {(r[0], r[1]): _progress(r[2:]) for r in conn.execute(q, params)}
-
-
-def read_part_progress(conn: psycopg.Connection, group: str, topic: str, partition: int,
-                       topic_id: str | None = None) -> Progress | None:
-    """One topic-partition's progress (None: nothing applied yet), unlocked,
-    as a part of incarnation ``topic_id`` sees it."""
-    row = conn.execute(
-        f"SELECT {_PROGRESS_COLUMNS} "
-        f"FROM {wire.META_SCHEMA}.progress WHERE consumer_group = %s AND topic = %s AND partition = %s",
-        (group, topic, partition)).fetchone()
-    return _progress(row).for_incarnation(topic_id) if row else None
 
 
 def read_backfills(conn: psycopg.Connection, group: str | None = None) -> list[dict]:
@@ -181,7 +186,7 @@ def _progress(r: Sequence) -> Progress:
     return Progress(nxt, (al, ao) if al is not None else None, (fl, fo) if fl is not None else None, tid)
 
 
-def lock_progress(conn: psycopg.Connection, group: str, parts: Sequence[Part]
+def lock_progress(conn: psycopg.Connection, group: str, parts: Sequence[PartRange]
                   ) -> tuple[dict[tuple[str, int], Progress], set[tuple[str, int]]]:
     """Create missing progress rows (at the part's start) and lock all of them,
     in (topic, partition) order. Returns the progress, as each part's
@@ -205,7 +210,7 @@ def lock_progress(conn: psycopg.Connection, group: str, parts: Sequence[Part]
     return progress, set(progress) - new
 
 
-def check_gap(part: Part, progress: Progress, on_gap: str) -> None:
+def check_gap(part: PartRange, progress: Progress, on_gap: str) -> None:
     """``on_gap``: ``"raise"`` (:class:`ProgressGapError`) or ``"ignore"``
     (logged) when ``part`` starts after the offsets ``progress`` has applied."""
     if part.start > progress.next_offset:

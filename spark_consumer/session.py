@@ -5,13 +5,18 @@ Two ways a driver starts, told apart by ``PYSPARK_GATEWAY_PORT`` (set by
 spark-submit for the Python driver it launches):
 
 - **walbridge starts the driver JVM itself** (``walbridge consumer``, ``walbridge
-  up``, the tests): :func:`own_driver_settings` applies — no console progress
-  bar, Spark's log quiet (:data:`QUIET_LOG4J`) and, in local mode (one
-  machine), a loopback driver, no UI, few shuffle partitions and a C1-only JIT.
+  up``, the tests): :func:`own_driver_settings` applies — the jars of Spark's
+  Kafka source and spark-avro from ``.jvm/spark`` (:mod:`schemas.jvm`), no
+  console progress bar, Spark's log quiet (:data:`QUIET_LOG4J`) and, in local
+  mode (one machine), a loopback driver, no UI unless asked for
+  (``walbridge up`` shows its address), few shuffle partitions, a C1-only JIT
+  and task retries (:func:`local_master`).
 - **spark-submit started it** (:mod:`walbridge.spark_submit`, on a cluster or
-  not): master, driver host and bind address, UI, shuffle, memory, Python —
-  everything comes from spark-submit's flags and ``spark-defaults.conf``;
-  walbridge sets only :data:`DEFAULTS` keys those left unset.
+  not): master, driver host and bind address, UI, shuffle, memory, Python,
+  jars (``--packages``) — everything comes from spark-submit's flags and
+  ``spark-defaults.conf``; walbridge sets only :data:`DEFAULTS` keys those
+  left unset, and fails at once, naming the ``--packages`` to add, when
+  Spark's Kafka source is not on the classpath.
 
 Invariants:
 - Under spark-submit no setting given by spark-submit or spark-defaults.conf is
@@ -20,6 +25,8 @@ Invariants:
 - Spark's logging is walbridge's to quiet only where nobody configured it: a
   log4j2 file in Spark's conf dir or ``-Dlog4j2.configurationFile`` wins; with
   ``--log-level debug`` Spark keeps its own (INFO) defaults.
+- A task that fails in local mode (a Python worker slow to connect back on a
+  loaded machine) is retried, as on a cluster, instead of failing its batch.
 - Executors run ``spark.pyspark.python`` when it is set (a packed environment,
   ``walbridge pack``), else the driver's own interpreter path
   (``PYSPARK_PYTHON``).
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from importlib import resources
 from pathlib import Path
@@ -36,6 +44,8 @@ from typing import Collection
 
 import pyspark
 from pyspark.sql import SparkSession
+
+from schemas.jvm import MissingJars, jvm_jars
 
 log = logging.getLogger("walbridge.consumer")
 
@@ -51,6 +61,13 @@ _LOG4J_FILES = ("log4j2.properties", "log4j2.xml", "log4j2.yaml", "log4j2.yml", 
 # Given to Spark in either case unless already set: UTC makes Arrow hand the
 # apply timestamps it converts without a zone lookup (any zone is correct).
 DEFAULTS = {"spark.sql.session.timeZone": "UTC"}
+# Attempts of a task in local mode, as spark.task.maxFailures' default on a cluster.
+LOCAL_TASK_ATTEMPTS = 4
+KAFKA_SOURCE_CLASS = "org.apache.spark.sql.kafka010.KafkaSourceProvider"
+# What spark-submit users add (the versions jvm/pom.xml pins; README, "Running on a Spark cluster").
+SPARK_PACKAGES = ("org.apache.spark:spark-sql-kafka-0-10_2.13:{v},org.apache.spark:spark-avro_2.13:{v}"
+                  .format(v=pyspark.__version__))
+_LOCAL = re.compile(r"local(?:\[(\d+|\*)\])?")
 
 
 def launched_by_spark_submit() -> bool:
@@ -58,24 +75,35 @@ def launched_by_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
-def own_driver_settings(master: str, quiet_log4j_uri: str | None) -> dict[str, str]:
+def local_master(master: str) -> str:
+    """A local master whose failed tasks are retried (``local[N]`` ->
+    ``local[N,F]``); any other master as it is."""
+    m = _LOCAL.fullmatch(master)
+    return f"local[{m.group(1) or 1},{LOCAL_TASK_ATTEMPTS}]" if m else master
+
+
+def own_driver_settings(master: str, quiet_log4j_uri: str | None, jars: list[str] = (), ui: bool = False
+                        ) -> dict[str, str]:
     """Settings where walbridge starts the driver JVM; with ``quiet_log4j_uri``,
-    Spark logs through that log4j2 file from its first line. User
-    ``extraJavaOptions`` come after the default ones and win. A master that is
-    not local gets no host, UI or shuffle setting (Spark's and
+    Spark logs through that log4j2 file from its first line; ``jars``: what
+    Spark lacks (the Kafka source); ``ui``: a local driver keeps its web UI.
+    User ``extraJavaOptions`` come after the default ones and win. A master
+    that is not local gets no host, UI or shuffle setting (Spark's and
     spark-defaults.conf's apply, as under spark-submit)."""
     local = master.startswith("local")
     java = [DRIVER_JAVA_OPTIONS] if local else []
     if quiet_log4j_uri:
         java.append(f"-Dlog4j2.configurationFile={quiet_log4j_uri}")
     settings = {"spark.ui.showConsoleProgress": "false", **DEFAULTS}  # the bar is on for a Python-launched driver
+    if jars:
+        settings["spark.jars"] = ",".join(jars)
     if java:
         settings["spark.driver.defaultJavaOptions"] = " ".join(java)
     if local:
         settings.update({
             "spark.driver.host": "127.0.0.1",  # one machine: stay on loopback
             "spark.driver.bindAddress": "127.0.0.1",
-            "spark.ui.enabled": "false",
+            "spark.ui.enabled": "true" if ui else "false",
             "spark.sql.shuffle.partitions": "2",
         })
     return settings
@@ -107,7 +135,7 @@ def _verbose() -> bool:
     return logging.getLogger("walbridge").isEnabledFor(logging.DEBUG)
 
 
-def spark_session(master: str | None = None) -> SparkSession:
+def spark_session(master: str | None = None, ui: bool = False) -> SparkSession:
     """The session (see the module's docstring for whose settings apply)."""
     # Python workers run this interpreter unless spark.pyspark.python names
     # another (spark-submit exports that as PYSPARK_PYTHON).
@@ -127,11 +155,19 @@ def spark_session(master: str | None = None) -> SparkSession:
         quiet = quiet_spark_logs(_verbose(), user_log4j=not str(location or "").endswith(SPARK_DEFAULT_LOG4J))
         if quiet:
             jvm.org.apache.logging.log4j.core.config.Configurator.reconfigure(jvm.java.net.URI(quiet_log4j_uri()))
+        loader = jvm.java.lang.Thread.currentThread().getContextClassLoader()
+        try:
+            jvm.java.lang.Class.forName(KAFKA_SOURCE_CLASS, False, loader)
+        except Exception:  # noqa: BLE001 - Py4J's error for a missing class
+            spark.stop()
+            raise MissingJars(f"Spark's Kafka source is not on the classpath: start spark-submit with "
+                              f"--packages {SPARK_PACKAGES}") from None
     else:
         quiet = quiet_spark_logs(_verbose(), user_log4j=_conf_dir_has_log4j())
-        master = master or "local[*]"
+        master = local_master(master or "local[*]")
+        jars = [str(j) for j in jvm_jars("spark")]
         builder = SparkSession.builder.appName(APP_NAME).master(master)
-        for key, value in own_driver_settings(master, quiet_log4j_uri() if quiet else None).items():
+        for key, value in own_driver_settings(master, quiet_log4j_uri() if quiet else None, jars, ui).items():
             builder = builder.config(key, value)
         spark = builder.getOrCreate()
     if quiet:

@@ -1,14 +1,12 @@
-"""Staging with COPY: a plan's rows go into a stage, a table with the shape
-table's exact column types (the driver apply's temporary table per session,
-:func:`temp_stage`, or the staged apply's UNLOGGED table per part), from
-which the set-based statements (:mod:`spark_consumer.statements`) carry them
-into the target.
+"""Staging with COPY: a plan's rows go into a stage, a temporary table of
+the session with the shape table's exact column types (:func:`temp_stage`),
+from which the set-based statements (:mod:`spark_consumer.statements`)
+carry them into the target.
 
 Invariants:
 - A stage row is the shape's column values, then
   :data:`~spark_consumer.apply_plan.STAGE_EXTRA` (``_wb_kind``, ``_wb_keep``,
-  then :data:`STAGED_BOOKKEEPING`), in that order; the staged apply stages each
-  cut event too, as a row of kind :data:`CUT_KIND` (:func:`plan_rows`).
+  then :data:`STAGED_BOOKKEEPING`), in that order.
 - Values are staged in PostgreSQL's text COPY format; special values (``_wb_special``)
   are written as the PostgreSQL text they are. Naive datetimes for
   ``timestamptz`` columns are read as UTC (the apply sets ``TimeZone`` to UTC
@@ -23,7 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import datetime
-import json
 import zlib
 from collections import Counter, defaultdict
 from decimal import Decimal
@@ -35,10 +32,10 @@ from psycopg import sql
 from psycopg.adapt import Dumper
 from psycopg.pq import Format
 
-from spark_consumer.apply_plan import STAGE_EXTRA, ApplyPlan, ShapeTarget
+from spark_consumer.apply_plan import STAGE_EXTRA, ApplyPlan
+from spark_consumer.shape_record import ShapeTarget
 from spark_consumer.target_layout import APPLIED_AT, BOOKKEEPING_COLUMNS, table_ident
 
-CUT_KIND = "t"  # ``_wb_kind`` of a staged cut event
 # The target's bookkeeping columns a staged row carries (STAGE_EXTRA after
 # _wb_kind and _wb_keep): all but the one the applying statement sets.
 STAGED_BOOKKEEPING = STAGE_EXTRA[2:]
@@ -66,17 +63,6 @@ def temp_stage(conn: psycopg.Connection, target: ShapeTarget) -> sql.Identifier:
                     + stage_select(target))
         cur.execute(sql.SQL("DELETE FROM {}").format(ident))
     return ident
-
-
-def plan_rows(plan: ApplyPlan, with_cuts: bool = False) -> Iterable[tuple]:
-    """The plan's staged rows, plus (staged path) one row per cut event:
-    ``_wb_keep`` = [reason] or, for a backfill_end, [reason, info JSON]."""
-    yield from plan.stage_rows
-    if with_cuts:
-        nulls = (None,) * len(plan.target.columns)
-        for c in plan.cut_events:
-            keep = [c.reason, json.dumps(c.info)] if c.info else [c.reason]
-            yield (*nulls, CUT_KIND, keep, c.lsn, c.op_index, c.partition, c.offset, c.backfill_id)
 
 
 def staged_kinds(plan: ApplyPlan) -> dict[int, Counter]:

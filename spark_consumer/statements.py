@@ -36,8 +36,9 @@ from psycopg.types.json import Jsonb
 
 from schemas import wire
 from schemas.buckets import SESSION_SETTINGS, in_scope
-from spark_consumer.apply_plan import DELETE, UPSERT, ApplyPlan, Cut, Position, ShapeTarget
+from spark_consumer.apply_plan import DELETE, UPSERT, ApplyPlan, Cut, Position
 from spark_consumer.batch import BackfillGC
+from spark_consumer.shape_record import ShapeTarget
 from spark_consumer.staging import STAGED_BOOKKEEPING, copy_rows
 from spark_consumer.target_layout import APPLIED_AT, BOOKKEEPING_COLUMNS, table_ident, tombstones_ident
 

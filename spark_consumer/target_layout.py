@@ -53,8 +53,9 @@ import zlib
 import psycopg
 from psycopg import sql
 
-from spark_consumer.apply_plan import ShapeTarget
+from schemas import wire
 from spark_consumer.progress import ensure_progress, lock_ddl
+from spark_consumer.shape_record import ShapeTarget
 from spark_consumer.target_ddl import ExistingColumn, OnDropped, Step, WantedColumn, plan_changes
 
 log = logging.getLogger(__name__)
@@ -62,11 +63,11 @@ log = logging.getLogger(__name__)
 # The target table's bookkeeping columns. Positions are nullable there: rows
 # written behind walbridge's back (or there before it) have none, and count as
 # the lowest position.
-POSITION_DDL = (("_wb_lsn", "bigint"), ("_wb_op_index", "bigint"), ("_wb_partition", "integer"),
-                ("_wb_offset", "bigint"))
-APPLIED_AT = "_wb_applied_at"  # the applying transaction's start: the statements write now()
+POSITION_DDL = ((wire.LSN_COLUMN, "bigint"), (wire.OP_INDEX_COLUMN, "bigint"), (wire.PARTITION_COLUMN, "integer"),
+                (wire.OFFSET_COLUMN, "bigint"))
+APPLIED_AT = wire.APPLIED_AT_COLUMN  # the applying transaction's start: the statements write now()
 APPLIED_AT_DDL = (APPLIED_AT, "timestamptz NOT NULL DEFAULT now()")
-BOOKKEEPING_DDL = (*POSITION_DDL, APPLIED_AT_DDL, ("_wb_snapshot_id", "text"))
+BOOKKEEPING_DDL = (*POSITION_DDL, APPLIED_AT_DDL, (wire.SNAPSHOT_ID_COLUMN, "text"))
 # Tombstones are only ever written by walbridge: their positions are never NULL.
 TOMBSTONE_DDL = (*((name, f"{typ} NOT NULL") for name, typ in POSITION_DDL), APPLIED_AT_DDL)
 POSITION_COLUMNS = tuple(name for name, _ in POSITION_DDL)
@@ -124,7 +125,8 @@ def ensure_table(conn: psycopg.Connection, target: ShapeTarget, on_dropped_colum
                                  "WHERE _wb_snapshot_id IS NULL").format(
                 sql.Identifier(_short_name(target.table, "__wb_pos")), table_ident(target)))
             # Pending removals: the whole row, one per removal's position.
-            lead, pk = [sql.SQL("_wb_row text NOT NULL")], [sql.Identifier("_wb_lsn"), sql.Identifier("_wb_op_index")]
+            lead = [sql.SQL("{} text NOT NULL").format(sql.Identifier(wire.ROW_COLUMN))]
+            pk = [sql.Identifier(wire.LSN_COLUMN), sql.Identifier(wire.OP_INDEX_COLUMN)]
         else:
             lead = [sql.SQL("{} {} NOT NULL").format(sql.Identifier(c.name), sql.SQL(t))
                     for c, t in zip(target.columns, types) if c.is_key]

@@ -53,7 +53,7 @@ import psycopg
 from producer.pgoutput import lsn_to_int
 from schemas.config import parse_config
 from tests.helpers import ConsumerProcess, ProducerProcess, make_config, wait_for, write_toml
-from tests.integration.test_e2e import SHAPES
+from tests.pipeline import SHAPES
 from walbridge.embedded import KafkaBroker, PostgresCluster, find_pg_bin
 from walbridge.verify import ShapeDiff, verify
 
@@ -337,7 +337,7 @@ class Chaos:
         self.result.diffs = diffs
         return all(d.ok for d in diffs)
 
-    def _caught_up(self) -> bool:
+    def caught_up(self) -> bool:
         try:
             with psycopg.connect(self.source_dsn) as conn:
                 row = conn.execute("SELECT confirmed_flush_lsn::text, pg_current_wal_lsn()::text "
@@ -369,7 +369,7 @@ class Chaos:
     def _settle(self) -> None:
         """After the last fault: the target converges and the slot catches up
         by themselves; then every process must still be the one last started."""
-        for what, check in (("target == source", self._equal), ("slot confirmed the final LSN", self._caught_up)):
+        for what, check in (("target == source", self._equal), ("slot confirmed the final LSN", self.caught_up)):
             try:
                 wait_for(check, timeout=self.settle_timeout, interval=3, what=what)
             except AssertionError as e:

@@ -17,7 +17,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from schemas import wire
 from schemas.config import Config, parse_config
 from schemas.reader import SchemaResolver
-from spark_consumer.job import run
+from spark_consumer.supervisor import run
 from walbridge.runtime import producer_service
 
 

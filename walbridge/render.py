@@ -27,6 +27,12 @@ def render_view(snap: dict):
                  "DLQ", str(snap.get("dlq", 0)))
     if snap.get("stalled_groups"):
         head.add_row("STALLED", ", ".join(snap["stalled_groups"]), "", "", "", "")
+    spark = snap.get("spark")
+    if spark:
+        head.add_row("spark batch", "-" if spark["batch"] is None else str(spark["batch"]),
+                     "input rows/s", "-" if spark["rows_per_s"] is None else f"{spark['rows_per_s']:.1f}",
+                     "batch duration", "-" if spark["batch_s"] is None else f"{spark['batch_s']:.2f}s")
+        head.add_row("spark UI", spark.get("ui") or "off", "", "", "", "")
     shapes = Table(title="shapes")
     for col, justify in (("shape", "left"), ("events", "right"), ("events/s", "right"), ("lag", "right")):
         shapes.add_column(col, justify=justify)

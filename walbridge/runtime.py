@@ -167,16 +167,16 @@ def serve_metrics(port: int | None) -> None:
 
 
 def spark_job() -> ModuleType:
-    """:mod:`spark_consumer.job`, or :class:`MissingExtra` without pyspark."""
+    """:mod:`spark_consumer.supervisor`, or :class:`MissingExtra` without pyspark."""
     try:
         import pyarrow  # noqa: F401  (optional extra: spark)
         import pyspark  # noqa: F401  (optional extra: spark)
     except ImportError as e:
         raise MissingExtra(f"the Spark consumer needs the spark extra ({e.name} is missing): "
                            f"{SPARK_EXTRA}") from None
-    from spark_consumer import job  # optional extra: pyspark
+    from spark_consumer import supervisor  # optional extra: pyspark
 
-    return job
+    return supervisor
 
 
 def producer_service(config: Config, stop: threading.Event | None = None,
@@ -187,8 +187,8 @@ def producer_service(config: Config, stop: threading.Event | None = None,
 
 
 def consumer_service(config: Config, master: str | None, stop: threading.Event | None = None,
-                     appliers: list | None = None) -> None:
+                     appliers: list | None = None, ui: bool = False) -> None:
     """The Spark consumer with its metrics endpoint, until ``stop``."""
     job = spark_job()
     serve_metrics(config.metrics.consumer_port)
-    job.run(config, master, stop, appliers)
+    job.run(config, master, stop, appliers, ui)

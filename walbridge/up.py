@@ -2,9 +2,9 @@
 
 Without ``--config`` it runs on the embedded default: a throwaway PostgreSQL
 (demo schema from ``walbridge/demo.sql``, plus a ``warehouse`` target database),
-the Apache Kafka broker (KRaft), the producer, the consumer when the spark extra is installed
-(its continuous reader: ``[consumer] queries = "continuous"``), and a demo
-workload writing at a steady rate. With ``--config`` it runs the same
+the Apache Kafka broker (KRaft), the producer, the Spark consumer when the spark extra
+is installed (its Structured Streaming query in ``local[*]``, with Spark's UI on
+loopback), and a demo workload writing at a steady rate. With ``--config`` it runs the same
 against your database and broker (no workload unless ``--rate`` is given).
 
 Invariants:
@@ -119,7 +119,7 @@ class Sampler:
     _last_at: float = field(default_factory=time.monotonic)
 
     def sample(self, producer_view: dict | None, slot: dict | None, committed: dict[str, int],
-               errors: int, dlq: int, workload_tx: int) -> dict:
+               errors: int, dlq: int, workload_tx: int, spark: dict | None = None) -> dict:
         now = time.monotonic()
         dt = max(now - self._last_at, 1e-6)
         self._last_at = now
@@ -144,7 +144,7 @@ class Sampler:
             left = max(snap.get("total_estimate", 0) - rows, 0)
             snap["eta_s"] = None if snap.get("done") or not snap["rows_per_s"] else round(left / snap["rows_per_s"])
         return {
-            "uptime_s": round(now - self.started), "shapes": shapes, "writers": writers,
+            "uptime_s": round(now - self.started), "shapes": shapes, "writers": writers, "spark": spark,
             "slot": slot, "snapshot": snap, "errors": errors, "dlq": dlq, "workload_tx": workload_tx,
             "stalled_groups": producer_view.get("stalled_groups", []),
             "backfill": producer_view.get("backfill"),
@@ -178,11 +178,8 @@ def embedded_config(base_dir: Path) -> tuple[dict, list]:
         "source": {"dsn": pg.dsn("app"), "slot": "walbridge", "publication": "walbridge"},
         "kafka": {"bootstrap_servers": broker.bootstrap, "topic_prefix": "wb", "partitions": 4},
         "shapes": DEMO_SHAPES,
-        # One machine: the continuous reader (the driver reads and applies as
-        # changes come, no Spark micro-batches: commit → visible ~0.3 s at
-        # 1,000 tps against ~1.3 s; bench/RESULTS.md, "End-to-end latency").
         "consumer": {"group": "walbridge-spark", "target_dsn": pg.dsn("warehouse"),
-                     "checkpoint_dir": str(base_dir / "checkpoints"), "queries": "continuous"},
+                     "checkpoint_dir": str(base_dir / "checkpoints")},
         # WAL is released once the Spark consumer has committed (set to [] to
         # release on broker acknowledgement instead).
         "ack": {"consumer_groups": ["walbridge-spark"], "interval": 0.5},
@@ -236,7 +233,7 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
         producer.start()
         appliers: list = []
         if with_consumer and config.consumer.target_dsn:
-            consumer = threading.Thread(target=_guard(lambda: consumer_service(config, "local[*]", stop, appliers),
+            consumer = threading.Thread(target=_guard(lambda: consumer_service(config, "local[*]", stop, appliers, ui=True),
                                                       "consumer", stop, failed), name="consumer", daemon=True)
             consumer.start()
         if rate > 0:
@@ -257,7 +254,8 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
         with Live(console=console, refresh_per_second=2, transient=False, auto_refresh=False) as live:
             while not stop.is_set():
                 last = sampler.sample(views.get("producer"), _slot(config), _committed(admin, offsets, config),
-                                      errors.count, _dlq(appliers), workload.transactions if workload else 0)
+                                      errors.count, _dlq(appliers), workload.transactions if workload else 0,
+                                      spark_view(appliers))
                 if not headless:
                     live.update(render_view(last), refresh=True)
                 if deadline and time.monotonic() >= deadline:
@@ -275,7 +273,8 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
             if consumer:
                 consumer.join(60)
             last = sampler.sample(views.get("producer"), _slot(config), _committed(admin, offsets, config),
-                                  errors.count, _dlq(appliers), workload.transactions if workload else 0)
+                                  errors.count, _dlq(appliers), workload.transactions if workload else 0,
+                                  spark_view(appliers))
             live.update(render_view(last), refresh=True)
         if failed:
             raise failed[0]
@@ -328,6 +327,25 @@ def _guard(fn: Callable[[], None], part: str, stop: threading.Event, failed: lis
 
 def _dlq(appliers: list) -> int:
     return sum(a.dlq for a in appliers)
+
+
+def spark_view(appliers: list) -> dict | None:
+    """The consumer's query as the view shows it (its newest run): its
+    newest batch id, input rows/s and batch duration (Spark's last progress
+    report) and the Spark UI's address; None before the query started."""
+    applier = appliers[-1] if appliers else None
+    query = applier.query if applier is not None else None
+    if query is None:
+        return None
+    view = {"ui": applier.ui_url, "batch": None, "rows_per_s": None, "batch_s": None}
+    try:
+        progress = query.lastProgress
+    except Exception:  # noqa: BLE001 - a query being stopped: show what is known
+        progress = None
+    if progress:
+        view.update(batch=progress.get("batchId"), rows_per_s=round(progress.get("inputRowsPerSecond") or 0.0, 1),
+                    batch_s=round((progress.get("durationMs") or {}).get("triggerExecution", 0) / 1000, 2))
+    return view
 
 
 def _wait_caught_up(config: Config, timeout: float) -> None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import threading
 
 import psycopg
-import pytest
 
 from schemas.config import parse_config
 from spark_consumer.progress import read_backfills
+from spark_consumer.query import BatchApplier
 from tests.helpers import ConsumerThread, ProducerThread, make_config, wait_for
-from tests.integration.test_e2e import SHAPES, _caught_up, _prepare_source, _verify_ok, pgbench
+from tests.pipeline import SHAPES, caught_up, pgbench, prepare_source, verify_ok
 from walbridge.reconcile import reconcile
 from walbridge.verify import verify
 
@@ -23,13 +23,13 @@ def _config(source_db, target_db, bootstrap, prefix, tmp_path, shapes=SHAPES):
     group = f"{prefix}-spark"
     return make_config(source_db, bootstrap, prefix, shapes,
                        consumer={"group": group, "target_dsn": str(target_db),
-                                 "checkpoint_dir": str(tmp_path / "checkpoints"), "trigger_interval": 0.5},
+                                 "checkpoint_dir": str(tmp_path / "checkpoints")},
                        ack={"consumer_groups": [group], "interval": 0.5})
 
 
 def _wait_equal(cfg, consumer: ConsumerThread, timeout: float = 300) -> None:
     try:
-        ok = wait_for(lambda: _verify_ok(cfg)[0] or consumer.errors, timeout=timeout, interval=3,
+        ok = wait_for(lambda: verify_ok(cfg)[0] or consumer.errors, timeout=timeout, interval=3,
                       what="target == source")
     except AssertionError:
         ok = False
@@ -46,7 +46,7 @@ def _explain(cfg) -> list:
 
     out = []
     prefix = cfg["kafka"]["topic_prefix"]
-    for d in _verify_ok(cfg)[1]:
+    for d in verify_ok(cfg)[1]:
         if d.ok:
             continue
         out.append((d.shape, d.source_rows, d.target_rows, d.missing[:5], d.extra[:5], d.changed[:5]))
@@ -93,7 +93,7 @@ def _damage(target_db) -> None:
 
 def test_damaged_target_is_reconciled_while_pgbench_runs(source_db, target_db, kafka_broker, topic_prefix,
                                                          tmp_path):
-    _prepare_source(source_db)
+    prepare_source(source_db)
     cfg = _config(source_db, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
     load = threading.Thread(target=pgbench, args=(source_db, "-n", "-c", "2", "-T", "60", "-R", "100"),
                             daemon=True)
@@ -108,7 +108,7 @@ def test_damaged_target_is_reconciled_while_pgbench_runs(source_db, target_db, k
         assert load.is_alive(), "the load ended before the backfills did: not a test of 'while it runs'"
         load.join()
         _wait_equal(cfg, consumer)
-        wait_for(lambda: _caught_up(cfg), timeout=60, what="slot confirmed to the last commit")
+        wait_for(lambda: caught_up(cfg), timeout=60, what="slot confirmed to the last commit")
     assert not consumer.errors
     with psycopg.connect(target_db) as conn:
         done = read_backfills(conn, cfg["consumer"]["group"])
@@ -123,7 +123,7 @@ def test_damaged_target_is_reconciled_while_pgbench_runs(source_db, target_db, k
 
 def test_shape_added_to_running_pipeline_is_filled_then_followed(source_db, target_db, kafka_broker,
                                                                   topic_prefix, tmp_path):
-    _prepare_source(source_db)
+    prepare_source(source_db)
     first = [s for s in SHAPES if s["table"] != "public.pgbench_tellers"]
     cfg = _config(source_db, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path, first)
     with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
@@ -145,12 +145,11 @@ def test_shape_added_to_running_pipeline_is_filled_then_followed(source_db, targ
     assert live > 0, "no teller row was written by a streamed change after the backfill"
 
 
-@pytest.mark.parametrize("queries", ["per_shape", "continuous"])
 def test_broker_that_lost_everything_during_pgbench_is_recovered(source_db, target_db, private_kafka_broker,
-                                                                 topic_prefix, tmp_path, queries):
-    _prepare_source(source_db)
+                                                                 topic_prefix, tmp_path, caplog):
+    prepare_source(source_db)
     cfg = _config(source_db, target_db, private_kafka_broker.bootstrap, topic_prefix, tmp_path)
-    cfg["consumer"]["queries"] = queries
+    caplog.set_level("INFO", logger="walbridge.consumer")
     load = threading.Thread(target=pgbench, args=(source_db, "-n", "-c", "2", "-T", "40", "-R", "100"),
                             daemon=True)
     with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
@@ -163,11 +162,13 @@ def test_broker_that_lost_everything_during_pgbench_is_recovered(source_db, targ
         # follows them from offset 0 and converges by itself: reconcile finds
         # nothing to do.
         _wait_equal(cfg, consumer, timeout=300)
-        wait_for(lambda: _caught_up(cfg), timeout=120, what="slot confirmed to the last commit")
+        wait_for(lambda: caught_up(cfg), timeout=120, what="slot confirmed to the last commit")
         before, _ = reconcile(parse_config(cfg), wait=False, on_progress=print)
         assert all(d.ok for d in before), before
     assert not consumer.errors
     assert all(d.ok for d in verify(parse_config(cfg)))
+    # The running query saw its topics recreated by their ids and read the new ones from their start.
+    assert "the topic was recreated" in caplog.text or "the topic was deleted" in caplog.text
 
 
 def _backfills(target_db, cfg) -> list[dict]:
@@ -180,17 +181,16 @@ def _applied(target_db) -> int:
         return conn.execute("SELECT count(*) FROM public.pgbench_history WHERE _wb_snapshot_id IS NULL").fetchone()[0]
 
 
-def test_a_failed_query_is_restarted_from_its_checkpoint(source_db, target_db, kafka_broker, topic_prefix,
-                                                         tmp_path, monkeypatch, caplog):
-    """A micro-batch that fails (here: the first apply raises) fails its query;
-    the consumer restarts it from its checkpoint and the target still ends equal."""
-    from spark_consumer.job import ShapeApplier
-
+def test_a_failed_query_is_restarted_at_the_targets_progress(source_db, target_db, kafka_broker, topic_prefix,
+                                                              tmp_path, monkeypatch, caplog):
+    """A micro-batch that fails (here: the first foreachBatch raises) fails the
+    query; the consumer restarts it at the target's progress and the target
+    still ends equal."""
     with psycopg.connect(source_db, autocommit=True) as conn:
         conn.execute("CREATE TABLE items (id int PRIMARY KEY, v int)")
         conn.execute("INSERT INTO items SELECT g, g FROM generate_series(1, 2000) g")
     cfg = _config(source_db, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path, [{"table": "public.items"}])
-    real_call, failed = ShapeApplier.__call__, []
+    real_call, failed = BatchApplier.__call__, []
 
     def flaky(self, batch_df, batch_id):
         if not failed:
@@ -198,11 +198,11 @@ def test_a_failed_query_is_restarted_from_its_checkpoint(source_db, target_db, k
             raise RuntimeError("injected failure of the first micro-batch")
         return real_call(self, batch_df, batch_id)
 
-    monkeypatch.setattr(ShapeApplier, "__call__", flaky)
+    monkeypatch.setattr(BatchApplier, "__call__", flaky)
     with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
         _wait_equal(cfg, consumer, timeout=180)
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("UPDATE items SET v = -v WHERE id <= 10")
         _wait_equal(cfg, consumer, timeout=120)
     assert failed and not consumer.errors
-    assert "restarting it from its checkpoint" in caplog.text
+    assert "restarting it from the target's progress" in caplog.text

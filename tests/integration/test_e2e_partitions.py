@@ -13,7 +13,7 @@ from producer.backfill_requests import request_backfill
 from schemas.config import parse_config
 from spark_consumer.progress import read_backfills
 from tests.helpers import ConsumerThread, ProducerThread, make_config, wait_for
-from tests.integration.test_e2e import _caught_up
+from tests.pipeline import caught_up
 
 COLUMNS = "id, at, sensor, value"
 SHAPES = [{"table": "public.readings"}, {"table": "public.logs_a"}]
@@ -101,7 +101,7 @@ def test_partitioned_root_follows_every_leaf_created_attached_and_moved(source_d
         assert via_root is True
         assert moved and {leaf for (leaf,) in moved} == {"readings_2025"}
         _wait_equal(source_db, target_db, consumer, "every leaf change applied")
-        wait_for(lambda: _caught_up(cfg), timeout=60, what="the slot confirmed past the last change")
+        wait_for(lambda: caught_up(cfg), timeout=60, what="the slot confirmed past the last change")
         with psycopg.connect(target_db) as conn:
             in_new = conn.execute("SELECT count(*) FROM public.readings WHERE at >= '2026-01-01' "
                                   "AND at < '2028-01-01'").fetchone()[0]
@@ -124,7 +124,7 @@ def test_partitioned_root_follows_every_leaf_created_attached_and_moved(source_d
         assert (kept, after) == (detached, 0)
         request_backfill(parse_config(cfg), "public.readings", reason="test: partition detached")
         _wait_equal(source_db, target_db, consumer, "the backfill dropped the detached rows")
-        wait_for(lambda: _caught_up(cfg), timeout=60, what="the slot confirmed past the last change")
+        wait_for(lambda: caught_up(cfg), timeout=60, what="the slot confirmed past the last change")
     assert not consumer.errors
     with psycopg.connect(target_db) as conn:
         # One for the table attached with rows (asked for by the producer), one for the detach.

@@ -9,8 +9,7 @@ writer schema up between micro-batches and changes the target table in the
 transaction of the first batch that carries it.
 
 One producer/consumer pair serves the module (one table per test), so Spark
-starts once per apply path (the driver apply, and the staged apply, whose
-target follows in a transaction of its own before the executors stage)."""
+starts once."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from typing import Callable, Iterator
 import psycopg
 import pytest
 
-from spark_consumer.apply_plan import ShapeTarget, TargetColumn
+from spark_consumer.shape_record import ShapeColumn, ShapeTarget
 from spark_consumer.target_layout import ShapeCannotFollow, ensure_table
 from tests.helpers import ConsumerProcess, ProducerProcess, make_config, wait_for, write_toml
 
@@ -35,7 +34,7 @@ TABLES = {
 }
 ROWS = 200
 RATE = 60  # load transactions per second, over all tables
-RESTART = "restarting it from its checkpoint"  # what spark_consumer.job logs when it restarts a query
+RESTART = "restarting"  # what spark_consumer.supervisor logs when it restarts the query, for whatever reason
 
 
 class Load:
@@ -124,10 +123,10 @@ def streaming(pg_cluster, kafka_broker, tmp: Path, name: str, tables: dict[str, 
         pg_cluster.drop_database(target)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["driver-apply", "staged-apply"])
-def pipeline(request, pg_cluster, kafka_broker, tmp_path_factory):
+@pytest.fixture(scope="module")
+def pipeline(pg_cluster, kafka_broker, tmp_path_factory):
     with streaming(pg_cluster, kafka_broker, tmp_path_factory.mktemp("schema-changes"), "ddl", TABLES,
-                   [{"table": f"public.{t}"} for t in TABLES], Load, staged_apply=request.param) as state:
+                   [{"table": f"public.{t}"} for t in TABLES], Load) as state:
         yield state
 
 
@@ -254,7 +253,7 @@ def test_widening_retypes_follow_with_history_kept(pipeline):
 def _target(*columns: tuple) -> ShapeTarget:
     """columns: (name, pg type, is key[, aliases])."""
     return ShapeTarget("public.s", "public", "s", tuple(
-        TargetColumn(c[0], c[0], c[1], len(c) > 2 and c[2], None, tuple(c[3]) if len(c) > 3 else ()) for c in columns))
+        ShapeColumn(c[0], c[0], c[1], len(c) > 2 and c[2], None, tuple(c[3]) if len(c) > 3 else ()) for c in columns))
 
 
 def _table(conn, name: str = "public.s") -> dict:

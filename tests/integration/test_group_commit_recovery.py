@@ -11,7 +11,7 @@ import psycopg
 
 from spark_consumer.group_commits import OffsetCommitter
 from tests.helpers import ConsumerThread, ProducerThread, make_config, wait_for
-from tests.integration.test_e2e import _caught_up, _verify_ok
+from tests.pipeline import caught_up, verify_ok
 
 
 def test_a_group_commit_lost_after_the_apply_is_made_at_the_next_start(source_db, target_db, kafka_broker,
@@ -26,17 +26,17 @@ def test_a_group_commit_lost_after_the_apply_is_made_at_the_next_start(source_db
                       ack={"consumer_groups": [group], "interval": 0.3})
     with ProducerThread(cfg), psycopg.connect(source_db, autocommit=True) as conn:
         with ConsumerThread(cfg) as consumer:
-            wait_for(lambda: _verify_ok(cfg)[0] and _caught_up(cfg), timeout=180, what="snapshot applied")
+            wait_for(lambda: verify_ok(cfg)[0] and caught_up(cfg), timeout=180, what="snapshot applied")
             with monkeypatch.context() as patch:
                 # The group never hears of the next batches: as if killed after each target commit.
-                patch.setattr(OffsetCommitter, "_commit", lambda self, offsets: None)
+                patch.setattr(OffsetCommitter, "_commit", lambda self, *args: None)
                 conn.execute("UPDATE t SET v = 1 WHERE id <= 50")
-                wait_for(lambda: _verify_ok(cfg)[0], timeout=60, what="the update applied")
+                wait_for(lambda: verify_ok(cfg)[0], timeout=60, what="the update applied")
                 consumer.stop.set()
                 consumer.thread.join(120)
         assert not consumer.errors
         time.sleep(2.0)  # > [ack] interval: the producer had its chance to confirm
-        assert not _caught_up(cfg), "WAL confirmed without the group's commit"
+        assert not caught_up(cfg), "WAL confirmed without the group's commit"
         with ConsumerThread(cfg) as restarted:  # no new data: only the start can commit
-            wait_for(lambda: _caught_up(cfg), timeout=90, what="the slot confirmed after the consumer's restart")
+            wait_for(lambda: caught_up(cfg), timeout=90, what="the slot confirmed after the consumer's restart")
         assert not restarted.errors

@@ -22,7 +22,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from tests.helpers import ConsumerProcess, ProducerProcess, wait_for, write_toml
-from tests.integration.test_e2e import _caught_up, _prepare_source, _verify_ok, e2e_config, pgbench
+from tests.pipeline import caught_up, e2e_config, pgbench, prepare_source, verify_ok
 from walbridge.embedded import KafkaCluster
 
 OUTAGE_S = 30
@@ -61,9 +61,8 @@ def _fully_replicated(admin: AdminClient, prefix: str) -> bool:
 
 def test_three_brokers_killed_restarted_and_without_quorum_lose_and_double_nothing(
         source_db, target_db, cluster, topic_prefix, tmp_path):
-    _prepare_source(source_db)
+    prepare_source(source_db)
     cfg = e2e_config(source_db, target_db, cluster.bootstrap, topic_prefix, tmp_path)
-    cfg["consumer"]["queries"] = "one"
     cfg["consumer"]["max_offsets_per_trigger"] = 20000
     path = write_toml(cfg, tmp_path / "wb.toml")
     admin = AdminClient({"bootstrap.servers": cluster.bootstrap})
@@ -78,7 +77,7 @@ def test_three_brokers_killed_restarted_and_without_quorum_lose_and_double_nothi
 
     with ProducerProcess(path, tmp_path / "producer.log") as producer, \
             ConsumerProcess(path, tmp_path / "consumer.log") as consumer:
-        wait_for(lambda: _verify_ok(cfg)[0], timeout=300, interval=2, what="the snapshot applied")
+        wait_for(lambda: verify_ok(cfg)[0], timeout=300, interval=2, what="the snapshot applied")
         topics = _topics(admin, topic_prefix)
         assert topics and all(len(p.replicas) == 3 for t in topics.values() for p in t.partitions.values())
         loader = threading.Thread(target=load, daemon=True)
@@ -111,9 +110,9 @@ def test_three_brokers_killed_restarted_and_without_quorum_lose_and_double_nothi
 
         done.set()
         loader.join(60)
-        ok = wait_for(lambda: _verify_ok(cfg)[0], timeout=420, interval=2, what="target == source")
-        assert ok is True, _verify_ok(cfg)[1]
-        wait_for(lambda: _caught_up(cfg), timeout=120, what="confirmed_flush_lsn at the last commit")
+        ok = wait_for(lambda: verify_ok(cfg)[0], timeout=420, interval=2, what="target == source")
+        assert ok is True, verify_ok(cfg)[1]
+        wait_for(lambda: caught_up(cfg), timeout=120, what="confirmed_flush_lsn at the last commit")
         assert producer.proc.poll() is None, "the producer ended by itself"
         assert consumer.proc.poll() is None, "the consumer ended by itself"
 

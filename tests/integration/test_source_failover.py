@@ -32,7 +32,7 @@ import psycopg
 
 from schemas.config import parse_config
 from tests.helpers import ConsumerProcess, ProducerProcess, make_config, wait_for, write_toml
-from tests.integration.test_e2e import _applied_batches, _caught_up, _verify_ok, assert_applied_once, e2e_config
+from tests.pipeline import applied_offsets, assert_applied_once, caught_up, e2e_config, verify_ok
 from walbridge.check import OK, WARN, live_checks
 from walbridge.embedded import PostgresCluster, find_pg_bin
 
@@ -113,7 +113,6 @@ def test_primary_killed_walbridge_carries_on_from_the_synced_slot_on_the_promote
             conn.execute("ALTER TABLE pgbench_accounts REPLICA IDENTITY FULL")
         cfg = e2e_config(source, target_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
         cfg["source"]["reconnect_max_backoff"] = 1.0  # back soon after the promotion
-        cfg["consumer"]["queries"] = "continuous"
         slot = cfg["source"]["slot"]
         path = write_toml(cfg, tmp_path / "wb.toml")
         producer_log, consumer_log = tmp_path / "producer.log", tmp_path / "consumer.log"
@@ -133,7 +132,7 @@ def test_primary_killed_walbridge_carries_on_from_the_synced_slot_on_the_promote
         loader = threading.Thread(target=load, daemon=True)
         with ProducerProcess(path, producer_log) as producer, ConsumerProcess(path, consumer_log) as consumer:
             try:
-                wait_for(lambda: _applied_batches(target_db) > 5000, timeout=180, interval=0.5,
+                wait_for(lambda: applied_offsets(target_db) > 5000, timeout=180, interval=0.5,
                          what="the consumer applying the snapshot")
                 loader.start()
                 wait_for(lambda: rounds[False] >= 1, timeout=60, what="pgbench on the primary")
@@ -152,10 +151,10 @@ def test_primary_killed_walbridge_carries_on_from_the_synced_slot_on_the_promote
                          what="pgbench going on against the new primary")
                 stop_load.set()
                 loader.join(60)
-                ok = wait_for(lambda: _verify_ok(cfg)[0], timeout=300, interval=3,
+                ok = wait_for(lambda: verify_ok(cfg)[0], timeout=300, interval=3,
                               what="target == the new primary")
-                assert ok, _verify_ok(cfg)[1]
-                wait_for(lambda: _caught_up(cfg), timeout=90, what="the new primary's slot at the last change")
+                assert ok, verify_ok(cfg)[1]
+                wait_for(lambda: caught_up(cfg), timeout=90, what="the new primary's slot at the last change")
                 assert producer.proc.poll() is None and consumer.proc.poll() is None, "a process exited by itself"
             finally:
                 stop_load.set()

@@ -39,7 +39,7 @@ from tests.cluster import (
     user_env,
 )
 from tests.helpers import ProducerThread, wait_for, write_toml
-from tests.integration.test_e2e import _caught_up, _prepare_source, _verify_ok, e2e_config, pgbench
+from tests.pipeline import applying, caught_up, e2e_config, pgbench, prepare_source, verify_ok
 from walbridge.embedded import KafkaBroker, PostgresCluster
 
 
@@ -122,8 +122,8 @@ class Cluster:
         return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else "(no log)"
 
     def converged(self) -> bool:
-        ok, _ = _verify_ok(self.cfg)
-        return ok and _caught_up(self.cfg)
+        ok, _ = verify_ok(self.cfg)
+        return ok and caught_up(self.cfg)
 
     def stop(self) -> None:
         if self.alive():
@@ -169,16 +169,16 @@ def _wait_converged(c: Cluster, timeout: float = 300) -> None:
     ok = wait_for(lambda: c.converged() or not c.alive(), timeout=timeout, interval=3,
                   what="target == source on every shape, slot at the last commit")
     assert ok is True and c.alive(), c.tail()
-    ok, diffs = _verify_ok(c.cfg)
+    ok, diffs = verify_ok(c.cfg)
     assert ok, diffs
 
 
 def test_consumer_on_a_standalone_cluster_applies_pgbench_with_tasks_on_the_worker(cluster):
-    """spark-submit to the master as the README says (the default, driver
-    apply); the executors on the other host read and decode every shape with
-    the packed Python."""
+    """spark-submit to the master as the README says; the executors on the
+    other host read (Spark's Kafka source) and decode every shape with the
+    packed Python, the driver applies."""
     c = cluster
-    _prepare_source(c.source)
+    prepare_source(c.source)
     with ProducerThread(c.cfg):
         c.submit_and_wait_applying()
         # While the executors work: what their Python workers have loaded.
@@ -203,9 +203,8 @@ def test_consumer_on_a_standalone_cluster_applies_pgbench_with_tasks_on_the_work
     assert props["spark.pyspark.python"] == "./env/bin/python"
     # Their Python is the packed environment Spark unpacked in the executor's
     # work dir: walbridge's extension and confluent-kafka come from there,
-    # nothing from this checkout or its .venv. (With the driver apply the
-    # executors never connect to the target, so psycopg is not loaded; the
-    # kill -9 test's staged apply needs the packed psycopg on them.)
+    # nothing from this checkout or its .venv. (The executors never connect
+    # to the target: the driver applies.)
     for pid, files in pythons.items():
         ours = [f for f in files if f.startswith(str(ROOT))]
         assert not ours, (pid, ours)
@@ -215,17 +214,17 @@ def test_consumer_on_a_standalone_cluster_applies_pgbench_with_tasks_on_the_work
                 (pid, needle, found)
 
 
-def test_kill9_of_the_executor_mid_load_is_rescheduled_and_loses_nothing(cluster):
-    """With the staged apply, so the executor dies while it reads, decodes and
-    writes its partitions' rows to the target."""
+def test_kill9_of_the_executor_mid_apply_is_rescheduled_and_loses_nothing(cluster):
+    """The executor dies while the driver applies a batch and the executor
+    reads and decodes the next one."""
     c = cluster
-    c.cfg["consumer"]["staged_apply"] = True
-    _prepare_source(c.source)
+    prepare_source(c.source)
     with ProducerThread(c.cfg):
         c.submit_and_wait_applying()
         load = threading.Thread(target=pgbench, args=(c.source, "-n", "-c", "2", "-T", "20"), daemon=True)
         load.start()
-        time.sleep(5)  # mid-load: batches being read, staged and committed
+        wait_for(lambda: applying(c.target), timeout=120, interval=0.01,
+                 what="an apply written and not committed, under load")
         killed = c.spark.executor_pids()
         assert killed, "no executor JVM in the namespace"
         before = _applied_offsets(c.target)

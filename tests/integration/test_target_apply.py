@@ -1,6 +1,6 @@
 """The apply shell on a real target PostgreSQL: tables from the Avro schema,
 idempotence, crash safety, position guards, tombstones, TOAST, special values,
-cuts, keyless dedupe, the staged (parallel) path, and throughput."""
+cuts, keyless dedupe, and throughput."""
 
 from __future__ import annotations
 
@@ -18,16 +18,16 @@ from producer.envelope import ShapeCodec, ShapeColumn
 from producer.pgtypes import PgTypeInfo, column_codec
 from schemas.buckets import bucket_of
 from spark_consumer.apply_driver import apply_batch, apply_shapes
-from spark_consumer.apply_plan import OffsetResetError, Progress, ShapeTarget
-from spark_consumer.apply_staged import StagingMissingError, commit_batch, drop_stale_staging, stage_part
+from spark_consumer.apply_plan import OffsetResetError
 from spark_consumer.batch import BackfillGC, Part, parts_from_rows
 from spark_consumer.progress import (
+    Progress,
     ProgressGapError,
     ensure_progress,
     read_backfills,
-    read_part_progress,
     read_progress,
 )
+from spark_consumer.shape_record import ShapeTarget
 from spark_consumer.statements import gc_tombstones
 from spark_consumer.target_layout import ensure_table
 
@@ -248,9 +248,9 @@ def test_progress_of_another_topic_incarnation_counts_nothing(conn, items):
     assert progress(conn)[0] == (1, (200, 0)) and read_progress(conn, GROUP, TOPIC)[(TOPIC, 0)].topic_id == "B"
     assert apply_batch(conn, GROUP, items, [dataclasses.replace(second, topic_id="B")]).total("upserted") == 2
     assert [r[0] for r in table_rows(conn)] == [1, 2, 3, 4, 5, 6]
-    # The staged path's executors read progress the same way.
-    assert read_part_progress(conn, GROUP, TOPIC, 0, "B").next_offset == 3
-    assert read_part_progress(conn, GROUP, TOPIC, 0, "C").next_offset == 0
+    # Read as a part of another incarnation sees it, nothing of it counts.
+    assert read_progress(conn, GROUP, TOPIC)[(TOPIC, 0)].for_incarnation("B").next_offset == 3
+    assert read_progress(conn, GROUP, TOPIC)[(TOPIC, 0)].for_incarnation("C").next_offset == 0
 
 
 def test_progress_made_before_incarnations_were_recorded_gains_the_column(conn):
@@ -524,43 +524,6 @@ def test_a_keyless_removal_that_comes_before_its_row_waits_for_it(conn):
     assert res.parts[("wb.eventlog", 1)].tombstones_dropped == 1 and pending() == []
 
 
-# ---------------------------------------------------------------- staged path
-def test_staged_parts_commit_as_one_decision(target_db, conn, items):
-    parts = batch_one()
-    with psycopg.connect(target_db, autocommit=True) as e0, psycopg.connect(target_db, autocommit=True) as e1:
-        s0 = stage_part(e0, GROUP, items, parts[0])
-        s1 = stage_part(e1, GROUP, items, parts[1])
-    assert (s0.rows, s1.rows) == (2, 1) and table_rows(conn) == []  # nothing visible before the commit
-    res = commit_batch(conn, GROUP, [(items, [Part(p.topic, p.partition, p.start, p.end) for p in parts])])
-    assert res.total("upserted") == 2 and res.total("tombstoned") == 1 and res.offsets == {(TOPIC, 0): 3, (TOPIC, 1): 2}
-    assert table_rows(conn) == [(1, "a2", Decimal("1.50")), (2, "b", None)]
-    assert conn.execute("SELECT count(*) FROM _walbridge.staged_parts").fetchone()[0] == 0
-    assert conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = '_walbridge' "
-                        "AND tablename LIKE 'stage\\_%'").fetchone()[0] == 0
-    # Replay: stage again (crash after commit, before Spark recorded it), commit again: skipped.
-    stage_part(conn, GROUP, items, parts[0])
-    stage_part(conn, GROUP, items, parts[1])
-    res = commit_batch(conn, GROUP, [(items, parts)])
-    assert res.total("skipped_replayed") == 5 and res.total("applied") == 0
-    # Committing a part nobody staged fails: the batch must be re-run.
-    with pytest.raises(StagingMissingError):
-        commit_batch(conn, GROUP, [(items, [Part(TOPIC, 0, 3, 9)])])
-
-
-def test_staged_crash_between_staging_and_commit(target_db, conn, items):
-    p = part([change("c", 100, id=1, body="one", off=0), change("c", 101, id=2, off=1)], 0)
-    stage_part(conn, GROUP, items, p)  # ... and the driver dies before commit_batch
-    assert table_rows(conn) == [] and read_progress(conn, GROUP) == {}
-    stage_part(conn, GROUP, items, p)  # the replayed batch recreates the same staging table
-    assert conn.execute("SELECT count(*) FROM _walbridge.staged_parts").fetchone()[0] == 1
-    res = commit_batch(conn, GROUP, [(items, [p])])
-    assert res.total("upserted") == 2 and progress(conn)[0] == (2, (101, 0))
-    # Leftovers of a batch that will never be committed are collected.
-    stage_part(conn, GROUP, items, p)
-    assert drop_stale_staging(conn, GROUP) == 1
-    assert conn.execute("SELECT count(*) FROM _walbridge.staged_parts").fetchone()[0] == 0
-
-
 # ----------------------------------------------------------------- throughput
 def test_throughput_keyed_upserts_vs_raw_copy(conn, items, capsys):
     n = 100_000
@@ -609,44 +572,6 @@ def test_several_shapes_commit_or_fail_together(conn, items):
     res = apply_shapes(conn, GROUP, [good, (t, parts_from_rows([lchange("c", 101, off=0, a=1, b="ok")]))])
     assert res.total("upserted") == 1 and res.total("appended") == 1
     assert set(res.offsets) == {(TOPIC, 0), ("wb.eventlog", 0)}
-
-
-def test_staged_cuts_keyless_and_progress_race(target_db, conn, items):
-    t = log_target()
-    ensure_table(conn, t)
-    apply_batch(conn, GROUP, items, [part([change("c", 100, id=1, off=0), change("c", 100, 1, id=2, off=1)], 0)])
-    p0 = part([change("t", 200, off=2), change("c", 210, id=3, off=3)], 0)
-    lp = parts_from_rows([lchange("c", 300, off=0, a=1, b="x"), lchange("c", 301, off=1, a=1, b="x")])
-    with psycopg.connect(target_db, autocommit=True) as e:
-        stage_part(e, GROUP, items, p0)
-        stage_part(e, GROUP, t, lp[0])
-    res = commit_batch(conn, GROUP, [(items, [p0]), (t, lp)])
-    assert res.parts[(TOPIC, 0)].truncated == 2 and res.parts[(TOPIC, 0)].upserted == 1
-    assert res.parts[("wb.eventlog", 0)].appended == 2
-    assert [r[0] for r in table_rows(conn)] == [3] and read_progress(conn, GROUP)[(TOPIC, 0)].floor == (200, 0)
-    # A part staged, then applied by someone else before this commit: skipped at commit.
-    p1 = part([change("c", 220, id=4, off=4)], 0)
-    stage_part(conn, GROUP, items, p1)
-    apply_batch(conn, GROUP, items, [p1])
-    res = commit_batch(conn, GROUP, [(items, [p1])])
-    assert res.parts[(TOPIC, 0)].skipped_replayed == 1 and res.total("applied") == 0
-
-
-def test_staged_keyless_removal_waits_for_its_row(target_db, conn):
-    t = log_target()
-    ensure_table(conn, t)
-    early = parts_from_rows([lchange("u", 201, p=1, off=0, a=3, b="y", before={"a": 2, "b": "x"})])
-    late = parts_from_rows([lchange("c", 100, p=0, off=0, a=2, b="x")])
-    with psycopg.connect(target_db, autocommit=True) as e:
-        stage_part(e, GROUP, t, early[0])
-    res = commit_batch(conn, GROUP, [(t, [Part(p.topic, p.partition, p.start, p.end) for p in early])])
-    assert (res.total("appended"), res.total("tombstoned"), res.total("stale")) == (1, 1, 0)
-    with psycopg.connect(target_db, autocommit=True) as e:
-        stage_part(e, GROUP, t, late[0])
-    res = commit_batch(conn, GROUP, [(t, [Part(p.topic, p.partition, p.start, p.end) for p in late])])
-    assert (res.total("appended"), res.total("cancelled"), res.total("stale")) == (0, 1, 0)
-    assert conn.execute("SELECT a, b FROM eventlog").fetchall() == [(3, "y")]
-    assert conn.execute("SELECT count(*) FROM eventlog__wb_tombstones").fetchone()[0] == 0
 
 
 # ------------------------------------------------------------------ backfills
@@ -803,41 +728,9 @@ def test_keyless_scoped_backfill(conn):
     assert (gc.backfill_id, gc.shape, gc.gc_deleted, gc.gc_tombstones) == ("bf1", "eventlog", 1, 0)
 
 
-def test_staged_scoped_backfill_and_final_gc(target_db, conn, items):
-    scope, inside = scope_split(conn, range(1, 41))
-    ins, outs = sorted(inside), sorted(set(range(1, 41)) - inside)
-    apply_batch(conn, GROUP, items, [part([change("c", 100, id=ins[0], off=0), change("c", 100, id=ins[1], off=1),
-                                           change("c", 100, id=outs[0], off=2)], 0),
-                                     part([change("c", 100, id=ins[2], p=1, off=0),
-                                           change("c", 100, id=outs[1], p=1, off=1)], 1)])
-    conn.execute("INSERT INTO app.items (id) VALUES (%s), (%s)", (ins[3], outs[2]))  # no position
-    p0 = part([change("u", 300, id=outs[0], body="live", off=3), change("r", 500, id=ins[0], snap="bf1", off=4),
-               backfill_end(500, p=0, off=5, scope=scope)], 0)
-    p1 = part([change("r", 500, id=ins[2], snap="bf1", p=1, off=2), backfill_end(500, p=1, off=3, scope=scope)], 1)
-    with psycopg.connect(target_db, autocommit=True) as e0, psycopg.connect(target_db, autocommit=True) as e1:
-        stage_part(e0, GROUP, items, p0)
-        stage_part(e1, GROUP, items, p1)
-    res = commit_batch(conn, GROUP, [(items, [Part(p.topic, p.partition, p.start, p.end) for p in (p0, p1)])])
-    assert res.parts[(TOPIC, 0)].truncated == 1 and res.parts[(TOPIC, 1)].truncated == 0  # ins[1] on p0
-    assert res.backfills_completed == [BackfillGC(TOPIC, "bf1", "app.items", 1, 0)]  # ins[3]
-    assert ids(conn) == {ins[0], ins[2], outs[0], outs[1], outs[2]}
-    assert conn.execute("SELECT \"body text\" FROM app.items WHERE id = %s", (outs[0],)).fetchone()[0] == "live"
-    assert {tp: pr.floor for tp, pr in read_progress(conn, GROUP).items()} == {(TOPIC, 0): None, (TOPIC, 1): None}
-    [bf] = read_backfills(conn, GROUP)
-    assert bf["partitions_done"] == [0, 1] and bf["completed_at"] is not None and bf["gc_deleted"] == 1
-    # Replayed: staged again and committed again, skipped; nothing recorded twice.
-    stage_part(conn, GROUP, items, p0)
-    stage_part(conn, GROUP, items, p1)
-    res = commit_batch(conn, GROUP, [(items, [p0, p1])])
-    assert res.total("applied") == 0 and res.backfills_completed == []
-    assert read_backfills(conn, GROUP)[0]["updated_at"] == bf["updated_at"]
-
-
-def test_staged_backfill_end_below_the_floor_is_still_recorded(target_db, conn, items):
+def test_a_backfill_end_below_the_floor_is_still_recorded(conn, items):
     # A TRUNCATE during the backfill put p0's floor above the backfill's start.
     apply_batch(conn, GROUP, items, [part([change("t", 700, off=0)], 0)])
-    p0 = part([backfill_end(500, p=0, off=1, n=1)], 0)
-    stage_part(conn, GROUP, items, p0)
-    res = commit_batch(conn, GROUP, [(items, [p0])])
+    res = apply_batch(conn, GROUP, items, [part([backfill_end(500, p=0, off=1, n=1)], 0)])
     assert res.backfills_completed == [BackfillGC(TOPIC, "bf1", "app.items", 0, 0)]
     assert read_progress(conn, GROUP)[(TOPIC, 0)].floor == (700, 0)

@@ -1,9 +1,11 @@
-"""`walbridge up` headless on the embedded default: data flows end to end and
-the view shows the real numbers."""
+"""`walbridge up` headless on the embedded default: data flows end to end
+through the producer and the Spark consumer's query, the view shows the real
+numbers (the query's among them), and verify passes."""
 
 from __future__ import annotations
 
 import io
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,6 +28,7 @@ def test_up_headless_flows_and_shows_real_numbers(capfd):
 
     try:
         last = run_up(None, base, duration=25, rate=25, headless=True, console=console, before_stop=count_topics)
+        log = (base / "walbridge.log").read_text()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     text = console.export_text()
@@ -43,6 +46,14 @@ def test_up_headless_flows_and_shows_real_numbers(capfd):
     assert shapes["public.orders"]["events"] > 5000  # snapshot + live
     assert last["slot"]["confirmed_flush_lsn"] in text
     assert "stopped. logs:" in text
+    # The consumer is a Spark Structured Streaming query: its progress is in
+    # the log and in the view (batch id, input rows/s, batch duration, UI).
+    assert "consuming 4 shape topics in one query" in log
+    assert len(re.findall(r"walbridge\.consumer: batch \d+: \d+ rows of \d+ shapes", log)) > 5, log[-3000:]
+    spark = last["spark"]
+    assert spark["batch"] > 5 and spark["batch_s"] is not None and spark["rows_per_s"] is not None
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+", spark["ui"]) and spark["ui"] in text
+    assert re.search(rf"spark batch +{spark['batch']} +input rows/s", text), text[-3000:]
     # The Spark consumer applied everything: verify passes for every shape.
     assert [v["ok"] for v in last["verify"]] == [True] * len(DEMO_SHAPES), last["verify"]
     assert "walbridge verify" in text and "DIFFERENT" not in text

@@ -19,15 +19,11 @@ from spark_consumer.apply_plan import (
     UPSERT,
     OffsetResetError,
     PlanError,
-    Progress,
-    ShapeTarget,
-    classify_cuts,
-    make_cut,
     split_replayed,
-    split_shape_name,
-    tombstone_name,
 )
 from spark_consumer.decode import BEFORE_COLUMNS, BOOKKEEPING_NAMES
+from spark_consumer.progress import Progress
+from spark_consumer.shape_record import ShapeTarget, split_shape_name, tombstone_name
 
 INT = PgTypeInfo(23, "integer", 23, "integer", -1, "b")
 TEXT = PgTypeInfo(25, "text", 25, "text", -1, "b")
@@ -305,7 +301,7 @@ def test_scoped_backfill_end_erases_nothing_and_is_no_floor_cut():
     [cut] = plan.scoped_cuts
     assert (cut.partition, cut.position, cut.offset, cut.reason) == (0, (500, 0), 3, "backfill_end")
     assert cut.scope == SCOPE and cut.backfill_id == "bf1" and cut.info["partitions"] == 2
-    assert plan.backfill_ends == [cut] and plan.cut_events == [cut]
+    assert plan.backfill_ends == [cut]
     st = plan.stats[(TOPIC, 0)]
     assert (st.rows, st.erased, st.below_floor, st.control, st.planned) == (4, 0, 0, 1, 3)
     assert [c["_wb_control"] for c in plan.controls] == ["backfill_end"]
@@ -321,11 +317,10 @@ def test_unscoped_backfill_end_is_a_floor_cut_and_a_backfill_end():
     plan = plan_batch(t, rows)
     assert set(by_key(plan)) == {3, 5} and plan.stats[(TOPIC, 0)].erased == 1
     assert plan.cuts[0].position == (500, 0) and plan.cuts[0].scope is None and plan.scoped_cuts == []
-    assert plan.backfill_ends == [plan.cuts[0]] and plan.cut_events == [plan.cuts[0]]
+    assert plan.backfill_ends == [plan.cuts[0]]
     # A later TRUNCATE is the partition's floor cut; the backfill_end is still reported.
     plan = plan_batch(t, rows + [row("t", 700, off=4)])
     assert plan.cuts[0].reason == "t" and [c.offset for c in plan.backfill_ends] == [2]
-    assert sorted(c.offset for c in plan.cut_events) == [2, 4]
     # Without info (an older producer): a plain cut, no backfill to record.
     plan = plan_batch(t, [row("c", 100, id=1, off=0), backfill_end(500, off=1, info=False)])
     assert plan.cuts[0].position == (500, 0) and plan.backfill_ends == [] and by_key(plan) == {}
@@ -350,19 +345,6 @@ def test_backfill_end_info_must_be_readable():
         backfill_end(500, off=1, scope={"columns": ["a", "b"], "bucket_count": 4, "buckets": [0]}),
         a=None, b=None)])
     assert plan.count(APPEND) == 1 and plan.cuts == {} and plan.scoped_cuts[0].scope["columns"] == ["a", "b"]
-
-
-def test_cut_events_round_trip_through_staging():
-    """The staged path rebuilds cuts from (reason, info JSON): same classification."""
-    rows = [row("t", 300, off=0), backfill_end(500, off=1, scope=SCOPE), backfill_end(500, p=1, off=0),
-            row(None, 50, control="snapshot_end", p=2, off=0)]
-    plan = plan_batch(keyed_target(), rows)
-    rebuilt = classify_cuts(make_cut(c.partition, c.lsn, c.op_index, c.offset, c.reason,
-                                     json.loads(json.dumps(c.info)) if c.info else None) for c in plan.cut_events)
-    order = lambda cs: sorted(cs, key=lambda c: (c.partition, c.offset))  # noqa: E731
-    assert rebuilt[0] == plan.cuts and rebuilt[1] == plan.scoped_cuts
-    assert order(rebuilt[2]) == order(plan.backfill_ends) and len(plan.backfill_ends) == 2
-    assert {p: c.reason for p, c in plan.cuts.items()} == {0: "t", 1: "backfill_end", 2: "snapshot_end"}
 
 
 def test_tuple_rows_plan_like_mappings_in_any_field_order():

@@ -150,7 +150,7 @@ def test_every_package_is_read():
         assert package in mods
     assert "spark_consumer._fastdecode" in mods and "producer._fastcodec" in mods
     # An import inside a function is an arrow too.
-    assert "spark_consumer.job" in import_graph(ROOT)["walbridge.runtime"]
+    assert "spark_consumer.supervisor" in import_graph(ROOT)["walbridge.runtime"]
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:

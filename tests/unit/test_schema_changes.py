@@ -1,34 +1,38 @@
-"""Schema changes on the consumer side, pure parts: the raw source rows, the
-per-batch decode that notices a new writer schema, and the target DDL a new
-schema plans (issue 12)."""
+"""Schema changes on the consumer side, pure parts: the raw rows of Spark's
+Kafka source, the per-batch decode that notices a new writer schema, and the
+target DDL a new schema plans (issue 12)."""
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pytest
 from psycopg import sql
 
 from schemas import wire
-from spark_consumer.kafka_source import (
-    RawRows,
-    ShapeSchemas,
-    SourceOptions,
-    decode_batches,
-    raw_messages,
-)
+from spark_consumer.batch_split import decode_batches, raw_messages
+from spark_consumer.shape_schemas import ShapeSchemas, ShapeSource
 from spark_consumer.target_ddl import ExistingColumn, WantedColumn, plan_changes, widens
 from tests.unit.test_spark_decode import TOPIC, Shape, _col, pos
 
-
 # ------------------------------------------------------------ raw rows
-def test_raw_rows_give_back_every_message_as_read_also_from_a_slice():
-    rows = RawRows(TOPIC, 3)
+# The columns of Spark's Kafka source, as Arrow hands them to mapInArrow.
+RAW_ARROW = pa.schema([("topic", pa.string()), ("partition", pa.int32()), ("offset", pa.int64()),
+                       ("key", pa.binary()), ("value", pa.binary()),
+                       ("headers", pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())])))])
+
+
+def raw_batch(topic: str, partition: int, messages) -> pa.RecordBatch:
+    """(offset, key, value, headers) messages as one raw record batch."""
+    rows = [{"topic": topic, "partition": partition, "offset": o, "key": k, "value": v,
+             "headers": None if h is None else [{"key": n, "value": hv} for n, hv in h]} for o, k, v, h in messages]
+    return pa.RecordBatch.from_pylist(rows, schema=RAW_ARROW)
+
+
+def test_raw_messages_give_back_every_message_as_read_also_from_a_slice():
     messages = [(10, b"k1", b"v1", [("wb.pos", b"\x00" * 16), ("x", None)]),
                 (11, None, None, None),
                 (12, b"k3", b"v3", [("wb.control", b"snapshot_end")])]
-    for m in messages:
-        rows.add(*m)
-    batch = rows.to_record_batch()
-    assert rows.count == 0
+    batch = raw_batch(TOPIC, 3, messages)
     assert list(raw_messages(batch)) == [(TOPIC, 3, *m) for m in messages]
     assert list(raw_messages(batch.slice(1))) == [(TOPIC, 3, *m) for m in messages[1:]]
 
@@ -39,10 +43,7 @@ NEW = [_col("id", 20, "bigint", key=True), _col("v", 20, "bigint"), _col("note",
 
 
 def _raw(*messages) -> list:
-    rows = RawRows(TOPIC, 0)
-    for m in messages:
-        rows.add(*m)
-    return [rows.to_record_batch()]
+    return [raw_batch(TOPIC, 0, messages)]
 
 
 def _schemas(*shapes: Shape) -> ShapeSchemas:
@@ -52,7 +53,7 @@ def _schemas(*shapes: Shape) -> ShapeSchemas:
                         tuple(f"fp:{wire.schema_fingerprint(s.codec.value_schema).hex()}" for s in shapes), every)
 
 
-OPTS = SourceOptions(topic=TOPIC, bootstrap_servers="127.0.0.1:1", topic_prefix="wb")
+SRC = ShapeSource(topic=TOPIC, bootstrap_servers="127.0.0.1:1", topic_prefix="wb")
 
 
 def test_a_batch_with_a_value_schema_the_layout_lacks_is_marked_for_decoding_again():
@@ -60,14 +61,14 @@ def test_a_batch_with_a_value_schema_the_layout_lacks_is_marked_for_decoding_aga
     batch = _raw((0, None, old.value("c", after=(1, 5)), pos(1)),
                  (1, None, new.value("c", after=(2, 2 ** 40, "n")), pos(2)),
                  (2, None, old.value("c", after=(3, 7)), pos(3)))
-    [marked] = decode_batches(OPTS, _schemas(old), True, iter(batch))
+    [marked] = decode_batches(SRC, _schemas(old), iter(batch))
     assert marked.num_rows == 1  # the rows before it are dropped: the whole batch is decoded again
     [row] = marked.to_pylist()
     assert row["_wb_control"] == wire.NEW_SCHEMA_CONTROL and row["_wb_offset"] == 1
     assert "which the layout was not derived with" in row["_wb_error"]
 
     # With the schemas learned again, the same batch decodes into the new layout, older rows by name.
-    [decoded] = decode_batches(OPTS, _schemas(old, new), True, iter(batch))
+    [decoded] = decode_batches(SRC, _schemas(old, new), iter(batch))
     assert [(r["id"], r["v"], r["note"]) for r in decoded.to_pylist()] == [(1, 5, None), (2, 2 ** 40, "n"),
                                                                           (3, 7, None)]
 
@@ -76,13 +77,11 @@ def test_an_unknown_schema_that_only_drops_columns_is_also_learned():
     """A DROP COLUMN must reach the target too (keep nullable, or drop)."""
     old, narrower = Shape(OLD), Shape(OLD[:1])
     batch = _raw((0, None, narrower.value("c", after=(1,)), pos(1)))
-    [marked] = decode_batches(OPTS, _schemas(old), True, iter(batch))
+    [marked] = decode_batches(SRC, _schemas(old), iter(batch))
     assert marked.to_pylist()[0]["_wb_control"] == wire.NEW_SCHEMA_CONTROL
-    # read_shape_stream's typed stream (no re-learning) reads it, the column null
-    with_lookup = ShapeSchemas(old.codec.value_schema, old.codec.key_schema, _schemas(old).known_value_refs,
-                               _schemas(old, narrower).writer_schemas)
-    [typed] = decode_batches(OPTS, with_lookup, False, iter(batch))
-    assert [(r["id"], r["v"]) for r in typed.to_pylist()] == [(1, None)]
+    # Learned, the narrower schema is the layout: the dropped column is gone from it.
+    [typed] = decode_batches(SRC, _schemas(old, narrower), iter(batch))
+    assert typed.to_pylist()[0]["id"] == 1 and "v" not in typed.schema.names
 
 
 # -------------------------------------------------------------- target DDL
@@ -181,17 +180,6 @@ def test_a_changed_key_swaps_the_primary_key_and_a_lost_key_goes_keyless():
         ("add_key", 'ALTER TABLE "public"."t" ADD PRIMARY KEY ("code")', None, False)]
     assert [s[0] for s in _plan(existing, ["id"], [("id", "integer"), ("code", "text")])] == [
         "drop_key", "relax", "relax", "keyless"]
-
-
-# ----------------------------------------------------------- the run loop
-def test_a_shape_that_cannot_follow_is_recognised_raised_or_through_spark():
-    from spark_consumer.job import cannot_follow
-    from spark_consumer.target_layout import ShapeCannotFollow
-
-    assert cannot_follow(ShapeCannotFollow("shape s: key column 'id' ..."))
-    assert cannot_follow(RuntimeError("[FOREACH_BATCH_USER_FUNCTION_ERROR] ... "
-                                      "spark_consumer.target_layout.ShapeCannotFollow: shape s: key column 'id'"))
-    assert not cannot_follow(RuntimeError('value "1099511627834" is out of range for type integer'))
 
 
 def test_older_messages_of_a_renamed_column_land_in_it_by_its_alias():

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 from producer.envelope import value_schema
 from producer.pipeline import Pipeline
 from producer.schema_changes import from_published
-from spark_consumer.apply_plan import ShapeTarget
 from spark_consumer.decode import ShapeLayout
+from spark_consumer.shape_record import ShapeTarget
 from tests.unit.test_envelope import codec
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
-import pickle
 import re
 import uuid
 from decimal import Decimal
@@ -18,7 +17,6 @@ import pyarrow as pa
 import pytest
 from fastavro import parse_schema, schemaless_writer
 from pyspark.sql.pandas.types import to_arrow_schema
-from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, ReadMinRows
 from pyspark.sql.types import (
     ArrayType,
     BinaryType,
@@ -37,7 +35,6 @@ from pyspark.sql.types import (
 from producer.envelope import ShapeCodec, ShapeColumn
 from producer.pgtypes import PgTypeInfo, column_codec
 from schemas import wire
-from schemas.kafka import timed_out
 from spark_consumer import fastdecode
 from spark_consumer.decode import (
     BEFORE_COLUMNS,
@@ -54,17 +51,7 @@ from spark_consumer.decode import (
     format_time_micros,
     strip_logical_types,
 )
-from spark_consumer.kafka_source import (
-    OffsetRange,
-    OffsetRanges,
-    ShapeStreamReader,
-    SourceOptions,
-    plan_end_offsets,
-    plan_ranges,
-    plan_tasks,
-    read_offset_ranges,
-    schema_lookup,
-)
+from spark_consumer.shape_schemas import ShapeSource, schema_lookup
 
 TOPIC = "wb.public.t"
 
@@ -248,7 +235,7 @@ def test_typed_row_from_after():
     b = shape.builder()
     b.add(TOPIC, 2, 40, shape.key(ROW), shape.value("c", after=ROW, lsn=100, op_index=3), pos(100, 3))
     batch = b.to_record_batch()
-    assert batch.schema.equals(to_arrow_schema(shape.layout.spark_schema(), timezone="UTC"))
+    assert batch.schema.equals(to_arrow_schema(shape.layout.spark_schema()))
     [row] = batch.to_pylist()
     assert row["id"] == 7 and row["flag"] is True and row["small"] == -3
     assert row["real4"] == 1.5 and row["dbl"] == 2.25
@@ -591,8 +578,8 @@ def test_registry_framed_messages_decode_through_the_registry_client():
     client = registry_client(url)
     value_id = client.register_schema(f"{TOPIC}-value", Schema(wire.canonical_json(shape.codec.value_schema), "AVRO"))
     key_id = client.register_schema(f"{TOPIC}-key", Schema(wire.canonical_json(shape.codec.key_schema), "AVRO"))
-    opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", schema_registry_url=url)
-    lookup = schema_lookup(opts, {})
+    src = ShapeSource(topic=TOPIC, bootstrap_servers="unused:9092", schema_registry_url=url)
+    lookup = schema_lookup(src, {})
     layout = shape.layout
     b = BatchBuilder(layout, WriterSchemas(layout, lookup, frozenset({f"id:{value_id}"})))
     value = shape.value("d", before=(3,) + (None,) * (len(COLUMNS) - 1), prefix=wire.confluent_prefix(value_id))
@@ -602,7 +589,7 @@ def test_registry_framed_messages_decode_through_the_registry_client():
     assert (row["_wb_op"], row["id"], row["_wb_lsn"]) == ("d", 3, 9)
     with pytest.raises(UndecodableMessage, match="unknown schema id"):
         b.add(TOPIC, 0, 1, None, wire.confluent_prefix(value_id + 1000) + value[5:], pos(10))
-    no_registry = schema_lookup(SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092"), {})
+    no_registry = schema_lookup(ShapeSource(topic=TOPIC, bootstrap_servers="unused:9092"), {})
     with pytest.raises(UndecodableMessage, match="no schema registry"):
         no_registry(wire.parse_prefix(value), value)
 
@@ -761,293 +748,3 @@ def test_compiled_reader_declines_schemas_it_does_not_read():
         "null", {"type": "long", "logicalType": "timestamp-millis"}]
     assert fastdecode.envelope_reader(with_millis, layout_fields) is None
     assert fastdecode.envelope_reader({"type": "record", "name": "X", "fields": []}, layout_fields) is None
-
-
-# ---------------------------------------------------------- offset planning
-def test_plan_end_offsets_without_limit_takes_everything():
-    assert plan_end_offsets({0: 5, 1: 0}, {0: 10, 1: 3}, None) == {0: 10, 1: 3}
-    assert plan_end_offsets({0: 5, 1: 0}, {0: 10, 1: 3}, 100) == {0: 10, 1: 3}
-
-
-def test_plan_end_offsets_shares_the_limit_by_backlog():
-    end = plan_end_offsets({0: 0, 1: 100, 2: 7}, {0: 900, 1: 400, 2: 7}, 120)
-    assert sum(end[p] - s for p, s in {0: 0, 1: 100, 2: 7}.items()) == 120
-    assert end == {0: 90, 1: 130, 2: 7}
-    # every offset up to the limit is used, none beyond what is available
-    for limit in range(1, 30):
-        start, avail = {0: 0, 1: 0, 2: 0}, {0: 1, 1: 13, 2: 7}
-        end = plan_end_offsets(start, avail, limit)
-        assert sum(end.values()) == min(limit, 21)
-        assert all(start[p] <= end[p] <= avail[p] for p in start)
-
-
-def test_plan_end_offsets_never_goes_backwards():
-    assert plan_end_offsets({0: 10}, {0: 8}, None) == {0: 10}
-
-
-def test_plan_ranges_skips_empty_and_new_partitions():
-    ranges = plan_ranges(TOPIC, {0: 0, 1: 5}, {0: 4, 1: 5, 2: 0})
-    assert ranges == [OffsetRange(TOPIC, 0, 0, 4)]
-    assert pickle.loads(pickle.dumps(ranges[0])) == ranges[0]
-
-
-def test_plan_ranges_reads_a_recreated_partition_from_zero():
-    # end < start: the broker lost the partition; the new incarnation is read from 0.
-    assert plan_ranges(TOPIC, {0: 500, 1: 7}, {0: 40, 1: 9}) == [OffsetRange(TOPIC, 0, 0, 40),
-                                                                   OffsetRange(TOPIC, 1, 7, 9)]
-    assert plan_ranges(TOPIC, {0: 500}, {0: 0}) == []
-
-
-def test_plan_ranges_cuts_long_ranges_into_tasks():
-    ranges = plan_ranges(TOPIC, {0: 10, 1: 0}, {0: 35, 1: 4}, max_per_task=10)
-    assert [(r.partition, r.start, r.end) for r in ranges] == [(0, 10, 18), (0, 18, 26), (0, 26, 35), (1, 0, 4)]
-    for limit in (1, 3, 7, 100):
-        cut = plan_ranges(TOPIC, {0: 5}, {0: 47}, max_per_task=limit)
-        assert cut[0].start == 5 and cut[-1].end == 47 and all(r.end - r.start <= limit for r in cut)
-        assert all(a.end == b.start for a, b in zip(cut, cut[1:]))
-
-
-def test_small_batches_are_read_by_one_task_large_ones_by_tasks_of_about_as_many_offsets():
-    small = plan_ranges(TOPIC, {0: 0, 1: 5, 2: 9}, {0: 4, 1: 5, 2: 12})
-    [task] = plan_tasks(small, task_offsets=7)
-    assert task == OffsetRanges((OffsetRange(TOPIC, 0, 0, 4), OffsetRange(TOPIC, 2, 9, 12)))
-    assert pickle.loads(pickle.dumps(task)) == task
-    assert plan_tasks(small, task_offsets=6) == small  # 7 offsets: two tasks, one range each
-    assert plan_tasks(small[:1], task_offsets=100) == small[:1]  # one range stays as it is
-    assert plan_tasks([]) == []
-
-
-def test_many_ranges_are_packed_into_tasks_of_near_equal_offsets():
-    sizes = [900, 50, 400, 300, 300, 20, 20, 10] + [1] * 100
-    ranges = [OffsetRange(f"wb.public.t{i}", 0, 7, 7 + n, f"id{i}") for i, n in enumerate(sizes)]
-    tasks = plan_tasks(ranges, task_offsets=600)
-    assert len(tasks) == 4  # 2100 offsets
-    read = [t.ranges if isinstance(t, OffsetRanges) else (t,) for t in tasks]
-    assert sorted(r.value for rs in read for r in rs) == sorted(r.value for r in ranges)  # every range once
-    loads = sorted(sum(r.end - r.start for r in rs) for rs in read)
-    assert loads[-1] == 900 and loads[0] >= 350  # the largest range alone, the rest balanced
-    assert all(len({(r.topic, r.partition) for r in rs}) == len(rs) for rs in read)
-    assert plan_tasks(ranges, task_offsets=600) == tasks  # the same batch, the same tasks
-    one_topic = plan_ranges(TOPIC, {p: 0 for p in range(4)}, {p: 1_000_000 for p in range(4)})
-    assert plan_tasks(one_topic) == one_topic  # a large partition is a task of its own, as before
-
-
-def test_reader_bundles_only_without_a_per_task_cut():
-    r = _reader(ends={0: 100, 1: 50})
-    assert r.partitions({"0": 0, "1": 0}, {"0": 100, "1": 50}) == [
-        OffsetRanges((OffsetRange(TOPIC, 0, 0, 100), OffsetRange(TOPIC, 1, 0, 50)))]
-    r = ShapeStreamReader(SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb",
-                                        max_offsets_per_task=60))
-    assert [(t.partition, t.start, t.end) for t in r.partitions({"0": 0, "1": 0}, {"0": 100, "1": 50})] == [
-        (0, 0, 50), (0, 50, 100), (1, 0, 50)]
-
-
-class _Batch(tuple):
-    num_rows = 1
-
-
-def _read_together_by_index(calls: list):
-    """A stand-in for _read_together: each range's partition as its one batch,
-    handed out in reverse (the bundle must still hand them over in order)."""
-    def read_together(opts_of, ranges):
-        calls.append([(r.topic, r.partition, r.start) for r in ranges])
-        yield from [(i, _Batch((r.topic, r.partition))) for i, r in enumerate(ranges)][::-1]
-    return read_together
-
-
-def test_a_bundled_task_reads_its_ranges_together(monkeypatch):
-    calls = []
-    monkeypatch.setattr("spark_consumer.kafka_source._read_together", _read_together_by_index(calls))
-    r = _reader()
-    task = OffsetRanges((OffsetRange(TOPIC, 0, 0, 4), OffsetRange(TOPIC, 1, 2, 3)))
-    assert list(r.read(task)) == [(TOPIC, 0), (TOPIC, 1)]
-    assert calls == [[(TOPIC, 0, 0), (TOPIC, 1, 2)]]  # one read of all the ranges
-
-
-def test_a_bundle_looks_its_topics_up_twice_and_hands_over_nothing_of_an_incarnation_gone(monkeypatch):
-    other = "wb.public.u"
-    looks = []
-    answers = iter([{TOPIC: "a", other: "b"}, {TOPIC: "a", other: "b2"}])  # u recreated while read
-
-    def topic_ids(admin, topics, timeout):
-        looks.append(sorted(topics))
-        return next(answers)
-
-    monkeypatch.setattr("spark_consumer.kafka_source.topic_ids", topic_ids)
-    calls = []
-    monkeypatch.setattr("spark_consumer.kafka_source._read_together", _read_together_by_index(calls))
-    opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb", on_data_loss="follow")
-    ranges = [OffsetRange(TOPIC, 0, 0, 4, "a"), OffsetRange(other, 0, 0, 2, "b"), OffsetRange(TOPIC, 1, 0, 1, "a")]
-    assert list(read_offset_ranges(lambda _: opts, ranges)) == [(TOPIC, 0), (TOPIC, 1)]
-    assert len(calls) == 1
-    assert looks == [[TOPIC, other], [TOPIC, other]]  # one request before, one after, for every range
-
-
-def test_a_large_read_hands_rows_over_in_steps_each_after_a_look_and_none_of_an_incarnation_gone(monkeypatch):
-    other = "wb.public.u"
-    answers = iter([{TOPIC: "a", other: "b"}, {TOPIC: "a", other: "b"}, {TOPIC: "a2", other: "b"}])
-    looks = []
-
-    def topic_ids(admin, topics, timeout):
-        looks.append(sorted(topics))
-        return next(answers)
-
-    def read_together(opts_of, ranges):  # TOPIC's range in two batches, other's between them
-        yield from [(0, _Batch(("t", 1))), (1, _Batch(("u", 1))), (0, _Batch(("t", 2)))]
-
-    monkeypatch.setattr("spark_consumer.kafka_source.topic_ids", topic_ids)
-    monkeypatch.setattr("spark_consumer.kafka_source._read_together", read_together)
-    monkeypatch.setattr("spark_consumer.kafka_source.HELD_ROWS", 1)
-    opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb", on_data_loss="follow")
-    ranges = [OffsetRange(TOPIC, 0, 0, 9, "a"), OffsetRange(other, 0, 0, 9, "b")]
-    # t recreated after its first batch was handed over: its second is not, u's is.
-    assert list(read_offset_ranges(lambda _: opts, ranges)) == [("t", 1), ("u", 1)]
-    assert len(looks) == 3  # before the read, then one per hand-over; none for what is already gone
-
-
-def test_a_bundle_skips_a_range_whose_topic_is_already_gone(monkeypatch):
-    monkeypatch.setattr("spark_consumer.kafka_source.topic_ids",
-                        lambda admin, topics, timeout: {TOPIC: LookupError("gone")})
-    monkeypatch.setattr("spark_consumer.kafka_source._read_together",
-                        lambda opts_of, ranges: pytest.fail("read an incarnation that is gone"))
-    opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb", on_data_loss="follow")
-    assert list(read_offset_ranges(lambda _: opts, [OffsetRange(TOPIC, 0, 0, 4, "a")])) == []
-
-
-class FakeEnds:
-    def __init__(self, lows, ends, topic_id=None):
-        self.lows, self.ends, self.closed, self.id = lows, ends, False, topic_id
-
-    def lows_and_ends(self):
-        return dict(self.lows), dict(self.ends)
-
-    def topic_id(self):
-        if self.id == "missing":
-            raise LookupError("topic does not exist")
-        if self.id == "silent":  # a broker that accepts and never answers
-            raise timed_out("describing topic: no answer")
-        return self.id
-
-    def forget(self):
-        pass
-
-    def close(self):
-        self.closed = True
-
-
-def _reader(max_rows=None, starting="earliest", lows=None, ends=None, on_data_loss="fail"):
-    opts = SourceOptions(topic=TOPIC, bootstrap_servers="unused:9092", topic_prefix="wb",
-                         max_offsets_per_trigger=max_rows, starting_offsets=starting, on_data_loss=on_data_loss)
-    reader = ShapeStreamReader(opts)
-    reader._ends = FakeEnds(lows or {0: 0, 1: 0}, ends or {0: 100, 1: 50})
-    return reader
-
-
-def test_reader_offsets_and_limits():
-    r = _reader(max_rows=30)
-    assert r.getDefaultReadLimit() == ReadMaxRows(30)
-    assert _reader().getDefaultReadLimit() == ReadAllAvailable()
-    start = r.initialOffset()
-    assert start == {"0": 0, "1": 0}
-    assert r.latestOffset(start, ReadMaxRows(30)) == {"0": 20, "1": 10}
-    assert r.latestOffset(start, ReadAllAvailable()) == {"0": 100, "1": 50}
-    assert r.latestOffset({"0": 100, "1": 50}, ReadMaxRows(30)) == {"0": 100, "1": 50}  # nothing new
-    assert r.latestOffset({"0": 90, "1": 50}, ReadMinRows(20)) == {"0": 90, "1": 50}  # too little yet
-    assert r.reportLatestOffset() == {"0": 100, "1": 50}
-    assert r.partitions({"0": 0, "1": 10}, {"0": 20, "1": 10}) == [OffsetRange(TOPIC, 0, 0, 20)]
-    assert _reader(starting="latest").initialOffset() == {"0": 100, "1": 50}
-    assert _reader(starting='{"1": 7}').initialOffset() == {"0": 0, "1": 7}
-    with pytest.raises(ValueError, match=r"\[0\] 500 not in \[0, 100\]"):
-        _reader(starting='{"1": 7, "0": 500}').initialOffset()
-
-
-def test_starting_offsets_of_a_lost_topic_incarnation_read_the_new_one_whole():
-    r = _reader(starting='{"1": 7, "topic_id": "gone"}')
-    r._ends.id = "new"
-    assert r.initialOffset() == {"0": 0, "1": 0, "topic_id": "new"}
-    r = _reader(starting='{"1": 7, "topic_id": "same"}')
-    r._ends.id = "same"
-    assert r.initialOffset() == {"0": 0, "1": 7, "topic_id": "same"}
-
-
-def test_reader_available_now_stops_at_the_ends_seen_at_its_start():
-    r = _reader(max_rows=60)
-    r.prepareForTriggerAvailableNow()
-    r._ends.ends = {0: 1000, 1: 1000}  # data arriving later is not read
-    offsets = r.initialOffset()
-    seen = []
-    while True:
-        end = r.latestOffset(offsets, ReadMaxRows(60))
-        if end == offsets:
-            break
-        seen.append(end)
-        offsets = end
-    assert offsets == {"0": 100, "1": 50} and len(seen) == 3
-
-
-def test_reader_new_partition_joins_empty_then_is_read():
-    r = _reader(lows={0: 0, 1: 0, 2: 3}, ends={0: 10, 1: 10, 2: 9})
-    end = r.latestOffset({"0": 10, "1": 10}, ReadAllAvailable())
-    assert end == {"0": 10, "1": 10, "2": 3}
-    assert r.partitions({"0": 10, "1": 10}, end) == []
-    assert r.latestOffset(end, ReadAllAvailable()) == {"0": 10, "1": 10, "2": 9}
-
-
-def test_reader_refuses_to_go_on_when_the_broker_lost_data(monkeypatch):
-    monkeypatch.setattr("spark_consumer.kafka_source.time.sleep", lambda s: None)
-    r = _reader(ends={0: 5, 1: 50})
-    with pytest.raises(RuntimeError, match="lost data"):
-        r.latestOffset({"0": 20, "1": 0}, ReadAllAvailable())
-
-
-def test_reader_asks_again_when_an_end_looks_low(monkeypatch):
-    monkeypatch.setattr("spark_consumer.kafka_source.time.sleep", lambda s: None)
-    r = _reader(ends={0: 5, 1: 50})
-    answers = iter([({0: 0, 1: 0}, {0: 5, 1: 50}), ({0: 0, 1: 0}, {0: 30, 1: 50})])
-    r._ends.lows_and_ends = lambda: next(answers)
-    assert r.latestOffset({"0": 20, "1": 0}, ReadAllAvailable()) == {"0": 30, "1": 50}
-
-
-def test_reader_pickles_without_its_clients():
-    r = _reader()
-    r.prepareForTriggerAvailableNow()
-    clone = pickle.loads(pickle.dumps(r))
-    assert clone._ends is None and clone._target is None
-    r.stop()
-    assert r._ends.closed
-
-
-def test_reader_follows_a_recreated_topic_from_offset_zero(monkeypatch):
-    monkeypatch.setattr("spark_consumer.kafka_source.time.sleep", lambda s: None)
-    r = _reader(ends={0: 900, 1: 50}, on_data_loss="follow")
-    r._ends.id = "new-id"
-    # The new incarnation outgrew what was read on partition 0: only the id tells.
-    start = {"0": 500, "1": 40, "topic_id": "old-id"}
-    end = r.latestOffset(start, ReadAllAvailable())
-    assert end == {"0": 900, "1": 50, "topic_id": "new-id"}
-    assert r.partitions(start, end) == [OffsetRanges((OffsetRange(TOPIC, 0, 0, 900, "new-id"),
-                                                      OffsetRange(TOPIC, 1, 0, 50, "new-id")))]
-    assert r.partitions(end, {**end, "0": 901}) == [OffsetRange(TOPIC, 0, 900, 901, "new-id")]  # then as usual
-    # Without ids: an end below the start is the sign; read from 0 up to it.
-    r._ends.id = None
-    assert r.latestOffset({"0": 1000, "1": 50}, ReadAllAvailable()) == {"0": 900, "1": 50}
-    # Too little for a ReadMinRows limit: no batch yet, and the offsets keep
-    # the incarnation (without it the next look could not tell them apart).
-    r._ends.id = "old-id"
-    assert r.latestOffset(start, ReadMinRows(10_000)) == start
-    # A topic being recreated: no new data meanwhile.
-    r._ends.id = "missing"
-    assert r.latestOffset(start, ReadAllAvailable()) == start
-    # ... or showing no id yet: never read on from the old incarnation's offsets.
-    r._ends.id = None
-    assert r.latestOffset(start, ReadAllAvailable()) == start
-    # A broker that does not answer: no new data this time, the query goes on.
-    r._ends.id = "silent"
-    assert r.latestOffset(start, ReadAllAvailable()) == start
-
-
-def test_reader_stops_on_a_recreated_topic_unless_following():
-    r = _reader()
-    r._ends.id = "new-id"
-    with pytest.raises(RuntimeError, match="recreated"):
-        r.latestOffset({"0": 1, "1": 1, "topic_id": "old-id"}, ReadAllAvailable())

@@ -5,9 +5,11 @@ asked for."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from urllib.parse import urlparse
 
+import pyspark
 import pytest
 
 from spark_consumer import session
@@ -55,3 +57,22 @@ def test_the_quiet_profile_ships_with_the_package():
     path = Path(urlparse(session.quiet_log4j_uri()).path)
     text = path.read_text()
     assert "rootLogger.level = warn" in text and "SYSTEM_ERR" in text
+
+
+def test_own_driver_gets_the_kafka_source_jars_and_a_ui_only_when_asked():
+    settings = session.own_driver_settings("local[2,4]", None, ["/j/a.jar", "/j/b.jar"])
+    assert settings["spark.jars"] == "/j/a.jar,/j/b.jar" and settings["spark.ui.enabled"] == "false"
+    assert session.own_driver_settings("local[2,4]", None, ui=True)["spark.ui.enabled"] == "true"
+    assert "spark.ui.enabled" not in session.own_driver_settings("spark://h:7077", None, ["/j/a.jar"], ui=True)
+
+
+def test_one_spark_version_everywhere_it_is_named():
+    """The pyspark pin, jvm/pom.xml's spark.version (the Kafka source's jars)
+    and the README's --packages for spark-submit users name the same Spark."""
+    root = Path(__file__).resolve().parents[2]
+    version = pyspark.__version__
+    assert f'"pyspark=={version}"' in (root / "pyproject.toml").read_text()
+    assert f"<spark.version>{version}</spark.version>" in (root / "jvm" / "pom.xml").read_text()
+    readme = (root / "README.md").read_text()
+    packages = re.findall(r"--packages (org\.[^\s`]+)", readme)
+    assert packages and set(packages) == {session.SPARK_PACKAGES}

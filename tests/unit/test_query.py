@@ -1,0 +1,161 @@
+"""The query's foreachBatch apply and its supervision, pure parts
+(spark_consumer/query.py, pipelined.py, supervisor.py): a query is stopped
+only while its foreachBatch is outside Spark (stopping it inside a Spark call
+overflows the stream thread's stack in Spark's interruption check, issue 16);
+consecutive parts leave no gap; what a failed query costs."""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pyarrow as pa
+import pytest
+
+from schemas import wire
+from schemas.config import parse_config
+from schemas.failures import KAFKA, Failure
+from schemas.retry import RetryPolicy
+from spark_consumer import supervisor
+from spark_consumer.query import BatchApplier
+from spark_consumer.session import local_master
+from spark_consumer.source import StartPlan
+from spark_consumer.supervisor import headline
+from tests.helpers import make_config
+
+TOPIC = "wb.app.items"
+
+
+def config():
+    return parse_config(make_config("postgresql://unused@127.0.0.1:1/x", "127.0.0.1:1", "wb", [{"table": "app.items"}],
+                                    consumer={"group": "g", "target_dsn": "postgresql://unused@127.0.0.1:1/t"}))
+
+
+class SlowBatch:
+    """A batch whose read (Spark's job) waits until released."""
+
+    def __init__(self) -> None:
+        self.reading = threading.Event()
+        self.release = threading.Event()
+        self.reads = 0
+
+    def coalesce(self, n):
+        return self
+
+    def mapInArrow(self, fn, schema):  # noqa: N802 - Spark's name
+        return self
+
+    def toArrow(self):  # noqa: N802 - Spark's name
+        self.reads += 1
+        self.reading.set()
+        self.release.wait(10)
+        return pa.table({wire.TOPIC_COLUMN: pa.array([], pa.string()), wire.ARROW_COLUMN: pa.array([], pa.binary())})
+
+
+def _applier(plan: StartPlan | None = None) -> BatchApplier:
+    return BatchApplier(config(), {}, {"bootstrap.servers": "127.0.0.1:1"}, plan)
+
+
+def test_an_idle_applier_can_be_stopped_and_refuses_further_batches_unread():
+    applier = _applier()
+    try:
+        assert applier.quiesce() is True
+        batch = SlowBatch()
+        with pytest.raises(RuntimeError, match="being restarted"):
+            applier(batch, 7)
+        assert batch.reads == 0  # refused before any Spark call
+    finally:
+        applier.close()
+
+
+def test_a_batch_being_read_holds_the_stop_back_until_it_is_handed_over():
+    applier = _applier()
+    batch = SlowBatch()
+    call = threading.Thread(target=applier, args=(batch, 3))
+    try:
+        call.start()
+        assert batch.reading.wait(10)
+        assert applier.quiesce() is False  # inside Spark: not now
+        batch.release.set()
+        call.join(10)
+        assert applier.quiesce() is True
+    finally:
+        batch.release.set()
+        call.join(10)
+        applier.close()
+
+
+def decoded(rows: list[tuple[int, int]]) -> pa.Table:
+    """Decoded rows of TOPIC: (partition, offset)."""
+    return pa.table({wire.TOPIC_COLUMN: [TOPIC] * len(rows), wire.PARTITION_COLUMN: [p for p, _ in rows],
+                     wire.OFFSET_COLUMN: [o for _, o in rows]})
+
+
+def test_parts_run_from_where_the_previous_part_of_the_partition_ended():
+    applier = _applier(StartPlan({TOPIC: "id1"}, {TOPIC: {"0": 10, "1": -2}}, {(TOPIC, 0): 10, (TOPIC, 1): 0}))
+    try:
+        first = applier._parts(TOPIC, decoded([(0, 12), (0, 13), (1, 4)]))  # compaction left 10, 11 and 0-3 out
+        assert [(p.partition, p.start, p.end, p.topic_id) for p in first] == [(0, 10, 14, "id1"), (1, 0, 5, "id1")]
+        second = applier._parts(TOPIC, decoded([(0, 20), (2, 7)]))  # partition 2: added since the run began
+        assert [(p.partition, p.start, p.end) for p in second] == [(0, 14, 21), (2, 0, 8)]
+        with pytest.raises(RuntimeError, match="below the end of the previous batch"):
+            applier._parts(TOPIC, decoded([(0, 15)]))
+    finally:
+        applier.close()
+
+
+def test_a_held_or_recreated_topic_asks_for_a_restart():
+    applier = _applier()
+    try:
+        applier.reading = [TOPIC]
+        assert not applier.needs_restart
+        applier.held[TOPIC] = "cannot follow"
+        assert applier.needs_restart
+        other = _applier()
+        other.recreated["wb.app.other"] = "the topic was recreated"
+        assert other.needs_restart
+        other.close()
+    finally:
+        applier.close()
+
+
+def test_a_refusal_ends_the_consumer_an_outage_backs_off_anything_else_is_restarted_a_few_times():
+    cfg, policy = config(), RetryPolicy(max_backoff=1.0, max_elapsed=None)
+    refused = Failure(KAFKA, "group authorization failed")
+    with pytest.raises(Failure, match="group authorization"):
+        supervisor._restart_delay(cfg, refused, policy, [], [])
+    with pytest.raises(Failure):
+        supervisor._restart_delay(cfg, psycopg.OperationalError("password authentication failed for user x"),
+                                  policy, [], [])
+    outages: list[float] = []
+    delay = supervisor._restart_delay(cfg, Failure(KAFKA, "broker down", permanent=False), policy, [], outages)
+    assert 0 <= delay <= 1.0 and len(outages) == 1
+    failures: list[float] = []
+    for _ in range(supervisor.QUERY_RESTARTS):
+        assert supervisor._restart_delay(cfg, RuntimeError("a statement failed"), policy, failures, []) > 0
+    with pytest.raises(RuntimeError, match="failed 6 times"):
+        supervisor._restart_delay(cfg, RuntimeError("a statement failed"), policy, failures, [])
+
+
+def test_local_tasks_are_retried_as_on_a_cluster():
+    assert local_master("local[2]") == "local[2,4]"
+    assert local_master("local[*]") == "local[*,4]"
+    assert local_master("local") == "local[1,4]"
+    assert local_master("local[2,8]") == "local[2,8]"
+    assert local_master("spark://h:7077") == "spark://h:7077"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("plain failure\nits details", "plain failure"),
+    ("Return Message: Traceback (most recent call last):\nRuntimeError: injected\nIdentifier: q",
+     "RuntimeError: injected"),
+    # Spark wraps the foreachBatch function's Python traceback: the raised exception says what happened
+    ("[FOREACH_BATCH_USER_FUNCTION_ERROR] ... Return Message: Traceback (most recent call last):\n"
+     '  File "query.py", line 3, in apply\n    raise ProgressGapError(msg)\n'
+     "spark_consumer.progress.ProgressGapError: t[0]: offsets from 9 on were never applied\n\n"
+     "\tat py4j.Protocol.getReturnValue(Protocol.java:476)\n=== Streaming Query ===\n"
+     "Identifier: walbridge [id = 1, runId = 2]\nCurrent Committed Offsets: {}\n",
+     "spark_consumer.progress.ProgressGapError: t[0]: offsets from 9 on were never applied"),
+])
+def test_a_failed_query_is_logged_by_what_went_wrong(text, expected):
+    assert headline(RuntimeError(text)) == expected
