@@ -10,8 +10,7 @@ references measured in the same run on the same rows.
 - (b) reference: raw ``COPY`` of the same rows into a plain table in the same
   target database.
 - walbridge: the Spark consumer (local[*]) applies the topic to the target with
-  ``max_offsets_per_trigger = --batch`` (``--queries continuous``: the
-  driver's reading loop, rounds of ``--batch`` offsets, no Spark). It is measured once warm: from the
+  ``max_offsets_per_trigger = --batch``. It is measured once warm: from the
   commit of micro-batch ``--warmup-batches`` (counted from 1) to the commit of
   the last (rows applied in between / time). JVM start-up, the first batch's
   planning and the JIT's first compilations (the first batches take up to 1.5x
@@ -43,7 +42,7 @@ from producer.pipeline import run_producer  # noqa: E402
 from schemas import wire  # noqa: E402
 from schemas.config import parse_config  # noqa: E402
 from schemas.reader import SchemaResolver  # noqa: E402
-from spark_consumer.job import run  # noqa: E402
+from spark_consumer.supervisor import run  # noqa: E402
 from walbridge.embedded import KafkaBroker, PostgresCluster  # noqa: E402
 
 
@@ -129,23 +128,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=50_000)
     ap.add_argument("--warmup-batches", type=int, default=2,
                     help="micro-batches before the warm measurement starts (at least 1)")
-    ap.add_argument("--apply", choices=["staged", "driver"], default="driver",
-                    help="staged: executors stage partitions in parallel; driver: one apply from the driver")
-    ap.add_argument("--queries", choices=["per_shape", "one", "continuous"], default="per_shape",
-                    help="[consumer] queries (continuous: the driver's reading loop, no Spark)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "consumer.json")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="wb-bench-consumer-"))
-    results: dict = {"rows": args.rows, "batch": args.batch, "apply": args.apply, "queries": args.queries,
-                     "warmup_batches": args.warmup_batches}
+    results: dict = {"rows": args.rows, "batch": args.batch, "warmup_batches": args.warmup_batches}
     with PostgresCluster(base / "pg") as pg, KafkaBroker(base / "kafka") as broker:
         with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
             conn.execute("CREATE DATABASE target")
         make_source(pg.dsn("postgres"), args.rows)
         config = parse_config(bench_config(pg.dsn("postgres"), broker.bootstrap, {
             "group": "bench-spark", "target_dsn": pg.dsn("target"), "checkpoint_dir": str(base / "checkpoints"),
-            "trigger_interval": 0.2, "max_offsets_per_trigger": args.batch, "staged_apply": args.apply == "staged",
-            "queries": args.queries}))
+            "max_offsets_per_trigger": args.batch}))
         fill_topic(config)
         topic = TOPIC
 

@@ -1,35 +1,37 @@
-"""End-to-end latency: source commit → row visible in the target, under load.
+"""End-to-end latency: source commit → row visible in the target, under load,
+as a user of the default config gets it.
 
     flock /tmp/wb-tests.lock .venv/bin/python bench/latency.py [--rate 1000] [--warmup 20] [--duration 60]
 
-- The embedded default config as ``walbridge up`` runs it (durable local
-  PostgreSQL, Apache Kafka broker, 4 partitions, producer and consumer in one
-  process, the consumer's continuous reader (``--queries`` picks a Spark
-  mode instead, ``local[*]``), WAL released on the consumer group's commits,
-  ``[consumer]`` defaults unless ``--trigger-interval`` overrides them), on the
-  4 pgbench tpcb shapes plus ``public.tick`` (``id``, ``at timestamptz default
+- What ``walbridge up`` runs, on the pgbench shapes: a durable local
+  PostgreSQL, an Apache Kafka broker, 4 partitions, WAL released on the
+  consumer group's commits; the producer as its own process (``walbridge
+  producer``), the Spark consumer (``local[*]``) in this one; every
+  ``[consumer]`` setting at its default (``--trigger-interval`` and
+  ``--max-offsets`` override them, for experiments). Shapes: the 4 pgbench
+  tpcb tables plus ``public.tick`` (``id``, ``at timestamptz default
   clock_timestamp()``).
-- Once the snapshot is applied, ``pgbench -R --rate`` runs tpcb and a thread
-  inserts one tick every ``--tick-every`` s (autocommit: its commit follows
-  ``at`` by well under a millisecond). Ticks inserted during the first
-  ``--warmup`` s are not counted; then ``--duration`` s are measured.
+- Once the snapshot is applied, ``pgbench -c --clients -j 2 -R --rate`` runs
+  tpcb at ``--scale`` (default 5, as the issue's harness) and a thread inserts
+  one tick every ``--tick-every`` s (autocommit: its commit follows ``at`` by
+  well under a millisecond). Ticks inserted during the first ``--warmup`` s
+  are not counted; then ``--duration`` s are measured.
 - Visibility: a thread polls the target's ``public.tick`` every
-  ``--poll-ms`` for ids it has not seen yet (below the highest seen too:
-  ticks of different partitions can become visible out of order; until
-  2026-11-25 the poll missed those, ~3 % of ticks and the slowest of them,
-  so earlier p99 figures read low); a row's latency is the wall clock
-  when the poll returned it minus its ``at`` (same host clock). The poll adds
-  up to ``--poll-ms`` to each figure; a target column default set on apply
-  would measure the apply transaction's statement, not its commit, so it is
-  not used.
+  ``--poll-ms`` for ids it has not seen yet (below the highest seen too: ticks
+  of different partitions can become visible out of order); a row's latency
+  is the wall clock when the poll returned it minus its ``at`` (same host
+  clock). The poll adds up to ``--poll-ms`` to each figure.
 - Breakdown per tick: commit → produced to Kafka (the message's CreateTime,
-  stamped by librdkafka when the producer hands the row over, read by a side
-  consumer) and Kafka → visible. Per micro-batch of the tick shape: Spark's
-  progress (``durationMs``: latestOffset, queryPlanning, getBatch, addBatch,
-  walCommit, commitOffsets, triggerExecution) and the gap between batch
-  starts; of a round of the continuous reader: its look at the ends and its
-  read (the consumer's DEBUG lines), the apply thread's read/apply split. Slot lag is ``pg_current_wal_lsn() - confirmed_flush_lsn``, sampled
-  every 0.5 s.
+  read by a side consumer) and Kafka → visible. Per micro-batch (every
+  batch with rows that started in the window, from a StreamingQueryListener):
+  Spark's ``durationMs`` (latestOffset, queryPlanning, getBatch, addBatch,
+  walCommit, commitOffsets, triggerExecution), the gap between batch starts,
+  rows per batch, and the apply thread's read/apply split (its log lines).
+- CPU per process over the measured window, in cores: PostgreSQL (every
+  backend), the broker, the producer, the Spark JVM, Spark's Python workers,
+  the driver's Python (this process: the bench's own pollers are in it too),
+  pgbench. Slot lag is ``pg_current_wal_lsn() - confirmed_flush_lsn``,
+  sampled every 0.5 s.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import shutil
 import statistics
@@ -56,15 +59,18 @@ sys.path.insert(0, str(ROOT))
 
 from schemas.config import parse_config  # noqa: E402
 from schemas.reader import SchemaResolver  # noqa: E402
-from spark_consumer.shapes_query import QUERY_NAME  # noqa: E402
+from tests.helpers import write_toml  # noqa: E402
 from walbridge.embedded import KafkaBroker, PostgresCluster, find_pg_bin  # noqa: E402
-from walbridge.runtime import consumer_service, producer_service  # noqa: E402
+from walbridge.runtime import consumer_service  # noqa: E402
 
 PREFIX = "lat"
 GROUP = "walbridge-spark"
 SHAPES = ["public.pgbench_accounts", "public.pgbench_branches", "public.pgbench_tellers",
           "public.pgbench_history", "public.tick"]
 TICK_TOPIC = f"{PREFIX}.public.tick"
+TICK = os.sysconf("SC_CLK_TCK")
+PROGRESS_KEYS = ("triggerExecution", "latestOffset", "queryPlanning", "getBatch", "addBatch", "walCommit",
+                 "commitOffsets")
 
 
 def pct(values: list[float], p: float) -> float | None:
@@ -155,25 +161,10 @@ class Stamps(threading.Thread):
         c.close()
 
 
-class RoundLog:
-    """The continuous reader's DEBUG lines: each round's look and read times."""
-
-    LINE = re.compile(r"round (\d+): (\d+) offsets, look ([\d.]+)s, read ([\d.]+)s")
-
-    def __init__(self) -> None:
-        self.rounds: list[dict] = []
-
-    def handle(self, record) -> None:
-        m = self.LINE.search(record.getMessage())
-        if m:
-            self.rounds.append({"offsets": int(m[2]), "look_s": float(m[3]), "read_s": float(m[4]),
-                                "at": record.created})
-
-
 class BatchLog:
-    """The consumer's per-batch log lines of the tick shape ("read X s, apply Y s")."""
+    """The consumer's per-batch log lines ("read X s, apply Y s")."""
 
-    LINE = re.compile(r"(?:shape public\.tick|shapes) batch (\d+): (\d+) rows .* in ([\d.]+)s \(read ([\d.]+)s, apply ([\d.]+)s\)")
+    LINE = re.compile(r"batch (\d+): (\d+) rows .* in ([\d.]+)s \(read ([\d.]+)s, apply ([\d.]+)s\)")
 
     def __init__(self) -> None:
         self.batches: list[dict] = []
@@ -185,30 +176,86 @@ class BatchLog:
                                  "read_s": float(m[4]), "apply_s": float(m[5]), "at": record.created})
 
 
-def tick_progress(since: float, query: str) -> list[dict]:
-    """Spark's progress of the query reading the tick shape, batches started after ``since`` (epoch s)."""
-    from pyspark.sql import SparkSession  # optional Spark extra
+def progress_listener(events: list[dict]):
+    """A StreamingQueryListener that keeps every progress report with rows."""
+    from pyspark.sql.streaming import StreamingQueryListener  # optional Spark extra
 
-    spark = SparkSession.builder.getOrCreate()
-    out = []
-    for q in spark.streams.active:
-        if q.name != query:
+    class Listener(StreamingQueryListener):
+        def onQueryStarted(self, event):  # noqa: N802 - Spark's names
+            pass
+
+        def onQueryProgress(self, event):  # noqa: N802
+            p = event.progress
+            if p.numInputRows > 0:
+                start = datetime.fromisoformat(p.timestamp.replace("Z", "+00:00")).timestamp()
+                events.append({"start": start, "rows": p.numInputRows, **dict(p.durationMs)})
+
+        def onQueryIdle(self, event):  # noqa: N802
+            pass
+
+        def onQueryTerminated(self, event):  # noqa: N802
+            pass
+
+    return Listener()
+
+
+def _proc_table() -> dict[int, tuple[int, str, str, float]]:
+    """pid -> (parent pid, command name, cmdline, CPU seconds) of every live process."""
+    out = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
             continue
-        for p in q.recentProgress:
-            start = datetime.fromisoformat(p["timestamp"].replace("Z", "+00:00")).timestamp()
-            if start >= since and p.get("numInputRows", 0) > 0:
-                out.append({"start": start, "rows": p["numInputRows"], **p["durationMs"]})
-    return sorted(out, key=lambda b: b["start"])
+        try:
+            text = Path(f"/proc/{p}/stat").read_text()
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        comm = text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        out[int(p)] = (int(fields[1]), comm, cmd, (int(fields[11]) + int(fields[12])) / TICK)
+    return out
 
 
-def config_data(pg: PostgresCluster, bootstrap: str, base: Path, trigger: float | None, queries: str) -> dict:
-    consumer = {"group": GROUP, "target_dsn": pg.dsn("warehouse"), "checkpoint_dir": str(base / "checkpoints"),
-                "queries": queries}
+def cpu_by_part(pg_postmaster: int, broker: int, producer: int) -> dict[str, float]:
+    """CPU seconds used so far by each part of the pipeline (live processes)."""
+    procs = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, *_rest) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+
+    def tree(root: int) -> list[int]:
+        out, todo = [], [root]
+        while todo:
+            pid = todo.pop()
+            if pid in procs:
+                out.append(pid)
+                todo += children.get(pid, [])
+        return out
+
+    me = os.getpid()
+    jvm = [p for p in children.get(me, []) if procs[p][1] == "java"]
+    workers = [p for j in jvm for p in tree(j) if p != j]
+    return {
+        "postgresql": sum(procs[p][3] for p in tree(pg_postmaster)),
+        "broker": sum(procs[p][3] for p in tree(broker)),
+        "producer": sum(procs[p][3] for p in tree(producer)),
+        "spark_jvm": sum(procs[p][3] for p in jvm),
+        "spark_python_workers": sum(procs[p][3] for p in workers),
+        "driver_python": procs[me][3],
+        "pgbench": sum(v[3] for v in procs.values() if v[1] == "pgbench"),
+    }
+
+
+def config_data(pg: PostgresCluster, bootstrap: str, base: Path, trigger: float | None,
+                max_offsets: int | None) -> dict:
+    consumer: dict = {"group": GROUP, "target_dsn": pg.dsn("warehouse"), "checkpoint_dir": str(base / "checkpoints")}
     if trigger is not None:
         consumer["trigger_interval"] = trigger
+    if max_offsets is not None:
+        consumer["max_offsets_per_trigger"] = max_offsets
     return {
         "source": {"dsn": pg.dsn("app"), "slot": "walbridge", "publication": "walbridge"},
-        "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": PREFIX, "partitions": 4},
+        "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": PREFIX, "partitions": 4},  # as walbridge up
         "shapes": [{"table": t} for t in SHAPES],
         "consumer": consumer,
         "ack": {"consumer_groups": [GROUP], "interval": 0.5},  # as walbridge up
@@ -218,15 +265,14 @@ def config_data(pg: PostgresCluster, bootstrap: str, base: Path, trigger: float 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate", type=int, default=1000, help="pgbench tpcb transactions/s (-R)")
-    ap.add_argument("--scale", type=int, default=10)
+    ap.add_argument("--scale", type=int, default=5)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--warmup", type=float, default=20)
     ap.add_argument("--duration", type=float, default=60)
     ap.add_argument("--tick-every", type=float, default=0.02)
     ap.add_argument("--poll-ms", type=float, default=5)
     ap.add_argument("--trigger-interval", type=float, default=None, help="override [consumer] trigger_interval")
-    ap.add_argument("--queries", choices=("per_shape", "one", "continuous"), default="continuous",
-                    help="[consumer] queries (default: as walbridge up)")
+    ap.add_argument("--max-offsets", type=int, default=None, help="override [consumer] max_offsets_per_trigger")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "latency.json")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="wb-bench-latency-"))
@@ -236,40 +282,42 @@ def main() -> None:
     handler = logging.Handler()
     handler.emit = batch_log.handle
     logging.getLogger().addHandler(handler)
-    round_log = RoundLog()
-    rounds = logging.getLogger("walbridge.consumer.rounds")
-    rounds.setLevel(logging.DEBUG)
-    rounds.addHandler(logging.Handler())
-    rounds.handlers[-1].emit = round_log.handle
     pg_bin = find_pg_bin()
     results: dict = {k: v for k, v in vars(args).items() if k != "out"}
     stop, measuring_stop = threading.Event(), threading.Event()
+    progress: list[dict] = []
     with PostgresCluster(base / "pg", durable=True) as pg, KafkaBroker(base / "kafka") as broker:
         with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
             conn.execute("CREATE DATABASE app")
             conn.execute("CREATE DATABASE warehouse")
+            postmaster = conn.execute("SELECT pid FROM pg_stat_activity WHERE backend_type = 'checkpointer'"
+                                      ).fetchone()[0]
+        postmaster = _proc_table()[postmaster][0]  # the checkpointer's parent
         subprocess.run([str(pg_bin / "pgbench"), "-i", "-q", "-s", str(args.scale), pg.dsn("app")],
                        check=True, capture_output=True)
         with psycopg.connect(pg.dsn("app"), autocommit=True) as conn:
             conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
             conn.execute("CREATE TABLE tick (id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT clock_timestamp())")
-        config = parse_config(config_data(pg, broker.bootstrap, base, args.trigger_interval, args.queries))
+        data = config_data(pg, broker.bootstrap, base, args.trigger_interval, args.max_offsets)
+        config = parse_config(data)
         results["trigger_interval"] = config.consumer.trigger_interval
+        results["max_offsets_per_trigger"] = config.consumer.max_offsets_per_trigger
         failed: list = []
+        appliers: list = []
 
-        def guard(fn):
-            def run():
-                try:
-                    fn()
-                except BaseException as e:  # noqa: BLE001 - reported at the end
-                    failed.append(e)
-                    stop.set()
-            return run
+        def consume():
+            try:
+                consumer_service(config, "local[*]", stop, appliers)
+            except BaseException as e:  # noqa: BLE001 - reported at the end
+                failed.append(e)
+                stop.set()
 
-        producer = threading.Thread(target=guard(lambda: producer_service(config, stop, lambda v: None)), daemon=True)
-        consumer = threading.Thread(target=guard(lambda: consumer_service(config, "local[*]", stop, [])), daemon=True)
+        path = write_toml(data, base / "wb.toml")
+        with open(base / "producer.log", "ab") as plog:
+            producer = subprocess.Popen([sys.executable, "-m", "walbridge.cli", "producer", "-c", str(path)],
+                                        stdout=plog, stderr=subprocess.STDOUT, cwd=ROOT)
+        consumer = threading.Thread(target=consume, daemon=True)
         t0 = time.monotonic()
-        producer.start()
         consumer.start()
         accounts = args.scale * 100_000
         with psycopg.connect(pg.dsn("warehouse"), autocommit=True) as conn:
@@ -279,11 +327,14 @@ def main() -> None:
                         break
                 except psycopg.errors.UndefinedTable:
                     pass
-                if failed:
-                    raise RuntimeError(f"pipeline failed: {failed[0]!r}")
+                if failed or producer.poll() is not None:
+                    raise RuntimeError(f"pipeline failed: {failed or producer.returncode}")
                 time.sleep(0.5)
         results["snapshot_applied_s"] = round(time.monotonic() - t0, 1)
         print(json.dumps(results), flush=True)
+        from pyspark.sql import SparkSession  # optional Spark extra: the consumer's own session
+
+        SparkSession.builder.getOrCreate().streams.addListener(progress_listener(progress))
 
         visible = Visible(pg.dsn("warehouse"), args.poll_ms / 1000, measuring_stop)
         stamps = Stamps(broker.bootstrap, measuring_stop)
@@ -298,9 +349,13 @@ def main() -> None:
         start = time.time()
         measure_from = start + args.warmup
         lag_max = 0
+        cpu0 = cpu1 = None
         with psycopg.connect(pg.dsn("app"), autocommit=True) as conn:
             while bench.poll() is None:
                 if time.time() >= measure_from:
+                    if cpu0 is None:
+                        cpu0, w0 = cpu_by_part(postmaster, broker.pid, producer.pid), time.monotonic()
+                    cpu1, w1 = cpu_by_part(postmaster, broker.pid, producer.pid), time.monotonic()
                     lag = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint"
                                        " FROM pg_replication_slots WHERE slot_name = 'walbridge'").fetchone()[0]
                     lag_max = max(lag_max, lag or 0)
@@ -314,11 +369,10 @@ def main() -> None:
         while (last_tick not in visible.seen or last_tick not in stamps.stamps) and time.monotonic() < deadline:
             time.sleep(0.1)
         measuring_stop.set()
-        progress = [] if args.queries == "continuous" else tick_progress(  # continuous: no Spark query
-            measure_from, QUERY_NAME if args.queries == "one" else "walbridge:public.tick")
         stop.set()
-        producer.join(60)
         consumer.join(120)
+        producer.terminate()
+        producer.wait(60)
         if failed:
             raise RuntimeError(f"pipeline failed: {failed[0]!r}")
 
@@ -332,20 +386,16 @@ def main() -> None:
         "kafka_to_visible": summary([vis - stamps.stamps[i] for i, (_, vis) in rows.items() if i in stamps.stamps]),
         "ticks_missing": last_tick - min(expected, default=last_tick) + 1 - len(expected) if expected else None,
     })
-    starts = [b["start"] for b in progress]
-    per_batch = {k: summary([b[k] / 1000 for b in progress if k in b])
-                 for k in ("triggerExecution", "latestOffset", "queryPlanning", "getBatch", "addBatch",
-                           "walCommit", "commitOffsets")}
+    if cpu0 is not None and cpu1 is not None and w1 > w0:
+        results["cpu_cores"] = {k: round((cpu1[k] - cpu0[k]) / (w1 - w0), 3) for k in cpu0}
+    batches = [b for b in progress if measure_from <= b["start"] <= measure_to]
+    starts = [b["start"] for b in batches]
+    per_batch = {k: summary([b[k] / 1000 for b in batches if k in b]) for k in PROGRESS_KEYS}
     per_batch["gap_between_starts"] = summary([b - a for a, b in zip(starts, starts[1:])])
-    per_batch["rows_per_batch_mean"] = round(statistics.fmean([b["rows"] for b in progress]), 1) if progress else None
-    logged = [b for b in batch_log.batches if b["at"] >= measure_from]
+    per_batch["rows_per_batch_mean"] = round(statistics.fmean([b["rows"] for b in batches]), 1) if batches else None
+    logged = [b for b in batch_log.batches if measure_from <= b["at"] <= measure_to]
     per_batch["apply_thread"] = {k: summary([b[k] for b in logged]) for k in ("read_s", "apply_s", "total_s")}
-    per_batch["apply_thread"]["gap_between_applied"] = summary([b["at"] - a["at"] for a, b in zip(logged, logged[1:])])
-    results["tick_batches"] = per_batch
-    measured = [r for r in round_log.rounds if r["at"] >= measure_from]
-    if measured:  # the continuous reader: where a round's read time goes
-        results["rounds"] = {k: summary([r[k] for r in measured]) for k in ("look_s", "read_s")}
-        results["rounds"]["offsets_mean"] = round(statistics.fmean([r["offsets"] for r in measured]), 1)
+    results["batches"] = per_batch
     text = json.dumps(results, indent=2)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,9 @@
-"""Cost and latency against the number of shapes: one Spark query per shape
-(``[consumer] queries = "per_shape"``) against one query over all of them
-(``"one"``), in the same run.
+"""Cost and latency against the number of shapes, for the consumer's one
+query over every shape topic.
 
-    flock /tmp/wb-tests.lock .venv/bin/python bench/shapes.py [--counts 5,50,200] [--modes per_shape,one]
+    flock /tmp/wb-tests.lock .venv/bin/python bench/shapes.py [--counts 5,50,200]
 
-For each shape count N and mode, on a fresh embedded PostgreSQL (durable) and
+For each shape count N, on a fresh embedded PostgreSQL (durable) and
 Apache Kafka broker (4 partitions):
 - N tables ``public.t<i> (id int primary key, v text)`` of ``--rows`` rows
   each (default 1,000), one shape each.
@@ -25,7 +24,7 @@ Apache Kafka broker (4 partitions):
 - ``--verbose``: the consumer's log (a line per micro-batch, with its read
   and apply times) on stderr.
 Results go to bench/out/shapes.json and are printed; ratios against the
-5-shape figures of the same mode are added when 5 is among the counts.
+5-shape figures are added when 5 is among the counts.
 """
 
 from __future__ import annotations
@@ -100,9 +99,9 @@ def counts(conn, n: int) -> list[int]:
         return [0] * n
 
 
-def run_one(n: int, mode: str, rows: int, settle: float, idle: float, inserts: int) -> dict:
-    base = Path(tempfile.mkdtemp(prefix=f"wb-bench-shapes-{n}-{mode}-"))
-    out: dict = {"shapes": n, "mode": mode}
+def run_one(n: int, rows: int, settle: float, idle: float, inserts: int) -> dict:
+    base = Path(tempfile.mkdtemp(prefix=f"wb-bench-shapes-{n}-"))
+    out: dict = {"shapes": n}
     stop = threading.Event()
     failed: list = []
     with PostgresCluster(base / "pg", durable=True) as pg, KafkaBroker(base / "kafka") as broker:
@@ -118,8 +117,7 @@ def run_one(n: int, mode: str, rows: int, settle: float, idle: float, inserts: i
             "source": {"dsn": pg.dsn("app"), "slot": "walbridge", "publication": "walbridge"},
             "kafka": {"bootstrap_servers": broker.bootstrap, "topic_prefix": PREFIX, "partitions": 4},
             "shapes": [{"table": f"public.t{i}"} for i in range(n)],
-            "consumer": {"group": GROUP, "target_dsn": pg.dsn("warehouse"), "checkpoint_dir": str(base / "cp"),
-                         "queries": mode},
+            "consumer": {"group": GROUP, "target_dsn": pg.dsn("warehouse"), "checkpoint_dir": str(base / "cp")},
             "ack": {"consumer_groups": [GROUP], "interval": 0.5},
         }
         path = write_toml(data, base / "wb.toml")
@@ -180,7 +178,6 @@ def run_one(n: int, mode: str, rows: int, settle: float, idle: float, inserts: i
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--counts", default="5,50,200")
-    ap.add_argument("--modes", default="per_shape,one")
     ap.add_argument("--rows", type=int, default=1000)
     ap.add_argument("--settle", type=float, default=10.0)
     ap.add_argument("--idle", type=float, default=20.0)
@@ -191,16 +188,14 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     if args.verbose:
         logging.getLogger("walbridge.consumer").setLevel(logging.INFO)
-    results = [run_one(n, mode, args.rows, args.settle, args.idle, args.inserts)
-               for mode in args.modes.split(",") for n in (int(c) for c in args.counts.split(","))]
-    for mode in {r["mode"] for r in results}:
-        ref = next((r for r in results if r["mode"] == mode and r["shapes"] == 5), None)
-        for r in results:
-            if ref is not None and r["mode"] == mode:
-                r["snapshot_ratio_to_5"] = round(r["snapshot_applied_s"] / ref["snapshot_applied_s"], 2)
-                r["visible_ratio_to_5"] = round(r["insert_visible_s"] / ref["insert_visible_s"], 2)
-                if "insert_again_visible_s" in r:
-                    r["again_ratio_to_5"] = round(r["insert_again_visible_s"] / ref["insert_again_visible_s"], 2)
+    results = [run_one(n, args.rows, args.settle, args.idle, args.inserts) for n in map(int, args.counts.split(","))]
+    ref = next((r for r in results if r["shapes"] == 5), None)
+    for r in results:
+        if ref is not None:
+            r["snapshot_ratio_to_5"] = round(r["snapshot_applied_s"] / ref["snapshot_applied_s"], 2)
+            r["visible_ratio_to_5"] = round(r["insert_visible_s"] / ref["insert_visible_s"], 2)
+            if "insert_again_visible_s" in r:
+                r["again_ratio_to_5"] = round(r["insert_again_visible_s"] / ref["insert_again_visible_s"], 2)
     text = json.dumps(results, indent=2)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
