@@ -78,7 +78,7 @@ def decode_batches(src: ShapeSource, schemas: ShapeSchemas, batches: Iterable[An
                 builder.add_dlq(topic, partition, offset, headers, str(e))
             except SchemaChangedError as e:  # a value schema the layout was not derived with
                 builder.to_record_batch()  # dropped: the part is decoded again
-                builder.add_control(topic, partition, offset, wire.NEW_SCHEMA_CONTROL, str(e))
+                builder.add_control(topic, partition, offset, wire.NEW_SCHEMA_CONTROL, str(e), info=e.ref)
                 dead_letters.flush()
                 yield builder.to_record_batch()
                 return
@@ -149,8 +149,10 @@ def tables_by_topic(decoded: pa.Table) -> dict[str, pa.Table]:
     return {t: ts[0] if len(ts) == 1 else pa.concat_tables(ts) for t, ts in parts.items()}
 
 
-def new_schema_reason(table: pa.Table) -> str | None:
+def new_schema_reason(table: pa.Table) -> tuple[str, str | None] | None:
     """Why a topic's decoded rows must be decoded again (a value schema the
-    shape's schemas did not hold), or None."""
+    shape's schemas did not hold) and that schema's ref, or None."""
     marks = table.filter(pc.equal(table.column(wire.CONTROL_COLUMN), wire.NEW_SCHEMA_CONTROL))
-    return marks.column(wire.ERROR_COLUMN)[0].as_py() if marks.num_rows else None
+    if not marks.num_rows:
+        return None
+    return marks.column(wire.ERROR_COLUMN)[0].as_py(), marks.column(wire.CONTROL_INFO_COLUMN)[0].as_py()

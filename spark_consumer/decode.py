@@ -181,7 +181,12 @@ _SPECIAL_LOGICAL = frozenset({"decimal", "date", "time-micros", "timestamp-micro
 
 class SchemaChangedError(RuntimeError):
     """A writer schema the layout was not derived with: derive the layout
-    again (the consumer learns the shape's schemas and decodes the batch anew)."""
+    again (the consumer learns the shape's schemas and decodes the batch anew).
+    ``ref``: the writer schema's ref, when it is one the layout never knew."""
+
+    def __init__(self, message: str, ref: str | None = None):
+        super().__init__(message)
+        self.ref = ref
 
 
 class UndecodableMessage(ValueError):
@@ -516,6 +521,9 @@ class WriterSchemas:
     # driver then derives the layout again); False: only one that adds or
     # retypes a column.
     only_known: bool = False
+    # Refs the driver looked for and nobody published: looked up like any
+    # (not found: the message is undecodable), never taken for a new schema.
+    unpublished: frozenset[str] = frozenset()
     # Read value bodies with the compiled reader where it applies (false: fastavro only).
     compiled: bool = True
     _parsed: dict[tuple, Any] = field(default_factory=dict)
@@ -534,9 +542,10 @@ class WriterSchemas:
         if key in self._undecodable:
             raise UndecodableMessage(self._undecodable[key])
         try:
-            if check and self.only_known and schema_ref_key(ref) not in self.known:
-                raise SchemaChangedError(f"written with value schema {schema_ref_key(ref)}, "
-                                         "which the layout was not derived with")
+            name = schema_ref_key(ref)
+            if check and self.only_known and name not in self.known and name not in self.unpublished:
+                raise SchemaChangedError(f"written with value schema {name}, which the layout was not derived "
+                                         "with", name)
             raw = self.lookup(ref, data)
             if check:
                 self.layout.check_writer(raw, schema_ref_key(ref) in self.known)
@@ -773,10 +782,11 @@ class BatchBuilder:
         self.add_control(topic, partition, offset, wire.DLQ_CONTROL, error, lsn, op_index)
 
     def add_control(self, topic: str, partition: int, offset: int, control: str, error: str,
-                    lsn: int | None = None, op_index: int | None = None) -> None:
-        """A row of the decoder's own (row columns null): ``_wb_control`` and why in ``_wb_error``."""
+                    lsn: int | None = None, op_index: int | None = None, info: str | None = None) -> None:
+        """A row of the decoder's own (row columns null): ``_wb_control``, why
+        in ``_wb_error`` and ``info`` in ``_wb_control_info``."""
         self._records.append(self._empty_row + [
-            None, lsn, op_index, topic, partition, offset, None, None, control, None, None, None, error,
+            None, lsn, op_index, topic, partition, offset, None, None, control, info, None, None, error,
             None, None])
 
     def _fill_key(self, row: list | None, key: bytes) -> list | None:

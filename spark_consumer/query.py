@@ -254,11 +254,11 @@ class BatchApplier(PipelinedApply):
             for topic, table in decode(pending, round_ == 0).items():
                 if topic not in self.states or topic in self.held:
                     continue
-                why = new_schema_reason(table)
-                if why is None:
+                mark = new_schema_reason(table)
+                if mark is None:
                     done[topic] = table
                 else:
-                    self._learn_schemas(topic, batch_id, why)
+                    self._learn_schemas(topic, batch_id, *mark)
                     again.append(topic)
             if not again:
                 return done
@@ -266,10 +266,17 @@ class BatchApplier(PipelinedApply):
         raise RuntimeError(f"batch {batch_id}: shapes {', '.join(self.states[t].name for t in pending)} are still "
                            f"written with value schemas their schemas do not hold after {NEW_SCHEMA_ROUNDS} lookups")
 
-    def _learn_schemas(self, topic: str, batch_id: int, why: str) -> None:
+    def _learn_schemas(self, topic: str, batch_id: int, why: str, ref: str | None) -> None:
+        """Discover the shape's schemas again; a ref the batch named that is
+        still not among them was never published: its messages are poison."""
         st = self.states[topic]
         log.info("shape %s batch %d: %s; learning the shape's schemas again", st.name, batch_id, why)
+        unpublished = st.schemas.unpublished
         st.schemas = wait_for_schemas(st.source, discover_schemas, RetryPolicy.of(self.config.consumer))
+        if ref and ref not in st.schemas.known_value_refs:
+            log.warning("shape %s: no schema %s is published; its messages go to the DLQ", st.name, ref)
+            unpublished += (ref,)
+        st.schemas = dataclasses.replace(st.schemas, unpublished=unpublished)
         st.batch_target = ShapeTarget.from_avro(st.name, st.schemas.value_schema, st.schemas.key_schema)
 
     def _apply_parts(self, parts: dict[str, list[Part]], targets: dict[str, ShapeTarget],

@@ -15,7 +15,9 @@ Invariants:
   to the DLQ); a lookup that fails (registry or broker unreachable)
   propagates: infrastructure is never taken for a bad message.
 - The producer publishes a shape's schema before its first message: a start
-  that finds none waits (:func:`wait_for_schemas`).
+  that finds none waits (:func:`wait_for_schemas`), and a ref a message names
+  that discovery does not find is no new schema but an undecodable message
+  (``ShapeSchemas.unpublished``: it goes to the DLQ).
 """
 
 from __future__ import annotations
@@ -84,12 +86,15 @@ class ShapeSource:
 class ShapeSchemas:
     """What a shape's batches are decoded with: the layout's value/key
     schemas, the refs (``id:<n>`` / ``fp:<hex>``) of the value schemas known
-    at discovery, and every value/key writer schema found then, by ref."""
+    at discovery, every value/key writer schema found then, by ref, and the
+    refs that messages named and discovery did not find (``unpublished``)."""
 
     value_schema: dict
     key_schema: dict | None = None
     known_value_refs: tuple[str, ...] = ()
     writer_schemas: dict[str, dict] = field(default_factory=dict)
+    # Refs messages named that discovery did not find: no new schema, poison (the DLQ's).
+    unpublished: tuple[str, ...] = ()
 
     def layout(self) -> ShapeLayout:
         return ShapeLayout.from_schemas(self.value_schema, self.key_schema)
@@ -188,5 +193,6 @@ def writer_schemas_for(src: ShapeSource, schemas: ShapeSchemas) -> WriterSchemas
     ws = _writer_schemas.get(key)
     if ws is None:
         ws = _writer_schemas[key] = WriterSchemas(schemas.layout(), schema_lookup(src, schemas.writer_schemas),
-                                                  frozenset(schemas.known_value_refs), only_known=True)
+                                                  frozenset(schemas.known_value_refs), only_known=True,
+                                                  unpublished=frozenset(schemas.unpublished))
     return ws

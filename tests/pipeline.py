@@ -86,6 +86,13 @@ def applying(target_db) -> bool:
                             "AND backend_xid IS NOT NULL)", (TARGET_APP_NAME,)).fetchone()[0]
 
 
+def consumer_sessions(target_db) -> int:
+    """The consumer's sessions in the target (a killed consumer's linger until the server sees it gone)."""
+    with psycopg.connect(target_db) as conn:
+        return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                            (TARGET_APP_NAME,)).fetchone()[0]
+
+
 def assert_applied_once(target_db, bootstrap: str, topic_prefix: str) -> None:
     """No streamed pgbench_history insert applied twice, and every live
     pgbench_accounts row written by exactly the newest message of its key in

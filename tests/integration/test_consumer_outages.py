@@ -1,5 +1,5 @@
 """``walbridge consumer`` as a real process through outages (issue 16): it
-never exits on a broker that does not answer, and restarting a shape's query
+never exits on a broker that does not answer, and restarting its query
 again and again (each target restart fails the apply) leaves a query as it
 was the first time, with no ``StackOverflowError``."""
 
@@ -138,6 +138,6 @@ def test_query_restarted_after_each_target_restart_stays_healthy(source_db, pg_b
             finally:
                 consumer.stop()
     text = log.read_text()
-    restarts = text.count("restarting it from its checkpoint")
+    restarts = text.count("restarting it from the target's progress")
     assert restarts >= TARGET_RESTARTS, text[-4000:]
     assert "StackOverflowError" not in text, text[text.index("StackOverflowError") - 3000:][:6000]

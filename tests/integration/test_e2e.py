@@ -23,6 +23,7 @@ from tests.pipeline import (
     applying,
     assert_applied_once,
     caught_up,
+    consumer_sessions,
     e2e_config,
     pgbench,
     prepare_source,
@@ -113,6 +114,8 @@ def test_consumer_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sourc
                 wait_for(lambda: applying(target_db), timeout=120, interval=0.01,
                          what="an apply written and not committed")
                 consumer.kill9()
+                # The killed apply rolled back: its session is gone (it is not the next one's).
+                wait_for(lambda: consumer_sessions(target_db) == 0, timeout=60, what="the killed session gone")
                 consumer = ConsumerProcess(path, log).start()
             load_done.wait(60)
             ok = wait_for(lambda: verify_ok(cfg)[0], timeout=300, interval=3, what="target == source")

@@ -71,7 +71,8 @@ def test_parts_of_several_tasks_are_concatenated_in_task_order():
     assert tables[B].column(wire.OFFSET_COLUMN).to_pylist() == [9]
 
 
-def test_new_schema_reason_names_the_mark():
-    t = pa.table({wire.CONTROL_COLUMN: [None, wire.NEW_SCHEMA_CONTROL], wire.ERROR_COLUMN: [None, "value schema fp:1"]})
-    assert new_schema_reason(t) == "value schema fp:1"
+def test_new_schema_reason_names_the_mark_and_its_schema():
+    t = pa.table({wire.CONTROL_COLUMN: [None, wire.NEW_SCHEMA_CONTROL], wire.ERROR_COLUMN: [None, "value schema fp:1"],
+                  wire.CONTROL_INFO_COLUMN: [None, "fp:1"]})
+    assert new_schema_reason(t) == ("value schema fp:1", "fp:1")
     assert new_schema_reason(t.slice(0, 1)) is None

@@ -4,6 +4,8 @@ target DDL a new schema plans (issue 12)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pyarrow as pa
 import pytest
 from psycopg import sql
@@ -82,6 +84,30 @@ def test_an_unknown_schema_that_only_drops_columns_is_also_learned():
     # Learned, the narrower schema is the layout: the dropped column is gone from it.
     [typed] = decode_batches(SRC, _schemas(old, narrower), iter(batch))
     assert typed.to_pylist()[0]["id"] == 1 and "v" not in typed.schema.names
+
+
+def test_a_schema_nobody_published_is_learned_once_then_its_messages_are_dead_letters(monkeypatch):
+    """A ref the driver's discovery does not find either is no new schema:
+    marked once (with its ref), then undecodable (the DLQ's), the batch's
+    other rows decoded."""
+    old = Shape(OLD)
+    ghost = wire.single_object_prefix(b"\x07" * 8) + old.value("c", after=(2, 2))[10:]
+    batch = _raw((0, None, old.value("c", after=(1, 5)), pos(1)), (1, None, ghost, pos(2)))
+    [marked] = decode_batches(SRC, _schemas(old), iter(batch))
+    [row] = marked.to_pylist()
+    assert row["_wb_control"] == wire.NEW_SCHEMA_CONTROL and row["_wb_control_info"] == "fp:" + "07" * 8
+    sent = []
+
+    def not_published(self, data):
+        raise ValueError("the schemas topic holds no schema with this fingerprint")
+
+    monkeypatch.setattr("spark_consumer.shape_schemas.SchemaResolver.raw_schema", not_published)
+    monkeypatch.setattr("spark_consumer.batch_split.DeadLetters.send", lambda self, *a: sent.append(a[:3]))
+    monkeypatch.setattr("spark_consumer.batch_split.DeadLetters.flush", lambda self: None)
+    learned = replace(_schemas(old), unpublished=(row["_wb_control_info"],))
+    [decoded] = decode_batches(SRC, learned, iter(batch))
+    assert [(r["id"], r["_wb_control"]) for r in decoded.to_pylist()] == [(1, None), (None, "dlq")]
+    assert sent == [(TOPIC, 0, 1)]
 
 
 # -------------------------------------------------------------- target DDL
