@@ -295,8 +295,8 @@ class Backfills:
         record = {**record, **extra, "state": state, "updated_at": time.time()}
         self.requests[record["request_id"]] = record
         if acknowledged:
-            produce_acknowledged(self._kafka, self.topic, json.dumps(record).encode(),
-                                 record["request_id"].encode(), STATE_TIMEOUT_S, "recording a backfill's snapshot point")
+            produce_acknowledged(self._kafka, self.topic, json.dumps(record).encode(), record["request_id"].encode(),
+                                 STATE_TIMEOUT_S, "recording a backfill's snapshot point")
         else:
             publish_state(self._kafka, self.topic, record)
 

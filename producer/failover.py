@@ -191,8 +191,9 @@ def check_fork(slot: str, fork: Fork, produced: int | None) -> None:
         problem,
         f"start over with a full snapshot on purpose, once the new primary's WAL is past {upto} (on it, SELECT "
         f"pg_current_wal_lsn() > '{upto}'; must return true; writes get it there, and so does SELECT "
-        f"pg_switch_wal(); after any write, a WAL segment at a time): there run SELECT pg_drop_replication_slot('{slot}'); DELETE FROM {binding} WHERE "
-        f"slot_name = '{slot}'; and start the producer. The new snapshot and every change after it sit past what "
+        "pg_switch_wal(); after any write, a WAL segment at a time): there run SELECT "
+        f"pg_drop_replication_slot('{slot}'); DELETE FROM {binding} WHERE slot_name = '{slot}'; and start the "
+        "producer. The new snapshot and every change after it sit past what "
         "the old primary sent, so they replace it in the target, and the consumer drops the rest at the "
         "snapshot's snapshot_end. Next time: on the primary, ALTER SYSTEM SET synchronized_standby_slots = "
         "'<the standbys' physical slots>'; SELECT pg_reload_conf(); (walbridge check-config --live names them)")

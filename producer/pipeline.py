@@ -49,9 +49,10 @@ Invariants:
   that reaches another server (a failover, told by ``IDENTIFY_SYSTEM``'s
   system identifier and timeline) goes on only from a synchronized copy of
   the slot (``failover.py``), never from a new slot and snapshot, and only
-  when the partition tails (read before anything is recorded) hold nothing
-  past the point where the new timeline forked: what is skipped as a replay
-  is then the same change on both timelines.
+  when Kafka (the partition tails, the snapshot's and backfills' points,
+  read before anything is recorded) holds nothing past the point where the
+  new timeline forked: what is skipped as a replay is then the same change
+  on both timelines.
 - Initial snapshot (``snapshot.py``): taken when the slot is created, which is
   recorded in the source database (``slot_binding.py``: the topic prefix and
   Kafka cluster the slot's data goes to), and in ``<prefix>._checkpoint``

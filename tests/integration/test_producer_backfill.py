@@ -206,7 +206,8 @@ def test_producer_killed_mid_backfill_restarts_it(source_db, kafka_broker, topic
     assert {r.headers[wire.BACKFILL_HEADER].decode() for r in ends} == {done["backfill_id"]}
     complete = [r for r in data_records(records) if r.headers.get(wire.BACKFILL_HEADER) == done["backfill_id"].encode()]
     assert sorted(r.key["id"] for r in complete) == sorted(_source_rows(source_db))
-    partial = [r for r in data_records(records) if r.headers.get(wire.BACKFILL_HEADER) == killed["backfill_id"].encode()]
+    killed_id = killed["backfill_id"].encode()
+    partial = [r for r in data_records(records) if r.headers.get(wire.BACKFILL_HEADER) == killed_id]
     assert partial and all(r.position == (killed["lsn"], 0) for r in partial)
     state = {k[0][1]: v["v"] for k, v in latest_rows(records).items()}
     assert state == {i: v for i, v in _source_rows(source_db).values()}
