@@ -39,6 +39,10 @@ Invariants:
   alone (a lost connection restarts the producer, and the backfill with it).
 - Backfill messages carry ``wb.backfill``; partition tails (replay
   de-duplication) skip them, so they never hide a streamed change.
+- A backfill's snapshot point S is in its request's ``running`` record, and
+  Kafka acknowledged it, before its first row is sent: what Kafka may hold of
+  it is known without reading its rows (a failover checks that nothing in
+  Kafka lies past the new timeline's fork, :mod:`producer.failover`).
 - Requests and their state: :mod:`producer.backfill_requests`. A producer
   that restarts re-runs every request not ``done``, from a new snapshot: the
   interrupted attempt's rows are older than the new S and are overwritten or,
@@ -71,11 +75,12 @@ from producer.shapes import RelationPlan
 from producer.snapshot import copy_chunks
 from schemas import buckets, wire
 from schemas.config import Config
-from schemas.kafka import scan_consumer
+from schemas.kafka import produce_acknowledged, scan_consumer
 
 log = logging.getLogger("walbridge.backfill")
 
 QUEUE_CHUNKS = 16
+STATE_TIMEOUT_S = 30.0  # for Kafka to acknowledge a backfill's snapshot point
 _DONE = object()
 
 
@@ -285,10 +290,15 @@ class Backfills:
         if self._requests_consumer is not None:
             self._requests_consumer.close()
 
-    def _set_state(self, record: dict, state: str, **extra) -> None:
+    def _set_state(self, record: dict, state: str, acknowledged: bool = False, **extra) -> None:
+        """Publish ``record`` in ``state``; ``acknowledged``: wait until Kafka holds it."""
         record = {**record, **extra, "state": state, "updated_at": time.time()}
         self.requests[record["request_id"]] = record
-        publish_state(self._kafka, self.topic, record)
+        if acknowledged:
+            produce_acknowledged(self._kafka, self.topic, json.dumps(record).encode(), record["request_id"].encode(),
+                                 STATE_TIMEOUT_S, "recording a backfill's snapshot point")
+        else:
+            publish_state(self._kafka, self.topic, record)
 
     def _start(self, request: dict) -> None:
         shape = next((s for s in self._config.shapes if s.shape_name == request["shape"]), None)
@@ -349,6 +359,8 @@ class Backfills:
             bf.headers = [(wire.POSITION_HEADER, wire.position_header(lsn, 0)),
                           (wire.SNAPSHOT_HEADER, bf.backfill_id.encode()),
                           (wire.BACKFILL_HEADER, bf.backfill_id.encode())]
+            self._set_state(bf.request, "running", acknowledged=True, started_at=bf.started,
+                            backfill_id=bf.backfill_id, lsn=lsn)
         bf.last_chunk = now
         if chunk is not None:
             route = bf.route

@@ -18,6 +18,13 @@ starts a new, higher timeline. Against the server the slot was last read on
   The producer then streams on from the copy's confirmed position (what it
   replays Kafka already holds, and is skipped) and the binding records the
   new server. Any other slot, or none: :class:`FailoverError`.
+  Even a good copy carries on only where the new timeline holds everything
+  Kafka holds: the promoted server's timeline history (``TIMELINE_HISTORY``)
+  says where it forked from the timeline the slot was read on
+  (:func:`fork_point`), and anything produced at or past that point (a
+  commit, snapshot or backfill position) is a change the old primary sent
+  before the standby received it (``synchronized_standby_slots`` did not
+  hold it back): :func:`check_fork` refuses with :class:`FailoverError`.
 - same system, an earlier timeline: a server behind the one the slot was read
   on (an old primary back after a failover): :class:`FailoverError`.
 - another system: another PostgreSQL cluster: :class:`FailoverError`.
@@ -27,6 +34,12 @@ Invariants:
   LSNs, comparable only along one WAL history, and the changes between the
   slot's last confirmed position and the failover are read from that slot or
   not at all.
+- After a failover, no position on the new timeline is taken for one on the
+  old timeline: positions below the fork point are the same changes on both;
+  from the fork point on, the old timeline's changes are not the new one's,
+  so with any of them in Kafka the new primary's changes at those positions
+  would be skipped as replays (lost) and the old ones would stay in Kafka
+  and the target (a divergence). The producer stops instead.
 - Every refusal is permanent (a ``source`` failure, exit code 3) and says the
   way back.
 
@@ -37,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from producer.pgoutput import lsn_to_int, lsn_to_str
 from schemas import wire
 from schemas.failures import SOURCE, Failure
 
@@ -126,3 +140,60 @@ def judge(slot: str, previous: Server | None, current: Server, copy: SlotCopy | 
         "if the old primary still runs, point [source] dsn at it. Otherwise, to start over with a full "
         f"snapshot on purpose, {drop}run {forget}. To keep the slot across the next failover: PostgreSQL 17 or "
         "later, [source] slot_failover = true, and a standby set up as walbridge check-config --live says")
+
+
+@dataclass(frozen=True)
+class Fork:
+    """Where the promoted server's timeline left the one the slot was read
+    on: WAL below ``lsn`` is the same on both, from ``lsn`` on it differs."""
+
+    previous: Server  # the server the slot was read on
+    current: Server  # the promoted server
+    lsn: int | None  # the switch point of ``previous.timeline`` in ``current``'s history; None: not in it
+
+
+def fork_point(previous: Server, current: Server, history: str) -> Fork:
+    """The fork of ``current`` (a later timeline of ``previous``'s system)
+    from ``previous``, read from ``current.timeline``'s history file (lines
+    ``<parent timeline>\t<switch LSN>\t<reason>``, one per ancestor). A
+    ``previous.timeline`` that is no ancestor (a sibling branch) leaves the
+    fork unknown: ``lsn`` None."""
+    for line in history.splitlines():
+        fields = line.split()
+        if len(fields) >= 2 and fields[0].isdigit() and int(fields[0]) == previous.timeline:
+            return Fork(previous, current, lsn_to_int(fields[1]))
+    return Fork(previous, current, None)
+
+
+def check_fork(slot: str, fork: Fork, produced: int | None) -> None:
+    """Raises :class:`FailoverError` when Kafka holds anything of ``slot``
+    at or past ``fork`` (``produced``: the highest position in Kafka, its
+    LSN: a commit, snapshot or backfill point; None: nothing)."""
+    if produced is None or (fork.lsn is not None and produced < fork.lsn):
+        return
+    old, new, system = fork.previous.timeline, fork.current.timeline, fork.current.system_id
+    upto = lsn_to_str(produced)
+    failed_over = f"the source failed over (system {system}: timeline {old} → {new})"
+    if fork.lsn is None:
+        problem = (f"{failed_over}, but timeline {old}, which slot {slot} was read on, is not in timeline {new}'s "
+                   f"history (a server restored or promoted from another branch), so none of the changes in Kafka "
+                   f"(up to {upto}) is known to be on the new primary. Streaming on could skip its own changes as "
+                   "replays and leave in Kafka and the target rows the source does not have: walbridge stops")
+    else:
+        problem = (f"{failed_over}, and timeline {new} forked from timeline {old} at {lsn_to_str(fork.lsn)}, but "
+                   f"Kafka holds changes of slot {slot} up to {upto}: the old primary sent them before the promoted "
+                   "standby received them (synchronized_standby_slots on the old primary was empty or did not "
+                   "name this standby's physical slot), so the new primary never had them. Streaming on would "
+                   f"skip the new primary's own changes up to {upto} as replays and leave in Kafka and the target "
+                   "rows the source does not have: walbridge stops")
+    binding = f"{wire.META_SCHEMA}.{wire.SLOT_BINDING_TABLE}"
+    raise FailoverError(
+        problem,
+        f"start over with a full snapshot on purpose, once the new primary's WAL is past {upto} (on it, SELECT "
+        f"pg_current_wal_lsn() > '{upto}'; must return true; writes get it there, and so does SELECT "
+        "pg_switch_wal(); after any write, a WAL segment at a time): there run SELECT "
+        f"pg_drop_replication_slot('{slot}'); DELETE FROM {binding} WHERE slot_name = '{slot}'; and start the "
+        "producer. The new snapshot and every change after it sit past what "
+        "the old primary sent, so they replace it in the target, and the consumer drops the rest at the "
+        "snapshot's snapshot_end. Next time: on the primary, ALTER SYSTEM SET synchronized_standby_slots = "
+        "'<the standbys' physical slots>'; SELECT pg_reload_conf(); (walbridge check-config --live names them)")

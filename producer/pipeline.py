@@ -48,7 +48,11 @@ Invariants:
   The slot is found, judged and created in ``slot_setup.py``: a reconnect
   that reaches another server (a failover, told by ``IDENTIFY_SYSTEM``'s
   system identifier and timeline) goes on only from a synchronized copy of
-  the slot (``failover.py``), never from a new slot and snapshot.
+  the slot (``failover.py``), never from a new slot and snapshot, and only
+  when Kafka (the partition tails, the snapshot's and backfills' points,
+  read before anything is recorded) holds nothing past the point where the
+  new timeline forked: what is skipped as a replay is then the same change
+  on both timelines.
 - Initial snapshot (``snapshot.py``): taken when the slot is created, which is
   recorded in the source database (``slot_binding.py``: the topic prefix and
   Kafka cluster the slot's data goes to), and in ``<prefix>._checkpoint``
@@ -228,8 +232,8 @@ class Pipeline:
         slot = self.slot.state
         decision = recovery.Decision(False)
         if slot is not None:
-            self.slot.record(self.catalog_conn, self.repl)
             decision = self._recover()
+            self.slot.record(self.catalog_conn, self.repl)
             if decision.resnapshot:
                 log.warning("slot %s: %s: dropping the slot and redoing the snapshot", cfg.source.slot,
                             decision.reason)
@@ -265,12 +269,15 @@ class Pipeline:
 
     def _recover(self) -> recovery.Decision:
         """What to do with the existing slot (:mod:`producer.recovery`), from
-        what Kafka holds: the checkpoint and each partition's bounds and tail."""
+        what Kafka holds: the checkpoint and each partition's bounds and tail.
+        After a failover, first whether Kafka holds anything past the new
+        timeline's fork (``FoundSlot.check_fork``)."""
         cfg = self.config
         read = read_partitions(self._kafka_conf, self.writers())
         self.tails = {w: tail for w, (_, _, tail) in read.items()}
-        ids = self._topic_ids()
         checkpoint = self.checkpoints.read()
+        self.slot.check_fork(self._kafka_conf, cfg.kafka.topic_prefix, self.tails, checkpoint)
+        ids = self._topic_ids()
         committed = self.checkpoints.committed(checkpoint) if checkpoint and cfg.ack_groups else None
         decision = recovery.decide(
             slot=cfg.source.slot, database=self.db_name, checkpoint=checkpoint, topics=dict(self.partitions),
@@ -633,8 +640,10 @@ class _Runs:
     A run that got going (published its status: source and broker answered)
     and then failed transiently ends the outage it belonged to; the next
     failures start a new one, so its waits start short again. Each run is told
-    the server the last one found its slot on, so a reconnect that reaches
-    another server (a failover) is judged as one (``failover.py``)."""
+    the server the last one bound its slot to, so a reconnect that reaches
+    another server (a failover) is judged as one (``failover.py``); a run
+    that ended before binding it (say, before Kafka was checked for changes
+    past a failover's fork) leaves the judgement to the next."""
 
     def __init__(self, config: Config, stop: threading.Event, on_status: Callable[[dict], None] | None,
                  outage: Callable[[], Outage]):
@@ -644,7 +653,7 @@ class _Runs:
         self._new_outage = outage
         self._outage: Outage | None = None
         self.lost: Failure | None = None  # the transient failure that ended a run that had got going
-        self.server: Server | None = None  # where the last run found the slot
+        self.server: Server | None = None  # where the last run bound the slot
 
     def outage(self) -> Outage:
         self._outage = self._new_outage()
@@ -678,7 +687,7 @@ class _Runs:
             raise
         finally:
             if pipeline is not None:
-                if pipeline.slot is not None:
+                if pipeline.slot is not None and pipeline.slot.bound:
                     self.server = pipeline.slot.server
                 pipeline.close()
 

@@ -64,6 +64,12 @@ class ReplicationConnection:
         system_id, timeline, _, _ = self.conn.execute("IDENTIFY_SYSTEM").fetchone()
         return Server(str(system_id), int(timeline))
 
+    def timeline_history(self, timeline: int) -> str:
+        """The history file of ``timeline`` (``TIMELINE_HISTORY``; 2 or later:
+        timeline 1 has none): a line per ancestor timeline, with where it ended."""
+        _, content = self.conn.execute(f"TIMELINE_HISTORY {int(timeline)}").fetchone()
+        return bytes(content).decode() if isinstance(content, (bytes, memoryview)) else content
+
     def create_slot(self, temporary: bool = False, failover: bool = False) -> tuple[int, str]:
         """Create the slot, exporting its snapshot; returns (consistent LSN, snapshot
         name). A temporary slot goes away with this connection; a failover slot

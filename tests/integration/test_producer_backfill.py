@@ -192,7 +192,8 @@ def test_producer_killed_mid_backfill_restarts_it(source_db, kafka_broker, topic
         wait_for(lambda: _end_offsets(kafka_broker.bootstrap, topic) > base + 2000, timeout=60, interval=0.05,
                  what="backfill rows in Kafka")
         proc.kill9()
-        assert _state(kafka_broker.bootstrap, topic_prefix, rid)["state"] == "running"
+        killed = _state(kafka_broker.bootstrap, topic_prefix, rid)
+        assert killed["state"] == "running" and killed["lsn"]  # its snapshot point, recorded before its rows
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("DELETE FROM items WHERE id <= 10")
             conn.execute("UPDATE items SET v = 9 WHERE id BETWEEN 11 AND 20")
@@ -205,6 +206,9 @@ def test_producer_killed_mid_backfill_restarts_it(source_db, kafka_broker, topic
     assert {r.headers[wire.BACKFILL_HEADER].decode() for r in ends} == {done["backfill_id"]}
     complete = [r for r in data_records(records) if r.headers.get(wire.BACKFILL_HEADER) == done["backfill_id"].encode()]
     assert sorted(r.key["id"] for r in complete) == sorted(_source_rows(source_db))
+    killed_id = killed["backfill_id"].encode()
+    partial = [r for r in data_records(records) if r.headers.get(wire.BACKFILL_HEADER) == killed_id]
+    assert partial and all(r.position == (killed["lsn"], 0) for r in partial)
     state = {k[0][1]: v["v"] for k, v in latest_rows(records).items()}
     assert state == {i: v for i, v in _source_rows(source_db).values()}
 
