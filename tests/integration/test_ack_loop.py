@@ -25,7 +25,11 @@ def slot_lsns(dsn: str, slot: str) -> tuple[int, int]:
 
 
 def current_lsn(conn) -> int:
-    return lsn_to_int(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+    """Past every record committed so far. The insert position, not
+    ``pg_current_wal_lsn()`` (the write position): with synchronous_commit off
+    (the test servers) a commit's record may not be written yet, and a
+    keepalive may rightly confirm WAL up to the write position before it."""
+    return lsn_to_int(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
 
 
 class GroupStandIn:
