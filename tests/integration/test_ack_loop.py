@@ -25,11 +25,15 @@ def slot_lsns(dsn: str, slot: str) -> tuple[int, int]:
 
 
 def current_lsn(conn) -> int:
-    """Past every record committed so far. The insert position, not
-    ``pg_current_wal_lsn()`` (the write position): with synchronous_commit off
-    (the test servers) a commit's record may not be written yet, and a
-    keepalive may rightly confirm WAL up to the write position before it."""
-    return lsn_to_int(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
+    """Past every commit made so far on ``conn``, and written. The test servers
+    commit with synchronous_commit off, so a commit's record may not be written
+    yet when it returns: a keepalive may then rightly confirm WAL up to the
+    write position before it. A synchronous commit of an empty transaction
+    writes everything before it first."""
+    with conn.transaction():
+        conn.execute("SET LOCAL synchronous_commit = on")
+        conn.execute("SELECT pg_current_xact_id()")
+    return lsn_to_int(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
 
 
 class GroupStandIn:
