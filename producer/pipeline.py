@@ -13,7 +13,9 @@ The path of one change, top to bottom:
    all in ``shapes.change_messages`` with the transaction's ``StreamTx``.
 4. ``_produce`` hands each message to the idempotent Kafka producer, unless that
    partition already holds it (its tail position is at or past the message's:
-   a replay after a crash or a failover).
+   a replay after a crash or a failover). After a run whose deliveries
+   failed, a tail proves nothing about earlier positions (``_Runs``): the
+   replay then skips nothing, and Kafka may hold a change twice.
    Steps 1, 3 and 4 are one compiled call (``fastcodec.py``) for every change
    but key changes and a few rarer cases; the path above is its reference and
    fallback.
@@ -105,7 +107,7 @@ from producer.status import Stats, StatusPublisher
 from producer.topics import prepare_topics
 from schemas import wire
 from schemas.config import Config
-from schemas.failures import SOURCE, Failure, attributed
+from schemas.failures import KAFKA, SOURCE, Failure, attributed
 from schemas.kafka import METADATA_TIMEOUT, Writer, client_config, cluster_metadata, topic_id
 from schemas.publisher import SchemaPublisher, SchemaRegistrationError
 from schemas.retry import Outage, RetryPolicy
@@ -122,8 +124,12 @@ class Pipeline:
     """One run of the producer, from connecting to the first fatal error or stop."""
 
     def __init__(self, config: Config, stop: threading.Event | None = None,
-                 on_status: Callable[[dict], None] | None = None, previous_server: Server | None = None):
+                 on_status: Callable[[dict], None] | None = None, previous_server: Server | None = None,
+                 resend_replays: bool = False):
         self.config = config
+        self._resend_replays = resend_replays
+        # Partitions whose tail this run may not skip up to (see _Runs), once known.
+        self.distrusted: set[Writer] | None = None
         self._on_status = on_status
         self.stats = Stats()
         self._stop = stop or threading.Event()
@@ -252,6 +258,15 @@ class Pipeline:
             start = pgoutput.lsn_to_int(slot["confirmed_flush_lsn"])
             self.acks.rebuild(self.writers())
             self._resume_schemas()
+        self.distrusted = set()
+        if self._resend_replays:
+            self.distrusted = {w for w, t in self.tails.items() if t is not None and t.position[0] >= start}
+            if self.distrusted:
+                log.warning("the last run's deliveries failed: Kafka may hold later messages of a partition "
+                            "without earlier ones, so nothing from %s on is skipped as already there (%d "
+                            "partitions may get duplicates, which consumers skip by position)",
+                            pgoutput.lsn_to_str(start), len(self.distrusted))
+            self.tails = {}
         self._replay_until = max((t.position for t in self.tails.values() if t is not None), default=None)
         self.backfills.load(set(decision.new_topics))
         if decision.checkpoint is not None:
@@ -266,6 +281,16 @@ class Pipeline:
         self._loop()
         self._flush_all()
         self.status.publish()  # the final numbers, for whoever watches
+
+    @property
+    def delivery_failed(self) -> bool:
+        return self.ledger.error is not None
+
+    @property
+    def replays_resent(self) -> bool:
+        """Has every partition whose tail this run distrusted got a message of
+        this run acknowledged (its tail marks this run's progress again)?"""
+        return self.distrusted is not None and all(w in self.ledger.last_offset for w in self.distrusted)
 
     def _recover(self) -> recovery.Decision:
         """What to do with the existing slot (:mod:`producer.recovery`), from
@@ -654,6 +679,13 @@ class _Runs:
         self._outage: Outage | None = None
         self.lost: Failure | None = None  # the transient failure that ended a run that had got going
         self.server: Server | None = None  # where the last run bound the slot
+        # After a run whose Kafka deliveries failed, partition tails are no
+        # prefix marks: librdkafka's idempotent producer bumps its epoch when a
+        # message times out and goes on delivering the partition's later
+        # messages, so a partition may hold them without the failed ones. The
+        # next runs skip nothing as already in Kafka until every such partition
+        # got a message of theirs acknowledged.
+        self.resend_replays = False
 
     def outage(self) -> Outage:
         self._outage = self._new_outage()
@@ -674,13 +706,14 @@ class _Runs:
             if self._on_status is not None:
                 self._on_status(view)
 
-        pipeline = None
+        pipeline, kafka_failed = None, False
         try:
             with attributed(database=(SOURCE, cfg.source.dsn), kafka=cfg.kafka.bootstrap_servers,
                             registry=cfg.kafka.schema_registry_url):
-                pipeline = Pipeline(cfg, self._stop, on_status, self.server)
+                pipeline = Pipeline(cfg, self._stop, on_status, self.server, self.resend_replays)
                 pipeline.run()
         except Failure as failure:
+            kafka_failed = failure.endpoint == KAFKA
             if running and not failure.permanent:
                 self.lost = failure
                 return
@@ -689,6 +722,10 @@ class _Runs:
             if pipeline is not None:
                 if pipeline.slot is not None and pipeline.slot.bound:
                     self.server = pipeline.slot.server
+                if kafka_failed or pipeline.delivery_failed:
+                    self.resend_replays = True
+                elif pipeline.replays_resent:
+                    self.resend_replays = False
                 pipeline.close()
 
 

@@ -37,7 +37,9 @@ def test_producer_outlives_a_broker_frozen_past_its_timeouts(source_db, private_
     with the broker frozen those reads time out again and again. Once the
     broker answers again the process is still alive (the admin client's group
     request aborted it here, librdkafka issue #4605) and the topic holds
-    every row of the source."""
+    every row of the source: the messages that timed out too, though Kafka
+    took later ones of their partitions (the idempotent producer's epoch bump
+    after a timeout), which the next run must not skip as already there."""
     broker = private_kafka_broker
     with psycopg.connect(source_db, autocommit=True) as conn:
         conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text)")
