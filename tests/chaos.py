@@ -52,7 +52,7 @@ import psycopg
 
 from producer.pgoutput import lsn_to_int
 from schemas.config import parse_config
-from tests.helpers import ConsumerProcess, ProducerProcess, make_config, wait_for, write_toml
+from tests.helpers import ConsumerProcess, ProducerProcess, make_config, read_topic, wait_for, write_toml
 from tests.pipeline import SHAPES
 from walbridge.embedded import KafkaBroker, PostgresCluster, find_pg_bin
 from walbridge.verify import ShapeDiff, verify
@@ -374,6 +374,8 @@ class Chaos:
                 wait_for(check, timeout=self.settle_timeout, interval=3, what=what)
             except AssertionError as e:
                 self.result.problems.append(f"{e}; the logs end with:\n{self._log_tails()}\n{self._warnings()}")
+        if any(not d.ok for d in self.result.diffs):
+            self._diagnose()
         for d in self.result.diffs:
             if d.ok:
                 continue
@@ -386,6 +388,40 @@ class Chaos:
                 self.result.problems.append(f"{name} exited by itself (code {proc.proc.poll()})")
         history = Counter(i.kind for i in self.result.injections)
         self.say(f"injected: {dict(history)}")
+
+
+    def _diagnose(self) -> None:
+        """After a failed settle: every thread's stack into the processes' logs,
+        and into ``diagnosis.txt`` beside them the slot's position, and for a few keys a keyed shape lost, what the
+        source holds and every message of that key in the shape's topic (was
+        the change never produced, or produced and not applied?)."""
+        lines = []
+        for proc in (self.producer, self.consumer):
+            proc.dump_stacks()
+        try:
+            with psycopg.connect(self.source_dsn) as conn:
+                lines.append("slot (confirmed_flush_lsn, restart_lsn, current): " + repr(conn.execute(
+                    "SELECT confirmed_flush_lsn::text, restart_lsn::text, pg_current_wal_lsn()::text "
+                    "FROM pg_replication_slots WHERE slot_name = %s", (self.config["source"]["slot"],)).fetchone()))
+            for d in self.result.diffs:
+                if d.ok or not d.keyed:
+                    continue
+                keys = [int(k) for e in [*d.missing, *d.changed][:5] for k in re.findall(r"-?\d+", str(e))[:1]]
+                records = read_topic(self.broker.bootstrap, f"{PREFIX}.{d.shape}", PREFIX)
+                lines.append(f"== {d.shape}: {len(records)} messages in {PREFIX}.{d.shape}")
+                with psycopg.connect(self.source_dsn) as conn:
+                    for key in keys:
+                        column = d.bucket_columns[0] if d.bucket_columns else None
+                        if column is not None:
+                            lines.append(f"source {d.source_table} {column}={key}: " + repr(conn.execute(
+                                f"SELECT * FROM {d.source_table} WHERE {column} = %s", (key,)).fetchall()))
+                        for r in records:
+                            if r.key is not None and list(r.key.values()) == [key]:
+                                lines.append(f"  p{r.partition}@{r.offset} pos {r.position} {r.value}")
+        except Exception as e:  # a diagnosis never hides the failure it explains
+            lines.append(f"diagnosis failed: {e!r}")
+        (self.base / "diagnosis.txt").write_text("\n".join(lines) + "\n")
+        self.say(f"diagnosis: {self.base / 'diagnosis.txt'}")
 
 
 def _count(entries: list) -> int:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -141,6 +142,13 @@ class ProducerProcess:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
+    def dump_stacks(self) -> None:
+        """Every thread's stack into its log (SIGUSR1, see walbridge.runtime),
+        the process going on: how a process that stopped making progress
+        explains itself before a test tears it down."""
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
@@ -154,6 +162,19 @@ class ProducerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextmanager
+def stacks_on_failure(*procs: ProducerProcess):
+    """A block whose failure first has ``procs`` write every thread's stack
+    into their logs (:meth:`ProducerProcess.dump_stacks`)."""
+    try:
+        yield
+    except BaseException:
+        for proc in procs:
+            proc.dump_stacks()
+        time.sleep(2)  # the processes write their dumps on their own time
+        raise
 
 
 class ConsumerProcess(ProducerProcess):
@@ -171,6 +192,21 @@ class ConsumerProcess(ProducerProcess):
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+    def dump_stacks(self) -> None:
+        """The driver's Python threads and its JVM's (SIGQUIT: a thread dump on
+        the JVM's stdout, the same log)."""
+        super().dump_stacks()
+        if not self.proc or self.proc.poll() is not None:
+            return
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    program = f.read().split(b"\0", 1)[0]
+                if program.endswith(b"java") and os.getpgid(int(entry)) == self.proc.pid:
+                    os.kill(int(entry), signal.SIGQUIT)
+            except (OSError, ValueError):
+                continue
 
 
 @dataclass

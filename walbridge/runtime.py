@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import platform
@@ -115,6 +116,9 @@ def stop_on_signals() -> Stop:
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    # SIGUSR1: every thread's stack on stderr, the process going on (a stuck
+    # process explains itself, as a JVM does on SIGQUIT).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     return stop
 
 

@@ -21,7 +21,7 @@ import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from tests.helpers import ConsumerProcess, ProducerProcess, wait_for, write_toml
+from tests.helpers import ConsumerProcess, ProducerProcess, stacks_on_failure, wait_for, write_toml
 from tests.pipeline import caught_up, e2e_config, pgbench, prepare_source, verify_ok
 from walbridge.embedded import KafkaCluster
 
@@ -76,7 +76,7 @@ def test_three_brokers_killed_restarted_and_without_quorum_lose_and_double_nothi
             done.set()
 
     with ProducerProcess(path, tmp_path / "producer.log") as producer, \
-            ConsumerProcess(path, tmp_path / "consumer.log") as consumer:
+            ConsumerProcess(path, tmp_path / "consumer.log") as consumer, stacks_on_failure(producer, consumer):
         wait_for(lambda: verify_ok(cfg)[0], timeout=300, interval=2, what="the snapshot applied")
         topics = _topics(admin, topic_prefix)
         assert topics and all(len(p.replicas) == 3 for t in topics.values() for p in t.partitions.values())
