@@ -98,8 +98,12 @@ def test_group_not_committing_holds_the_slot_then_commits_release_it(source_db, 
                                       (slot,)).fetchone(), what="slot active")
         before_change = current_lsn(conn)
         conn.execute("UPDATE watched SET v = 1 WHERE id = 1")  # the first unapplied change
-        stand_in.drain()
-        first_unapplied = min(pos[0] for ps in stand_in.positions.values() for _, pos in ps if pos[0] > before_change)
+
+        def changes_after(lsn: int) -> list[int]:
+            stand_in.drain(5)
+            return [pos[0] for ps in stand_in.positions.values() for _, pos in ps if pos[0] > lsn]
+
+        first_unapplied = min(wait_for(lambda: changes_after(before_change), what="v=1 in Kafka"))
         # (1) however much unrelated traffic flows and however long we wait, the
         # slot never passes the first unapplied change.
         for i in range(40):

@@ -51,6 +51,8 @@ def test_producer_outlives_a_broker_frozen_past_its_timeouts(source_db, private_
     with ProducerProcess(write_toml(cfg, tmp_path / "wb.toml"), log) as producer, \
             psycopg.connect(source_db, autocommit=True) as conn:
         wait_snapshot_done(broker.bootstrap, topic, topic_prefix)
+        # Streaming, so the ack loop asks the group's coordinator during the freeze.
+        wait_for(lambda: "streaming from slot" in log.read_text(), timeout=60, what="the producer streaming")
         conn.execute("UPDATE items SET name = 'flowing' WHERE id <= 5")
         os.kill(broker.pid, signal.SIGSTOP)
         try:
