@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from producer.pgoutput import lsn_to_int
 from schemas import wire
@@ -41,7 +41,7 @@ class GroupStandIn:
 
     def __init__(self, bootstrap: str, group: str, topic: str, partitions: int = 3):
         self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
-                                  "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+                                  "auto.offset.reset": "earliest"})
         self.topic = topic
         self.partitions = partitions
         self.consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
@@ -49,18 +49,16 @@ class GroupStandIn:
         self.positions: dict[int, list[tuple[int, tuple[int, int]]]] = {p: [] for p in range(partitions)}
 
     def drain(self, timeout: float = 30.0) -> None:
-        """Read everything currently in the topic (without committing)."""
-        eof: set[int] = set()
+        """Read everything the topic holds when called (without committing):
+        up to each partition's end offset then (an end-of-partition event can
+        be one from before the latest messages arrived)."""
         deadline = time.monotonic() + timeout
-        while len(eof) < self.partitions and time.monotonic() < deadline:
+        ends = {p: self.consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=timeout)[1]
+                for p in range(self.partitions)}
+        while any(self.next.get(p, 0) < end for p, end in ends.items()) and time.monotonic() < deadline:
             msg = self.consumer.poll(0.5)
-            if msg is None:
+            if msg is None or msg.error():
                 continue
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    eof.add(msg.partition())
-                continue
-            eof.discard(msg.partition())
             self.next[msg.partition()] = msg.offset() + 1
             pos = wire.header(msg.headers(), wire.POSITION_HEADER)
             self.positions[msg.partition()].append((msg.offset(), wire.parse_position(pos)))
