@@ -14,8 +14,8 @@ The path of one change, top to bottom:
 4. ``_produce`` hands each message to the idempotent Kafka producer, unless that
    partition already holds it (its tail position is at or past the message's:
    a replay after a crash or a failover). After a run whose deliveries
-   failed, a tail proves nothing about earlier positions (``_Runs``): the
-   replay then skips nothing, and Kafka may hold a change twice.
+   failed, a tail proves nothing about the positions that run produced
+   (``_Runs``): those are sent again, and Kafka may hold a change twice.
    Steps 1, 3 and 4 are one compiled call (``fastcodec.py``) for every change
    but key changes and a few rarer cases; the path above is its reference and
    fallback.
@@ -125,11 +125,9 @@ class Pipeline:
 
     def __init__(self, config: Config, stop: threading.Event | None = None,
                  on_status: Callable[[dict], None] | None = None, previous_server: Server | None = None,
-                 resend_replays: bool = False):
+                 resend_until: int | None = None):
         self.config = config
-        self._resend_replays = resend_replays
-        # Partitions whose tail this run may not skip up to (see _Runs), once known.
-        self.distrusted: set[Writer] | None = None
+        self._resend_until = resend_until  # never skip a replay at or below this commit LSN (see _Runs)
         self._on_status = on_status
         self.stats = Stats()
         self._stop = stop or threading.Event()
@@ -258,15 +256,10 @@ class Pipeline:
             start = pgoutput.lsn_to_int(slot["confirmed_flush_lsn"])
             self.acks.rebuild(self.writers())
             self._resume_schemas()
-        self.distrusted = set()
-        if self._resend_replays:
-            self.distrusted = {w for w, t in self.tails.items() if t is not None and t.position[0] >= start}
-            if self.distrusted:
-                log.warning("the last run's deliveries failed: Kafka may hold later messages of a partition "
-                            "without earlier ones, so nothing from %s on is skipped as already there (%d "
-                            "partitions may get duplicates, which consumers skip by position)",
-                            pgoutput.lsn_to_str(start), len(self.distrusted))
-            self.tails = {}
+        if self._resend_until is not None and self._resend_until >= start:
+            log.warning("an earlier run's deliveries failed: Kafka may hold later messages of a partition without "
+                        "earlier ones, so nothing from %s to %s is skipped as already there (consumers skip the "
+                        "duplicates by position)", pgoutput.lsn_to_str(start), pgoutput.lsn_to_str(self._resend_until))
         self._replay_until = max((t.position for t in self.tails.values() if t is not None), default=None)
         self.backfills.load(set(decision.new_topics))
         if decision.checkpoint is not None:
@@ -287,10 +280,11 @@ class Pipeline:
         return self.ledger.error is not None
 
     @property
-    def replays_resent(self) -> bool:
-        """Has every partition whose tail this run distrusted got a message of
-        this run acknowledged (its tail marks this run's progress again)?"""
-        return self.distrusted is not None and all(w in self.ledger.last_offset for w in self.distrusted)
+    def produced_upto(self) -> int:
+        """The highest commit LSN this run sent messages of, the transaction
+        being streamed included (its messages go out before its commit); -1: none."""
+        tx = self._tx
+        return max(self.acks.tracker.last_seen.tx_offset, tx.lsn if tx is not None else -1)
 
     def _recover(self) -> recovery.Decision:
         """What to do with the existing slot (:mod:`producer.recovery`), from
@@ -579,6 +573,8 @@ class Pipeline:
     def _already_in_kafka(self, writer: Writer, lsn: int, op: int, tombstone: bool = False) -> bool:
         """Does ``writer`` hold the message at (lsn, op) already (a replay)? A
         delete's tombstone shares its position and comes after it."""
+        if self._resend_until is not None and lsn <= self._resend_until:
+            return False  # a failed run produced it: the tail proves nothing below it
         tail = self.tails.get(writer)
         if tail is not None and ((lsn, op) < tail.position
                                  or ((lsn, op) == tail.position and (tail.tombstone or not tombstone))):
@@ -680,12 +676,13 @@ class _Runs:
         self.lost: Failure | None = None  # the transient failure that ended a run that had got going
         self.server: Server | None = None  # where the last run bound the slot
         # After a run whose Kafka deliveries failed, partition tails are no
-        # prefix marks: librdkafka's idempotent producer bumps its epoch when a
-        # message times out and goes on delivering the partition's later
-        # messages, so a partition may hold them without the failed ones. The
-        # next runs skip nothing as already in Kafka until every such partition
-        # got a message of theirs acknowledged.
-        self.resend_replays = False
+        # prefix marks up to what it produced: librdkafka's idempotent producer
+        # bumps its epoch when a message times out and goes on delivering the
+        # partition's later messages, so a partition may hold them without the
+        # failed ones (and messages the broker had buffered may land after the
+        # next run's). Until a run has confirmed past it, nothing at or below
+        # the highest commit LSN such a run produced is skipped as already there.
+        self.resend_until: int | None = None
 
     def outage(self) -> Outage:
         self._outage = self._new_outage()
@@ -710,7 +707,7 @@ class _Runs:
         try:
             with attributed(database=(SOURCE, cfg.source.dsn), kafka=cfg.kafka.bootstrap_servers,
                             registry=cfg.kafka.schema_registry_url):
-                pipeline = Pipeline(cfg, self._stop, on_status, self.server, self.resend_replays)
+                pipeline = Pipeline(cfg, self._stop, on_status, self.server, self.resend_until)
                 pipeline.run()
         except Failure as failure:
             kafka_failed = failure.endpoint == KAFKA
@@ -722,10 +719,11 @@ class _Runs:
             if pipeline is not None:
                 if pipeline.slot is not None and pipeline.slot.bound:
                     self.server = pipeline.slot.server
-                if kafka_failed or pipeline.delivery_failed:
-                    self.resend_replays = True
-                elif pipeline.replays_resent:
-                    self.resend_replays = False
+                upto = pipeline.produced_upto
+                if (kafka_failed or pipeline.delivery_failed) and upto >= 0:
+                    self.resend_until = max(self.resend_until or upto, upto)
+                elif self.resend_until is not None and pipeline.acks.confirmed_lsn >= self.resend_until:
+                    self.resend_until = None
                 pipeline.close()
 
 
