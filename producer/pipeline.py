@@ -127,7 +127,8 @@ class Pipeline:
                  on_status: Callable[[dict], None] | None = None, previous_server: Server | None = None,
                  resend_until: int | None = None):
         self.config = config
-        self._resend_until = resend_until  # never skip a replay at or below this commit LSN (see _Runs)
+        self._resend_until = resend_until  # an earlier run's deliveries failed up to this commit LSN (see _Runs)
+        self._skip_replays = True  # False: this run sends its whole replay again
         self._on_status = on_status
         self.stats = Stats()
         self._stop = stop or threading.Event()
@@ -257,9 +258,14 @@ class Pipeline:
             self.acks.rebuild(self.writers())
             self._resume_schemas()
         if self._resend_until is not None and self._resend_until >= start:
-            log.warning("an earlier run's deliveries failed: Kafka may hold later messages of a partition without "
-                        "earlier ones, so nothing from %s to %s is skipped as already there (consumers skip the "
-                        "duplicates by position)", pgoutput.lsn_to_str(start), pgoutput.lsn_to_str(self._resend_until))
+            # All of it, not only what the failed run produced: a change skipped
+            # at its old offset after changes re-sent at new ones would reach a
+            # partition's alignment out of offset order.
+            self._skip_replays = False
+            log.warning("an earlier run's deliveries failed (up to %s): Kafka may hold later messages of a "
+                        "partition without earlier ones, so nothing from %s on is skipped as already there "
+                        "(consumers skip the duplicates by position)", pgoutput.lsn_to_str(self._resend_until),
+                        pgoutput.lsn_to_str(start))
         self._replay_until = max((t.position for t in self.tails.values() if t is not None), default=None)
         self.backfills.load(set(decision.new_topics))
         if decision.checkpoint is not None:
@@ -573,8 +579,8 @@ class Pipeline:
     def _already_in_kafka(self, writer: Writer, lsn: int, op: int, tombstone: bool = False) -> bool:
         """Does ``writer`` hold the message at (lsn, op) already (a replay)? A
         delete's tombstone shares its position and comes after it."""
-        if self._resend_until is not None and lsn <= self._resend_until:
-            return False  # a failed run produced it: the tail proves nothing below it
+        if not self._skip_replays:
+            return False  # after failed deliveries the tail proves nothing below it
         tail = self.tails.get(writer)
         if tail is not None and ((lsn, op) < tail.position
                                  or ((lsn, op) == tail.position and (tail.tombstone or not tombstone))):
