@@ -22,13 +22,6 @@ Invariants:
 - Failures are logged, not raised: the target's progress table, not the
   group, decides what is applied; meanwhile the producer holds the WAL those
   offsets would release.
-- A commit never blocks the apply for longer than ``commit_timeout``:
-  librdkafka's synchronous commit has no deadline and can wait for a group
-  coordinator forever after broker faults (its coordinator query stuck:
-  librdkafka #3740, #5586). One that does not return in time counts as
-  failed and its client is left to its thread (closing it can hang the same
-  way); a new client commits from then on. Should the old one's commit land
-  late, it holds older offsets: the producer then holds more WAL, never less.
 """
 
 from __future__ import annotations
@@ -41,14 +34,13 @@ from typing import Any, Mapping
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from schemas.kafka import Writer, raise_refusal, timed_out, topic_ids
+from schemas.kafka import Writer, raise_refusal, topic_ids
 from schemas.wire import commit_metadata
 
 log = logging.getLogger("walbridge.consumer")
 
 Queued = dict[Writer, tuple[int, str | None]]  # offset, topic id it was read from
 COMMIT_RETRY_S = 5.0  # seconds after a failed commit before it is retried without a new batch
-COMMIT_TIMEOUT_S = 30.0  # seconds a commit may take before it counts as failed
 
 
 def retry_queue(failed: Queued, current_ids: dict[str, str | None]) -> tuple[Queued, Queued]:
@@ -64,42 +56,15 @@ def retry_queue(failed: Queued, current_ids: dict[str, str | None]) -> tuple[Que
 class OffsetCommitter:
     """Commits offsets for the consumer group without joining it as a member."""
 
-    def __init__(self, kafka_conf: dict[str, Any], group: str, timeout: float = 10.0,
-                 commit_timeout: float = COMMIT_TIMEOUT_S):
+    def __init__(self, kafka_conf: dict[str, Any], group: str, timeout: float = 10.0):
         self._conf = kafka_conf
-        self._group = group
-        self._consumer = self._client()
-        self._commit_timeout = commit_timeout
+        self._consumer = Consumer({**kafka_conf, "group.id": group, "enable.auto.commit": False})
         self._admin = AdminClient(kafka_conf)
         self._timeout = timeout
         self._ids: dict[str, str | None] = {}  # the last id seen per topic
         self._failed: Queued = {}
         self._failed_at = 0.0  # monotonic time of the last failed commit
         self._lock = threading.Lock()
-
-    def _client(self) -> Consumer:
-        return Consumer({**self._conf, "group.id": self._group, "enable.auto.commit": False})
-
-    def _commit_within(self, offsets: list[TopicPartition]) -> None:
-        """The synchronous commit, waited for at most ``commit_timeout`` (see
-        the module docstring)."""
-        consumer, done, outcome = self._consumer, threading.Event(), []
-
-        def commit() -> None:
-            try:
-                consumer.commit(offsets=offsets, asynchronous=False)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                outcome.append(e)
-            finally:
-                done.set()
-
-        threading.Thread(target=commit, name="wb-group-commit", daemon=True).start()
-        if not done.wait(self._commit_timeout):
-            self._consumer = self._client()
-            raise timed_out(f"committing offsets: no answer within {self._commit_timeout:.0f}s (a new client "
-                            "commits from now on)")
-        if outcome:
-            raise outcome[0]
 
     def _current_ids(self, topics: set[str]) -> dict[str, str | None]:
         """Each topic's id now (one request for all); the last one seen where
@@ -150,8 +115,8 @@ class OffsetCommitter:
             self._failed = {}
             return
         try:
-            self._commit_within([TopicPartition(t, p, o, metadata=commit_metadata(tid))
-                                 for (t, p), (o, tid) in queue.items()])
+            self._consumer.commit(offsets=[TopicPartition(t, p, o, metadata=commit_metadata(tid))
+                                           for (t, p), (o, tid) in queue.items()], asynchronous=False)
             if self._failed and not offsets:
                 log.info("committed the offsets of an earlier failed commit: %s",
                          ", ".join(f"{t}[{p}]@{o}" for (t, p), (o, _) in sorted(queue.items())))

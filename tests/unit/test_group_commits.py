@@ -1,8 +1,6 @@
 """Offset commits tagged with their topic incarnation: the metadata format,
 the producer's reading of it and the committer's retry queue (issue 16)."""
 
-import threading
-
 from confluent_kafka import KafkaError, KafkaException
 
 from schemas.kafka import trusted_offsets
@@ -88,30 +86,3 @@ def test_offsets_read_from_an_earlier_incarnation_are_not_committed(monkeypatch)
     assert group.commits == []  # neither topic has the id "old" now
     committer.commit({("t", 0): 9}, read_from="new")
     assert group.commits == [[("t", 0, 9)]]
-
-
-class _StuckGroup(_FlakyGroup):
-    """A client whose commit waits for a coordinator that never comes."""
-
-    def __init__(self):
-        super().__init__()
-        self.release = threading.Event()
-
-    def commit(self, offsets, asynchronous):
-        self.release.wait(30)
-
-
-def test_a_commit_that_never_returns_counts_as_failed_and_a_new_client_retries_it(monkeypatch):
-    committer = OffsetCommitter({"bootstrap.servers": "127.0.0.1:9"}, "g", commit_timeout=0.2)
-    stuck = committer._consumer = _StuckGroup()
-    fresh = _FlakyGroup()
-    fresh.fail = False
-    monkeypatch.setattr(committer, "_client", lambda: fresh)
-    monkeypatch.setattr(committer, "_current_ids", lambda topics: {"t": "id1"})
-    try:
-        committer.commit({("t", 0): 7})  # returns: the apply is not held by the stuck client
-        assert committer._consumer is fresh and fresh.commits == []
-        committer.retry(after=0)
-        assert fresh.commits == [[("t", 0, 7)]]
-    finally:
-        stuck.release.set()
