@@ -15,7 +15,7 @@ The path of one change, top to bottom:
    partition already holds it (its tail position is at or past the message's:
    a replay after a crash or a failover). After a run whose deliveries
    failed, a tail proves nothing about the positions that run produced
-   (``_Runs``): those are sent again, and Kafka may hold a change twice.
+   (``_Runs``): the whole replay is sent again, and Kafka may hold a change twice.
    Steps 1, 3 and 4 are one compiled call (``fastcodec.py``) for every change
    but key changes and a few rarer cases; the path above is its reference and
    fallback.
@@ -128,7 +128,6 @@ class Pipeline:
                  resend_until: int | None = None):
         self.config = config
         self._resend_until = resend_until  # an earlier run's deliveries failed up to this commit LSN (see _Runs)
-        self._skip_replays = True  # False: this run sends its whole replay again
         self._on_status = on_status
         self.stats = Stats()
         self._stop = stop or threading.Event()
@@ -260,8 +259,9 @@ class Pipeline:
         if self._resend_until is not None and self._resend_until >= start:
             # All of it, not only what the failed run produced: a change skipped
             # at its old offset after changes re-sent at new ones would reach a
-            # partition's alignment out of offset order.
-            self._skip_replays = False
+            # partition's alignment out of offset order. Without tails nothing
+            # is taken for already in Kafka.
+            self.tails = {}
             log.warning("an earlier run's deliveries failed (up to %s): Kafka may hold later messages of a "
                         "partition without earlier ones, so nothing from %s on is skipped as already there "
                         "(consumers skip the duplicates by position)", pgoutput.lsn_to_str(self._resend_until),
@@ -579,8 +579,6 @@ class Pipeline:
     def _already_in_kafka(self, writer: Writer, lsn: int, op: int, tombstone: bool = False) -> bool:
         """Does ``writer`` hold the message at (lsn, op) already (a replay)? A
         delete's tombstone shares its position and comes after it."""
-        if not self._skip_replays:
-            return False  # after failed deliveries the tail proves nothing below it
         tail = self.tails.get(writer)
         if tail is not None and ((lsn, op) < tail.position
                                  or ((lsn, op) == tail.position and (tail.tombstone or not tombstone))):
@@ -686,8 +684,8 @@ class _Runs:
         # bumps its epoch when a message times out and goes on delivering the
         # partition's later messages, so a partition may hold them without the
         # failed ones (and messages the broker had buffered may land after the
-        # next run's). Until a run has confirmed past it, nothing at or below
-        # the highest commit LSN such a run produced is skipped as already there.
+        # next run's). Until a run has confirmed past the highest commit LSN
+        # such a run produced, runs skip nothing of their replay as already there.
         self.resend_until: int | None = None
 
     def outage(self) -> Outage:
