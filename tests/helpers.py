@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import subprocess
@@ -20,6 +21,8 @@ from schemas.config import Config, parse_config
 from schemas.reader import SchemaResolver
 from spark_consumer.supervisor import run
 from walbridge.runtime import producer_service
+
+LOG_TAIL_LINES = 120  # of a process's log printed when its test fails
 
 
 def make_config(source_dsn: str, bootstrap: str, prefix: str, shapes: list[dict], **sections: dict) -> dict:
@@ -61,14 +64,23 @@ def write_toml(data: dict, path: Path) -> Path:
     return path
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
+def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.2, what: str = "condition",
+             explain: Callable[[], str] | None = None):
+    """``predicate()`` once it is true; on timeout an AssertionError that
+    carries ``explain()`` (the state a reader of a failed CI run needs)."""
     deadline = time.monotonic() + timeout
     while True:
         result = predicate()
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            detail = ""
+            if explain is not None:
+                try:
+                    detail = "\n" + explain()
+                except Exception as e:  # the explanation must not hide the timeout
+                    detail = f"\n(no explanation: {e!r})"
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}{detail}")
         time.sleep(interval)
 
 
@@ -121,6 +133,12 @@ class ConsumerThread:
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join(120)
+        if self.thread.is_alive():
+            # Left running, its query would hold this process's Spark slots
+            # (and stop the next test's session when it ends): say so loudly.
+            faulthandler.dump_traceback(sys.stderr)
+            if exc[0] is None:
+                raise AssertionError("the consumer thread did not stop within 120 s of being asked")
 
 
 class ProducerProcess:
@@ -149,6 +167,13 @@ class ProducerProcess:
         if self.proc and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGUSR1)
 
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"".join(f.readlines()[-lines:]).decode(errors="replace")
+        except OSError as e:
+            return f"(no log: {e})"
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
@@ -174,6 +199,9 @@ def stacks_on_failure(*procs: ProducerProcess):
         for proc in procs:
             proc.dump_stacks()
         time.sleep(2)  # the processes write their dumps on their own time
+        for proc in procs:  # onto the test's stdout: what a failed CI run prints
+            print(f"--- the last {LOG_TAIL_LINES} lines of {proc.log_path}")
+            print(proc.log_tail())
         raise
 
 

@@ -8,6 +8,7 @@ import subprocess
 import threading
 
 import psycopg
+from confluent_kafka import Consumer, TopicPartition
 
 from producer.pgoutput import lsn_to_int
 from schemas.config import parse_config
@@ -61,6 +62,51 @@ def caught_up(cfg) -> bool:
         row = conn.execute("SELECT confirmed_flush_lsn::text, pg_current_wal_lsn()::text FROM pg_replication_slots"
                            " WHERE slot_name = %s", (cfg["source"]["slot"],)).fetchone()
     return row is not None and lsn_to_int(row[0]) >= lsn_to_int(row[1])
+
+
+def pipeline_state(cfg) -> str:
+    """Where each part of the pipeline is, for a test that timed out waiting
+    on it: the slot against the source's WAL, each topic's end offsets
+    against the target's progress and the group's commits, the shapes that
+    differ."""
+    lines = []
+    with psycopg.connect(cfg["source"]["dsn"], autocommit=True) as conn:
+        slot = conn.execute("SELECT confirmed_flush_lsn::text, active_pid, pg_current_wal_lsn()::text,"
+                            " pg_size_pretty(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn))"
+                            " FROM pg_replication_slots WHERE slot_name = %s", (cfg["source"]["slot"],)).fetchone()
+    lines.append(f"slot {cfg['source']['slot']}: " + (
+        f"confirmed {slot[0]}, current {slot[2]} ({slot[3]} behind), active pid {slot[1]}" if slot else "none"))
+    progress = {}
+    try:
+        with psycopg.connect(cfg["consumer"]["target_dsn"]) as conn:
+            for topic, partition, next_offset in conn.execute(
+                    "SELECT topic, partition, next_offset FROM _walbridge.progress"):
+                progress[(topic, partition)] = next_offset
+    except psycopg.Error as e:
+        lines.append(f"target progress: unreadable ({e})")
+    bootstrap, prefix = cfg["kafka"]["bootstrap_servers"], cfg["kafka"]["topic_prefix"]
+    group = cfg["consumer"]["group"]
+    client = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        topics = sorted(t for t in client.list_topics(timeout=10).topics if t.startswith(prefix + "."))
+        for topic in topics:
+            parts = [TopicPartition(topic, p) for p in client.list_topics(topic, timeout=10).topics[topic].partitions]
+            ends = [client.get_watermark_offsets(tp, timeout=10)[1] for tp in parts]
+            committed = [tp.offset for tp in client.committed(parts, timeout=10)]
+            applied = [progress.get((topic, tp.partition), "-") for tp in parts]
+            lines.append(f"{topic}: end {ends}, target progress {applied}, group committed {committed}")
+    except Exception as e:  # a broker that is down is part of the state
+        lines.append(f"kafka: unreadable ({e!r})")
+    finally:
+        client.close()
+    try:
+        for d in verify(parse_config(cfg)):
+            if not d.ok:
+                lines.append(f"shape {d.shape}: source {d.source_rows} rows, target {d.target_rows},"
+                             f" missing {d.missing[:5]}, extra {d.extra[:5]}")
+    except Exception as e:
+        lines.append(f"verify: failed ({e!r})")
+    return "\n".join(lines)
 
 
 def verify_ok(cfg):

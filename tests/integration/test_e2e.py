@@ -26,6 +26,7 @@ from tests.pipeline import (
     consumer_sessions,
     e2e_config,
     pgbench,
+    pipeline_state,
     prepare_source,
     verify_ok,
 )
@@ -37,7 +38,7 @@ def test_pgbench_end_to_end_equal_and_slot_released(source_db, target_db, kafka_
     with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
         pgbench(source_db, "-n", "-c", "2", "-T", "8")
         ok = wait_for(lambda: verify_ok(cfg)[0] or consumer.errors, timeout=240, interval=2,
-                      what="target == source")
+                      what="target == source", explain=lambda: pipeline_state(cfg))
         assert ok is True, [str(e) for e in consumer.errors] or verify_ok(cfg)[1]
         # Once the consumer caught up, the slot is confirmed to the last commit.
         wait_for(lambda: caught_up(cfg), timeout=60, what="confirmed_flush_lsn at the last commit")
@@ -79,7 +80,7 @@ def test_a_failed_apply_restarts_the_query_at_the_targets_progress(source_db, ta
     caplog.set_level("INFO", logger="walbridge.consumer")
     with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
         ok = wait_for(lambda: verify_ok(cfg)[0] or consumer.errors, timeout=240, interval=2,
-                      what="target == source")
+                      what="target == source", explain=lambda: pipeline_state(cfg))
         assert ok is True, [str(e) for e in consumer.errors] or verify_ok(cfg)[1]
     assert not consumer.errors
     assert len(calls) > 3
@@ -118,7 +119,7 @@ def test_consumer_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sourc
                 wait_for(lambda: consumer_sessions(target_db) == 0, timeout=60, what="the killed session gone")
                 consumer = ConsumerProcess(path, log).start()
             load_done.wait(60)
-            ok = wait_for(lambda: verify_ok(cfg)[0], timeout=300, interval=3, what="target == source")
+            ok = wait_for(lambda: verify_ok(cfg)[0], timeout=300, interval=3, what="target == source", explain=lambda: pipeline_state(cfg))
             assert ok
             wait_for(lambda: caught_up(cfg), timeout=60, what="slot at the last commit")
         finally:
@@ -151,7 +152,7 @@ def test_spark_submit_entry_point_applies_a_shape(source_db, target_db, kafka_br
                 conn.execute("UPDATE items SET price = price + 1 WHERE id <= 10")
                 conn.execute("DELETE FROM items WHERE id > 490")
             ok = wait_for(lambda: verify_ok(cfg)[0] or proc.poll() is not None, timeout=180, interval=2,
-                          what="target == source via spark-submit")
+                          what="target == source via spark-submit", explain=lambda: pipeline_state(cfg))
             assert ok is True and proc.poll() is None, (tmp_path / "spark-submit.log").read_text()[-3000:]
             wait_for(lambda: caught_up(cfg), timeout=60, what="slot released by the group's commits")
         finally:

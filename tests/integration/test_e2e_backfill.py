@@ -14,7 +14,7 @@ from schemas.config import parse_config
 from spark_consumer.progress import read_backfills
 from spark_consumer.query import BatchApplier
 from tests.helpers import ConsumerThread, ProducerThread, make_config, wait_for
-from tests.pipeline import SHAPES, caught_up, pgbench, prepare_source, verify_ok
+from tests.pipeline import SHAPES, caught_up, pgbench, pipeline_state, prepare_source, verify_ok
 from walbridge.reconcile import reconcile
 from walbridge.verify import verify
 
@@ -34,6 +34,7 @@ def _wait_equal(cfg, consumer: ConsumerThread, timeout: float = 300) -> None:
     except AssertionError:
         ok = False
     if ok is not True:
+        print(pipeline_state(cfg))
         for line in [repr(e) for e in consumer.errors] or _explain(cfg):
             print(line)  # in full: pytest shortens the assertion message
     assert ok is True, [repr(e) for e in consumer.errors] or "target != source (details above)"

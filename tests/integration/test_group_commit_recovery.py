@@ -11,7 +11,7 @@ import psycopg
 
 from spark_consumer.group_commits import OffsetCommitter
 from tests.helpers import ConsumerThread, ProducerThread, make_config, wait_for
-from tests.pipeline import caught_up, verify_ok
+from tests.pipeline import caught_up, pipeline_state, verify_ok
 
 
 def test_a_group_commit_lost_after_the_apply_is_made_at_the_next_start(source_db, target_db, kafka_broker,
@@ -26,12 +26,12 @@ def test_a_group_commit_lost_after_the_apply_is_made_at_the_next_start(source_db
                       ack={"consumer_groups": [group], "interval": 0.3})
     with ProducerThread(cfg), psycopg.connect(source_db, autocommit=True) as conn:
         with ConsumerThread(cfg) as consumer:
-            wait_for(lambda: verify_ok(cfg)[0] and caught_up(cfg), timeout=180, what="snapshot applied")
+            wait_for(lambda: verify_ok(cfg)[0] and caught_up(cfg), timeout=180, what="snapshot applied", explain=lambda: pipeline_state(cfg))
             with monkeypatch.context() as patch:
                 # The group never hears of the next batches: as if killed after each target commit.
                 patch.setattr(OffsetCommitter, "_commit", lambda self, *args: None)
                 conn.execute("UPDATE t SET v = 1 WHERE id <= 50")
-                wait_for(lambda: verify_ok(cfg)[0], timeout=60, what="the update applied")
+                wait_for(lambda: verify_ok(cfg)[0], timeout=60, what="the update applied", explain=lambda: pipeline_state(cfg))
                 consumer.stop.set()
                 consumer.thread.join(120)
         assert not consumer.errors

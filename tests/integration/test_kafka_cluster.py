@@ -22,7 +22,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from tests.helpers import ConsumerProcess, ProducerProcess, stacks_on_failure, wait_for, write_toml
-from tests.pipeline import caught_up, e2e_config, pgbench, prepare_source, verify_ok
+from tests.pipeline import caught_up, e2e_config, pgbench, pipeline_state, prepare_source, verify_ok
 from walbridge.embedded import KafkaCluster
 
 OUTAGE_S = 30
@@ -77,7 +77,7 @@ def test_three_brokers_killed_restarted_and_without_quorum_lose_and_double_nothi
 
     with ProducerProcess(path, tmp_path / "producer.log") as producer, \
             ConsumerProcess(path, tmp_path / "consumer.log") as consumer, stacks_on_failure(producer, consumer):
-        wait_for(lambda: verify_ok(cfg)[0], timeout=300, interval=2, what="the snapshot applied")
+        wait_for(lambda: verify_ok(cfg)[0], timeout=300, interval=2, what="the snapshot applied", explain=lambda: pipeline_state(cfg))
         topics = _topics(admin, topic_prefix)
         assert topics and all(len(p.replicas) == 3 for t in topics.values() for p in t.partitions.values())
         loader = threading.Thread(target=load, daemon=True)
@@ -110,7 +110,7 @@ def test_three_brokers_killed_restarted_and_without_quorum_lose_and_double_nothi
 
         done.set()
         loader.join(60)
-        ok = wait_for(lambda: verify_ok(cfg)[0], timeout=420, interval=2, what="target == source")
+        ok = wait_for(lambda: verify_ok(cfg)[0], timeout=420, interval=2, what="target == source", explain=lambda: pipeline_state(cfg))
         assert ok is True, verify_ok(cfg)[1]
         wait_for(lambda: caught_up(cfg), timeout=120, what="confirmed_flush_lsn at the last commit")
         assert producer.proc.poll() is None, "the producer ended by itself"

@@ -39,7 +39,7 @@ from cryptography.x509.oid import NameOID
 from schemas import wire
 from schemas.config import load_config
 from tests.helpers import ConsumerThread, ProducerThread, make_config, wait_for, write_toml
-from tests.pipeline import verify_ok
+from tests.pipeline import pipeline_state, verify_ok
 from walbridge.embedded import KafkaBroker, free_port
 
 PASSWORDS = {"admin": "admin-secret", "wb": "wb-secret-7f3a", "outsider": "outsider-secret"}
@@ -167,12 +167,12 @@ def test_the_pipeline_runs_end_to_end_over_sasl_ssl(secured, source_db, target_d
     assert config.kafka.client["sasl.password"] == PASSWORDS["wb"]
     cfg["kafka"]["client"] = dict(config.kafka.client)  # for verify's own clients
     with ProducerThread(config), ConsumerThread(config) as consumer:
-        wait_for(lambda: verify_ok(cfg)[0] or consumer.errors, timeout=180, interval=1, what="the snapshot applied")
+        wait_for(lambda: verify_ok(cfg)[0] or consumer.errors, timeout=180, interval=1, what="the snapshot applied", explain=lambda: pipeline_state(cfg))
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("UPDATE items SET name = 'renamed' WHERE id <= 50")
             conn.execute("DELETE FROM items WHERE id > 150")
         ok = wait_for(lambda: verify_ok(cfg)[0] or consumer.errors, timeout=180, interval=1,
-                      what="target == source")
+                      what="target == source", explain=lambda: pipeline_state(cfg))
         assert ok is True, [str(e) for e in consumer.errors] or verify_ok(cfg)[1]
     assert not consumer.errors
 

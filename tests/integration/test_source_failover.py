@@ -41,7 +41,7 @@ import psycopg
 from producer.pgoutput import lsn_to_int, lsn_to_str
 from schemas.config import parse_config
 from tests.helpers import ConsumerProcess, ProducerProcess, latest_rows, make_config, read_topic, wait_for, write_toml
-from tests.pipeline import applied_offsets, assert_applied_once, caught_up, e2e_config, verify_ok
+from tests.pipeline import applied_offsets, assert_applied_once, caught_up, e2e_config, pipeline_state, verify_ok
 from walbridge.check import OK, WARN, live_checks
 from walbridge.embedded import PostgresCluster, find_pg_bin
 
@@ -165,7 +165,7 @@ def test_primary_killed_walbridge_carries_on_from_the_synced_slot_on_the_promote
                 stop_load.set()
                 loader.join(60)
                 ok = wait_for(lambda: verify_ok(cfg)[0], timeout=300, interval=3,
-                              what="target == the new primary")
+                              what="target == the new primary", explain=lambda: pipeline_state(cfg))
                 assert ok, verify_ok(cfg)[1]
                 wait_for(lambda: caught_up(cfg), timeout=90, what="the new primary's slot at the last change")
                 assert producer.proc.poll() is None and consumer.proc.poll() is None, "a process exited by itself"
