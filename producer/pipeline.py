@@ -84,7 +84,7 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
-from producer import catalog, pgoutput, recovery, schema_changes
+from producer import catalog, pgoutput, recovery, schema_changes, slot_binding
 from producer.acks import Acks
 from producer.backfill import Backfills
 from producer.catalog import TableInfo
@@ -256,6 +256,8 @@ class Pipeline:
             start = pgoutput.lsn_to_int(slot["confirmed_flush_lsn"])
             self.acks.rebuild(self.writers())
             self._resume_schemas()
+        marks = [m for m in (self._resend_until, self.slot.resend_until) if m is not None]
+        self._resend_until = max(marks, default=None)
         if self._resend_until is not None and self._resend_until >= start:
             # All of it, not only what the failed run produced: a change skipped
             # at its old offset after changes re-sent at new ones would reach a
@@ -284,6 +286,11 @@ class Pipeline:
     @property
     def delivery_failed(self) -> bool:
         return self.ledger.error is not None
+
+    @property
+    def resend_until(self) -> int | None:
+        """The resend mark this run started with (given, or recorded with the slot)."""
+        return self._resend_until
 
     @property
     def produced_upto(self) -> int:
@@ -685,7 +692,9 @@ class _Runs:
         # partition's later messages, so a partition may hold them without the
         # failed ones (and messages the broker had buffered may land after the
         # next run's). Until a run has confirmed past the highest commit LSN
-        # such a run produced, runs skip nothing of their replay as already there.
+        # such a run produced, runs skip nothing of their replay as already
+        # there. The mark is recorded with the slot too (a process killed
+        # before the re-send must not forget it).
         self.resend_until: int | None = None
 
     def outage(self) -> Outage:
@@ -721,14 +730,31 @@ class _Runs:
             raise
         finally:
             if pipeline is not None:
-                if pipeline.slot is not None and pipeline.slot.bound:
+                bound = pipeline.slot is not None and pipeline.slot.bound
+                if bound:
                     self.server = pipeline.slot.server
                 upto = pipeline.produced_upto
                 if (kafka_failed or pipeline.delivery_failed) and upto >= 0:
                     self.resend_until = max(self.resend_until or upto, upto)
-                elif self.resend_until is not None and pipeline.acks.confirmed_lsn >= self.resend_until:
-                    self.resend_until = None
+                    if bound:
+                        self._record(pipeline, slot_binding.mark_resend, upto)
+                else:
+                    mark = max(self.resend_until or -1, pipeline.resend_until or -1)
+                    if mark >= 0 and pipeline.acks.confirmed_lsn >= mark:
+                        self.resend_until = None
+                        if bound:
+                            self._record(pipeline, slot_binding.clear_resend, pipeline.acks.confirmed_lsn)
                 pipeline.close()
+
+    def _record(self, pipeline: Pipeline, write: Callable[[psycopg.Connection, str, int], None], lsn: int) -> None:
+        """The resend mark into the slot's binding, where the source still
+        answers (else this process's memory of it is all there is)."""
+        try:
+            write(pipeline.catalog_conn, self._config.source.slot, lsn)
+        except psycopg.Error as e:
+            log.warning("could not record the resend mark %s with slot %s (%s): a restart of this process before "
+                        "the replay is re-sent would trust the partition tails", pgoutput.lsn_to_str(lsn),
+                        self._config.source.slot, str(e).strip())
 
 
 def run_producer(config: Config, stop: threading.Event | None = None,

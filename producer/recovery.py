@@ -48,12 +48,14 @@ class SlotElsewhereError(Failure):
 
 @dataclass(frozen=True)
 class Binding:
-    """Where a slot's data goes: the topic prefix and Kafka cluster id; and the
-    PostgreSQL server it was last read on (None: not recorded)."""
+    """Where a slot's data goes: the topic prefix and Kafka cluster id; the
+    PostgreSQL server it was last read on (None: not recorded); the resend
+    mark of a run whose deliveries failed (``slot_binding.mark_resend``)."""
 
     topic_prefix: str
     cluster_id: str | None
     server: Server | None = None
+    resend_until: int | None = None  # a run's deliveries failed with changes up to this commit LSN produced
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ Invariants:
   config (see :mod:`producer.recovery`), and a server change is judged by
   :mod:`producer.failover`. After a failover the record follows the slot's
   synchronized copy: same database and topics, the new server.
+- It also holds a slot's resend mark: the highest commit LSN a run whose
+  Kafka deliveries failed had produced (``mark_resend``), written before the
+  next run starts and cleared once a run confirmed past it; a new slot of
+  the name starts without one.
 - A table from before the server columns gets them (``ADD COLUMN IF NOT
   EXISTS``) at the next write; read before that, its server is unknown.
 - A role that may not create the table stops the producer with the grant (or
@@ -40,8 +44,9 @@ CREATE TABLE IF NOT EXISTS {wire.META_SCHEMA}.{TABLE} (
     bound_at timestamptz NOT NULL DEFAULT now()
 );
 ALTER TABLE {wire.META_SCHEMA}.{TABLE} ADD COLUMN IF NOT EXISTS system_identifier text,
-    ADD COLUMN IF NOT EXISTS timeline bigint"""
+    ADD COLUMN IF NOT EXISTS timeline bigint, ADD COLUMN IF NOT EXISTS resend_until bigint"""
 _SERVER_COLUMNS = ("system_identifier", "timeline")
+_ADDED_COLUMNS = (*_SERVER_COLUMNS, "resend_until")
 
 log = logging.getLogger("walbridge.producer")
 
@@ -65,7 +70,7 @@ def _ensure(conn: psycopg.Connection) -> set[str]:
     """The table, created if missing, with the server columns where this role
     may add them; returns its columns."""
     columns = _columns(conn)
-    if set(_SERVER_COLUMNS) <= columns:
+    if set(_ADDED_COLUMNS) <= columns:
         return columns  # created before (perhaps by an administrator: CREATE SCHEMA would need a grant)
     create, alter = DDL.rsplit(";\n", 1)
     user, db = conn.info.user, conn.info.dbname
@@ -100,15 +105,20 @@ def read(conn: psycopg.Connection, slot: str) -> Binding | None:
         return None
     known = row.get("system_identifier") is not None and row.get("timeline") is not None
     return Binding(row["topic_prefix"], row["kafka_cluster_id"],
-                   Server(row["system_identifier"], row["timeline"]) if known else None)
+                   Server(row["system_identifier"], row["timeline"]) if known else None, row.get("resend_until"))
 
 
-def write(conn: psycopg.Connection, slot: str, binding: Binding) -> None:
+def write(conn: psycopg.Connection, slot: str, binding: Binding, new_slot: bool = False) -> None:
+    """Record ``binding``; ``new_slot``: the slot was just created, and what
+    was recorded of an earlier slot of the name (its resend mark) goes."""
     values = {"slot_name": slot, "topic_prefix": binding.topic_prefix, "kafka_cluster_id": binding.cluster_id}
-    if set(_SERVER_COLUMNS) <= _ensure(conn):
+    columns = _ensure(conn)
+    if set(_SERVER_COLUMNS) <= columns:
         server = binding.server
         values.update(system_identifier=server.system_id if server else None,
                       timeline=server.timeline if server else None)
+    if new_slot and "resend_until" in columns:
+        values.update(resend_until=None)
     names = [sql.Identifier(c) for c in values]
     try:
         conn.execute(sql.SQL("INSERT INTO {} ({}) VALUES ({}) ON CONFLICT (slot_name) DO UPDATE SET ({}) = ({}), "
@@ -120,3 +130,19 @@ def write(conn: psycopg.Connection, slot: str, binding: Binding) -> None:
         raise BindingError(
             f"role {conn.info.user} may not write {wire.META_SCHEMA}.{TABLE} ({str(e).strip()}): as its owner run "
             f"GRANT SELECT, INSERT, UPDATE ON {wire.META_SCHEMA}.{TABLE} TO {conn.info.user};") from None
+
+
+def mark_resend(conn: psycopg.Connection, slot: str, upto: int) -> None:
+    """Record that a run's Kafka deliveries failed with changes up to commit
+    LSN ``upto`` produced: until a run confirms past it, runs re-send their
+    whole replay (see ``producer.pipeline._Runs``). Kept here so that a
+    process killed before such a run still knows it. Raises psycopg's error
+    where it cannot be written (no column: an administrator's older table)."""
+    conn.execute(sql.SQL("UPDATE {} SET resend_until = greatest(resend_until, %s) WHERE slot_name = %s").format(
+        _ident()), (upto, slot))
+
+
+def clear_resend(conn: psycopg.Connection, slot: str, confirmed: int) -> None:
+    """Forget a resend mark that ``confirmed`` (the slot's confirmed position) has passed."""
+    conn.execute(sql.SQL("UPDATE {} SET resend_until = NULL WHERE slot_name = %s AND resend_until <= %s").format(
+        _ident()), (slot, confirmed))

@@ -65,6 +65,7 @@ class FoundSlot:
     failed_over: bool  # the server is a promoted standby whose synchronized copy carries the slot on
     fork: Fork | None = None  # after a failover: where the new timeline left the one the slot was read on
     bound: bool = False  # the slot is recorded as read on ``server`` (``record`` or ``create`` ran)
+    resend_until: int | None = None  # the recorded resend mark (``slot_binding.mark_resend``)
 
     def check_fork(self, kafka_conf: dict, topic_prefix: str, tails: dict[Writer, Tail | None],
                    checkpoint: Checkpoint | None) -> None:
@@ -104,7 +105,8 @@ class FoundSlot:
         """A new slot, recorded as streaming into ``topic_prefix`` of Kafka
         cluster ``cluster_id``: (consistent LSN, exported snapshot name)."""
         lsn, snapshot_name = repl.create_slot(failover=self.failover)
-        slot_binding.write(conn, self.name, Binding(topic_prefix, cluster_id, self.server))
+        slot_binding.write(conn, self.name, Binding(topic_prefix, cluster_id, self.server), new_slot=True)
+        self.resend_until = None
         self.bound = True
         return lsn, snapshot_name
 
@@ -145,7 +147,8 @@ def find_slot(config: Config, conn: psycopg.Connection, repl: ReplicationConnect
                  conn.info.server_version // 10000)
     elif wants_failover:
         _warn_unsynchronized_standbys(conn, name)
-    return FoundSlot(name, server, state, bind, wants_failover, verdict.failed_over, fork)
+    return FoundSlot(name, server, state, bind, wants_failover, verdict.failed_over, fork,
+                     resend_until=binding.resend_until if state is not None and binding is not None else None)
 
 
 def _warn_unsynchronized_standbys(conn: psycopg.Connection, slot: str) -> None:

@@ -76,3 +76,61 @@ def test_producer_outlives_a_broker_frozen_past_its_timeouts(source_db, private_
     text = log.read_text()
     assert "reading committed offsets failed (will retry)" in text, text[-4000:]
     assert "Assertion" not in text, text[-4000:]
+
+
+def _resend_mark(source_db, slot: str):
+    with psycopg.connect(source_db) as conn:
+        row = conn.execute("SELECT resend_until FROM _walbridge.producer_slots WHERE slot_name = %s",
+                           (slot,)).fetchone()
+    return row and row[0]
+
+
+def test_a_producer_killed_after_failed_deliveries_still_sends_its_replay_again(source_db, private_kafka_broker,
+                                                                               topic_prefix, tmp_path):
+    """Deliveries time out while the broker is frozen; the run that saw it
+    records its resend mark with the slot before anything else. The process
+    is killed -9 before any later run could re-send; the next process reads
+    the mark from the source database and takes nothing of its replay for
+    already in Kafka (the partition tails may be later messages than those
+    that failed), so the topic ends up holding every source row."""
+    broker = private_kafka_broker
+    with psycopg.connect(source_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text)")
+        conn.execute("INSERT INTO items SELECT g, 'before' FROM generate_series(1, 20) g")
+    cfg = make_config(source_db, broker.bootstrap, topic_prefix, [{"table": "public.items"}])
+    path, topic, slot = write_toml(cfg, tmp_path / "wb.toml"), f"{topic_prefix}.public.items", cfg["source"]["slot"]
+    first, second = tmp_path / "first.log", tmp_path / "second.log"
+    with psycopg.connect(source_db, autocommit=True) as conn:
+        with ProducerProcess(path, first) as producer:
+            wait_snapshot_done(broker.bootstrap, topic, topic_prefix)
+            wait_for(lambda: "streaming from slot" in first.read_text(), timeout=60, what="the producer streaming")
+            conn.execute("UPDATE items SET name = 'flowing' WHERE id <= 10")
+            os.kill(broker.pid, signal.SIGSTOP)
+            try:
+                n = 100
+
+                def marked():
+                    nonlocal n
+                    conn.execute("INSERT INTO items VALUES (%s, 'frozen')", (n,))  # changes keep coming
+                    n += 1
+                    return _resend_mark(source_db, slot)
+
+                wait_for(marked, timeout=120, interval=1.0,
+                         what="the resend mark recorded after deliveries timed out",
+                         explain=lambda: producer.log_tail())
+                producer.kill9()
+            finally:
+                os.kill(broker.pid, signal.SIGCONT)
+        conn.execute("UPDATE items SET name = 'after' WHERE id % 3 = 0")
+        source = _source_rows(source_db)
+        with ProducerProcess(path, second) as producer:
+            wait_for(lambda: latest_rows(read_topic(broker.bootstrap, topic, topic_prefix)) == source
+                     or producer.proc.poll() is not None, timeout=180, interval=2,
+                     what="every source row in the topic after the kill", explain=lambda: producer.log_tail())
+            assert producer.proc.poll() is None, producer.log_tail()
+            assert latest_rows(read_topic(broker.bootstrap, topic, topic_prefix)) == source
+            text = second.read_text()
+            assert "an earlier run's deliveries failed" in text, text[-4000:]
+            # Once a run confirmed past it, the mark goes (a later start trusts the tails again).
+            producer.stop()
+    assert _resend_mark(source_db, slot) is None, second.read_text()[-4000:]
