@@ -100,13 +100,46 @@ def pipeline_state(cfg) -> str:
     finally:
         client.close()
     try:
-        for d in verify(parse_config(cfg)):
-            if not d.ok:
-                lines.append(f"shape {d.shape}: source {d.source_rows} rows, target {d.target_rows},"
-                             f" missing {d.missing[:5]}, extra {d.extra[:5]}")
+        lines += [str(line) for line in differences(cfg)]
     except Exception as e:
         lines.append(f"verify: failed ({e!r})")
     return "\n".join(lines)
+
+
+def differences(cfg) -> list:
+    """What differs, and for the first differing key of each shape: its
+    source row, every message of that key in Kafka, the target's row (with
+    its bookkeeping) and tombstone, and the target's progress."""
+    out = []
+    prefix = cfg["kafka"]["topic_prefix"]
+    for d in verify_ok(cfg)[1]:
+        if d.ok:
+            continue
+        out.append(f"shape {d.shape}: source {d.source_rows} rows, target {d.target_rows}, buckets differing "
+                   f"{d.differing_buckets}, missing {d.missing[:5]}, extra {d.extra[:5]}, changed {d.changed[:5]}"
+                   f" ({len(d.missing)}/{len(d.extra)}/{len(d.changed)})")
+        key = next(iter(d.missing or d.extra or d.changed), None)
+        if key is None or not d.keyed:
+            continue
+        where = f'WHERE ROW({", ".join(d.bucket_columns)})::text = %s'
+        schema, table = d.source_table.split(".", 1)
+        with psycopg.connect(cfg["source"]["dsn"]) as conn:
+            out.append(("source row", conn.execute(f'SELECT * FROM {schema}."{table}" {where}', (key,)).fetchall()))
+        value = key.strip("()")
+        records = read_topic(cfg["kafka"]["bootstrap_servers"], f"{prefix}.{d.shape}", prefix, timeout=120)
+        out.append([(r.partition, r.offset, r.position, r.control, r.value and r.value["op"],
+                     r.value and (r.value["after"] or r.value["before"]))
+                    for r in records if r.control or (r.key and str(list(r.key.values())[0]) == value)])
+        schema, table = d.target_table.split(".", 1)
+        with psycopg.connect(cfg["consumer"]["target_dsn"]) as conn:
+            out.append(("target row", conn.execute(f'SELECT * FROM {schema}."{table}" {where}', (key,)).fetchall()))
+            tombstones = f'{schema}."{table}__wb_tombstones"'
+            if conn.execute("SELECT to_regclass(%s) IS NULL", (tombstones,)).fetchone()[0]:
+                out.append(f"{tombstones} does not exist")
+            else:
+                out.append(("tombstones", conn.execute(f"SELECT * FROM {tombstones} {where}", (key,)).fetchall()))
+            out.append(conn.execute("SELECT * FROM _walbridge.progress").fetchall())
+    return out
 
 
 def verify_ok(cfg):
