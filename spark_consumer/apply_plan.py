@@ -11,8 +11,14 @@ planned without copying; the result is the same).
 
 Invariants:
 - A change's *position* is ``(_wb_lsn, _wb_op_index)``, compared
-  lexicographically; ties (snapshot rows share their snapshot's position) are
-  broken by ``(_wb_partition, _wb_offset)``, so planning is deterministic.
+  lexicographically. A snapshot's rows share its position ``(S, 0)``, and a
+  transaction whose commit record begins exactly at the snapshot's
+  consistent point S is streamed (it is not in the snapshot) with the same
+  position: at equal positions a streamed change outranks a snapshot or
+  backfill row (the *rank* is ``(position, no _wb_snapshot_id)``); further
+  ties are broken by ``(_wb_partition, _wb_offset)``, so planning is
+  deterministic. Cuts compare positions only: a cut at a snapshot's position
+  erases neither its rows nor the changes at that position.
 - Keyed shapes: per key only the change with the highest position survives
   (``upsert`` for ``c``/``u``/``r``, ``delete`` for ``d``), whatever the order
   the rows came in. The plan has at most one row per key; the shell applies it
@@ -537,8 +543,13 @@ def _add_cut(cuts: dict[int, Cut], cut: Cut) -> None:
 
 
 def _sort_key(n: int):
-    lsn, opi, part, off = n + _LSN, n + _OPI, n + _PART, n + _OFF
-    return lambda t: (t[lsn], t[opi], t[part], t[off])
+    lsn, opi, part, off, snap = n + _LSN, n + _OPI, n + _PART, n + _OFF, n + _SNAP
+    return lambda t: (t[lsn], t[opi], t[snap] is None, t[part], t[off])
+
+
+def _rank(t: tuple, n: int) -> tuple:
+    """Position, then streamed over snapshot (see the module docstring)."""
+    return t[n + _LSN], t[n + _OPI], t[n + _SNAP] is None
 
 
 def _plan_keyed(target: ShapeTarget, data: list[tuple], n: int, stat) -> list[tuple]:
@@ -615,7 +626,6 @@ def _plan_keyless(data: list[tuple], n: int, stat) -> list[tuple]:
     appends: list[tuple | None] = []
     removals: list[tuple] = []
     pending: dict[Any, list[int]] = {}  # row content -> indexes of not yet cancelled appends
-    lsn, opi = n + _LSN, n + _OPI
     for t in data:
         content = _content(t, n)
         if t[kind] == APPEND:
@@ -623,7 +633,7 @@ def _plan_keyless(data: list[tuple], n: int, stat) -> list[tuple]:
             appends.append(t)
             continue
         slots = pending.get(content)
-        if slots and (appends[slots[-1]][lsn], appends[slots[-1]][opi]) < (t[lsn], t[opi]):
+        if slots and _rank(appends[slots[-1]], n) < _rank(t, n):
             j = slots.pop()  # an equal row appended earlier in this batch: both vanish
             stat(appends[j]).superseded += 1
             appends[j] = None

@@ -133,7 +133,7 @@ def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier
     # Upserts: a newer upsert lifts an older tombstone; an equal or newer one wins.
     cur.execute(sql.SQL(
         "DELETE FROM {tb} AS tb USING {s} AS s WHERE s._wb_kind = 'u' AND {eq} AND {lt}"
-    ).format(tb=tb, s=stage, eq=_key_eq(target, "tb", "s"), lt=_pos_lt("tb", "s")))
+    ).format(tb=tb, s=stage, eq=_key_eq(target, "tb", "s"), lt=_pos_lt("tb", "s", a_changes=True)))
     names = target.names
     all_cols, s_cols = _insert_columns(target)
     # Keys the target holds: update where the change is newer. A statement per
@@ -241,18 +241,17 @@ def _apply_keyless(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifi
     # it, if the append is the older.
     if cur.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {})").format(tb)).fetchone()[0]:
         out["cancelled"] = Counter(dict(cur.execute(sql.SQL(
-            "WITH a AS (SELECT s.ctid AS sid, {sc} AS c, s._wb_lsn, s._wb_op_index, "
-            "  row_number() OVER (PARTITION BY {sc} ORDER BY s._wb_lsn, s._wb_op_index, s._wb_partition, "
+            "WITH a AS (SELECT s.ctid AS sid, {sc} AS c, {srank} AS rank, "
+            "  row_number() OVER (PARTITION BY {sc} ORDER BY {srank}, s._wb_partition, "
             "  s._wb_offset) AS rn FROM {s} AS s WHERE s._wb_kind = 'a' AND {sc} IN (SELECT _wb_row FROM {tb})), "
-            "r AS (SELECT tb.ctid AS rid, tb._wb_row AS c, tb._wb_lsn, tb._wb_op_index, "
+            "r AS (SELECT tb.ctid AS rid, tb._wb_row AS c, {tbrank} AS rank, "
             "  row_number() OVER (PARTITION BY tb._wb_row ORDER BY tb._wb_lsn, tb._wb_op_index) AS rn "
             "  FROM {tb} AS tb WHERE tb._wb_row IN (SELECT c FROM a)), "
-            "m AS (SELECT a.sid, r.rid FROM a JOIN r ON r.c = a.c AND r.rn = a.rn "
-            "  WHERE (a._wb_lsn, a._wb_op_index) < (r._wb_lsn, r._wb_op_index)), "
+            "m AS (SELECT a.sid, r.rid FROM a JOIN r ON r.c = a.c AND r.rn = a.rn WHERE a.rank < r.rank), "
             "gone AS (DELETE FROM {tb} AS tb USING m WHERE tb.ctid = m.rid), "
             "took AS (DELETE FROM {s} AS s USING m WHERE s.ctid = m.sid RETURNING s._wb_partition AS p) "
             "SELECT p, count(*) FROM took GROUP BY p"
-        ).format(sc=content("s"), s=stage, tb=tb)).fetchall()))
+        ).format(sc=content("s"), s=stage, tb=tb, srank=_rank("s"), tbrank=_rank("tb", change=True))).fetchall()))
     # Appends first: a removal later in the batch (on any partition) may target them.
     out["appended"] = _counts(cur, sql.SQL(
         "INSERT INTO {t} AS t ({cols}) SELECT {s_cols} FROM {s} AS s WHERE s._wb_kind = 'a' "
@@ -266,11 +265,11 @@ def _apply_keyless(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifi
         "WITH r AS (SELECT {sc} AS c, s._wb_lsn, s._wb_op_index, s._wb_partition, s._wb_offset, "
         "  row_number() OVER (PARTITION BY {sc} ORDER BY s._wb_lsn, s._wb_op_index, s._wb_partition, s._wb_offset) AS rn "
         "  FROM {s} AS s WHERE s._wb_kind = 'x'), "
-        "cand AS (SELECT t.ctid AS tid, {tc} AS c, {tpos} AS pos, "
-        "  row_number() OVER (PARTITION BY {tc} ORDER BY {tpos}, t._wb_partition, t._wb_offset) AS rn "
+        "cand AS (SELECT t.ctid AS tid, {tc} AS c, {trank} AS rank, "
+        "  row_number() OVER (PARTITION BY {tc} ORDER BY {trank}, t._wb_partition, t._wb_offset) AS rn "
         "  FROM {t} AS t WHERE {tc} IN (SELECT c FROM r)), "
         "m AS (SELECT cand.tid, r.c, r.rn, r._wb_partition FROM r JOIN cand ON cand.c = r.c AND cand.rn = r.rn "
-        "  WHERE cand.pos < (r._wb_lsn, r._wb_op_index)), "
+        "  WHERE cand.rank < (r._wb_lsn, r._wb_op_index, true)), "
         "del AS (DELETE FROM {t} AS t USING m WHERE t.ctid = m.tid RETURNING m._wb_partition AS p), "
         "pend AS (INSERT INTO {tb} (_wb_row, _wb_lsn, _wb_op_index, _wb_partition, _wb_offset) "
         "  SELECT r.c, r._wb_lsn, r._wb_op_index, r._wb_partition, r._wb_offset FROM r "
@@ -278,7 +277,7 @@ def _apply_keyless(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifi
         "  ON CONFLICT DO NOTHING RETURNING _wb_partition AS p) "
         "SELECT 'deleted', p, count(*) FROM del GROUP BY p "
         "UNION ALL SELECT 'tombstoned', p, count(*) FROM pend GROUP BY p"
-    ).format(sc=content("s"), tc=content("t"), s=stage, t=t, tb=tb, tpos=_pos("t"))).fetchall():
+    ).format(sc=content("s"), tc=content("t"), s=stage, t=t, tb=tb, trank=_rank("t"))).fetchall():
         out[outcome][p] = n
     return out
 
@@ -401,6 +400,16 @@ def _pos(a: str) -> sql.Composable:
     return sql.SQL("(coalesce({a}._wb_lsn, -1), coalesce({a}._wb_op_index, -1))").format(a=sql.Identifier(a))
 
 
-def _pos_lt(a: str, b: str) -> sql.Composable:
-    """Target/tombstone row ``a`` is older than staged row ``b``."""
-    return sql.SQL("{} < ({b}._wb_lsn, {b}._wb_op_index)").format(_pos(a), b=sql.Identifier(b))
+def _rank(a: str, change: bool = False) -> sql.Composable:
+    """A row's rank (``apply_plan``): its position, then whether it is a
+    streamed change rather than a snapshot or backfill row (at equal
+    positions the change is the newer). ``change``: ``a`` holds changes only
+    (tombstones, pending removals), which have no snapshot id column."""
+    streamed = sql.SQL("true") if change else sql.SQL("{}._wb_snapshot_id IS NULL").format(sql.Identifier(a))
+    return sql.SQL("(coalesce({a}._wb_lsn, -1), coalesce({a}._wb_op_index, -1), {s})").format(
+        a=sql.Identifier(a), s=streamed)
+
+
+def _pos_lt(a: str, b: str, a_changes: bool = False) -> sql.Composable:
+    """Target row (or, ``a_changes``, tombstone) ``a`` ranks below staged row ``b``."""
+    return sql.SQL("{} < {}").format(_rank(a, a_changes), _rank(b))

@@ -291,6 +291,23 @@ def test_delete_never_comes_back_to_life(conn, items):
     assert gc_tombstones(conn, items) == 0
 
 
+def test_a_change_at_the_snapshot_point_outranks_the_snapshot_row_applied_before_it(conn, items):
+    # A commit record that begins exactly at the slot's consistent point is
+    # streamed at the snapshot's own position (it is not in the snapshot).
+    snapshot = [change("r", 500, id=i, body="snapshot", off=i - 1, snap="s") for i in (1, 2)]
+    apply_batch(conn, GROUP, items, [part(snapshot, 0)])
+    apply_batch(conn, GROUP, items, [part([change("u", 500, id=1, body="change", off=2)], 0)])
+    apply_batch(conn, GROUP, items, [part([change("d", 500, id=2, p=1, off=0)], 1)])
+    assert table_rows(conn) == [(1, "change", None)]
+    # The snapshot rows again (a replay at new offsets): neither comes back over its change.
+    res = apply_batch(conn, GROUP, items, [part([dict(r, _wb_partition=1, _wb_offset=1 + i)
+                                                 for i, r in enumerate(snapshot)], 1)])
+    assert res.parts[(TOPIC, 1)].stale == 2 and table_rows(conn) == [(1, "change", None)]
+    # And the same change replayed is not applied twice (its position is taken).
+    res = apply_batch(conn, GROUP, items, [part([change("u", 500, id=1, body="change", off=3)], 0)])
+    assert res.parts[(TOPIC, 0)].stale == 1
+
+
 def test_unchanged_toast_keeps_the_current_value(conn, items):
     big = "x" * 10_000
     apply_batch(conn, GROUP, items, [part([change("c", 100, id=1, body=big, n=Decimal("1.00"), off=0)], 0)])
@@ -493,6 +510,16 @@ def test_keyless_append_dedupe_and_removals(conn):
     res = apply_batch(conn, GROUP, t, parts_from_rows([lchange("d", 90, p=0, off=6, a=2, b="x")]))
     assert (res.total("deleted"), res.total("tombstoned")) == (0, 1)
     assert count() == [(1, "same", 3), (2, "x", 1), (3, "y", 1)]
+
+
+def test_a_keyless_update_at_the_snapshot_point_replaces_the_snapshot_row(conn):
+    t = log_target()
+    ensure_table(conn, t)
+    apply_batch(conn, GROUP, t, parts_from_rows([lchange("r", 500, off=0, a=1, b="old", snap="s")]))
+    res = apply_batch(conn, GROUP, t, parts_from_rows([
+        lchange("u", 500, off=1, a=1, b="new", before={"a": 1, "b": "old"})]))
+    assert (res.total("deleted"), res.total("appended"), res.total("tombstoned")) == (1, 1, 0)
+    assert conn.execute("SELECT a, b FROM eventlog").fetchall() == [(1, "new")]
 
 
 def test_a_keyless_removal_that_comes_before_its_row_waits_for_it(conn):

@@ -192,6 +192,22 @@ def test_snapshot_rows_sharing_a_position_are_all_kept():
     assert len(plan_batch(keyed_target(), rows).rows) == 5
 
 
+def test_a_change_committed_at_the_snapshot_point_outranks_the_snapshot_row():
+    # A commit record that begins exactly at the slot's consistent point is
+    # streamed (it is not in the snapshot) at the snapshot's own position:
+    # whatever the offsets, the change is the newer.
+    t = keyed_target()
+    snapshot, change = row("r", 50, id=1, body="snapshot", off=9, snap="s"), row("u", 50, id=1, body="change", off=3)
+    for rows in ([snapshot, change], [change, snapshot]):
+        got = by_key(plan_batch(t, rows))[1]
+        assert got.values[1] == "change" and got.position == (50, 0)
+    # The same rule at equal positions for a keyless update of a snapshot row.
+    snap_row = lrow("r", 50, a=1, b="old", off=9)
+    snap_row["_wb_snapshot_id"] = "s"
+    plan = plan_batch(keyless_target(), [snap_row, lrow("u", 50, a=1, b="new", before={"a": 1, "b": "old"}, off=3)])
+    assert [(r.kind, r.values) for r in plan.rows] == [(APPEND, (1, "new"))]
+
+
 def test_keyless_appends_and_removals():
     t = keyless_target()
     rows = [lrow("c", 10, a=1, b="x", off=0), lrow("c", 11, a=1, b="x", p=1, off=0),
