@@ -111,7 +111,11 @@ def test_consumer_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sourc
             wait_for(lambda: applied_offsets(target_db) > 5000, timeout=180, interval=0.5,
                      what="consumer applying")
             threading.Thread(target=load, daemon=True).start()
-            for _ in range(2):
+            for starts in (1, 2):
+                # The query of this start running first: a transaction of its
+                # set-up (before the query) is not an apply.
+                wait_for(lambda: log.read_text().count("from the target's progress") >= starts, timeout=180,
+                         what=f"start {starts} reading from the target's progress")
                 wait_for(lambda: applying(target_db), timeout=120, interval=0.01,
                          what="an apply written and not committed")
                 consumer.kill9()
@@ -119,7 +123,8 @@ def test_consumer_kill9_mid_apply_restarts_equal_and_nothing_applied_twice(sourc
                 wait_for(lambda: consumer_sessions(target_db) == 0, timeout=60, what="the killed session gone")
                 consumer = ConsumerProcess(path, log).start()
             load_done.wait(60)
-            ok = wait_for(lambda: verify_ok(cfg)[0], timeout=300, interval=3, what="target == source", explain=lambda: pipeline_state(cfg))
+            ok = wait_for(lambda: verify_ok(cfg)[0], timeout=300, interval=3, what="target == source",
+                          explain=lambda: pipeline_state(cfg))
             assert ok
             wait_for(lambda: caught_up(cfg), timeout=60, what="slot at the last commit")
         finally:

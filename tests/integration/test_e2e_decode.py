@@ -65,7 +65,8 @@ def test_typed_rows_and_poison_messages_by_fingerprint_or_schema_id(source_db, t
             conn.execute("""INSERT INTO typed (id, body)
                 SELECT 4, string_agg(md5(random()::text), '') FROM generate_series(1, 300)""")  # TOASTed
             conn.execute("UPDATE typed SET amount = 1 WHERE id = 4")  # body stays in TOAST: unchanged
-        ok = wait_for(lambda: verify_ok(cfg)[0] or consumer.errors, timeout=180, interval=1, what="target == source", explain=lambda: pipeline_state(cfg))
+        ok = wait_for(lambda: verify_ok(cfg)[0] or consumer.errors, timeout=180, interval=1, what="target == source",
+                      explain=lambda: pipeline_state(cfg))
         assert ok is True, [str(e) for e in consumer.errors] or verify_ok(cfg)[1]
         wait_for(lambda: caught_up(cfg), timeout=60, what="the slot confirmed past the poison")
         letters = wait_for(lambda: read_dead_letters(kafka_broker.bootstrap, topic), timeout=60,

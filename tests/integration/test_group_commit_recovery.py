@@ -26,12 +26,14 @@ def test_a_group_commit_lost_after_the_apply_is_made_at_the_next_start(source_db
                       ack={"consumer_groups": [group], "interval": 0.3})
     with ProducerThread(cfg), psycopg.connect(source_db, autocommit=True) as conn:
         with ConsumerThread(cfg) as consumer:
-            wait_for(lambda: verify_ok(cfg)[0] and caught_up(cfg), timeout=180, what="snapshot applied", explain=lambda: pipeline_state(cfg))
+            wait_for(lambda: verify_ok(cfg)[0] and caught_up(cfg), timeout=180, what="snapshot applied",
+                     explain=lambda: pipeline_state(cfg))
             with monkeypatch.context() as patch:
                 # The group never hears of the next batches: as if killed after each target commit.
                 patch.setattr(OffsetCommitter, "_commit", lambda self, *args: None)
                 conn.execute("UPDATE t SET v = 1 WHERE id <= 50")
-                wait_for(lambda: verify_ok(cfg)[0], timeout=60, what="the update applied", explain=lambda: pipeline_state(cfg))
+                wait_for(lambda: verify_ok(cfg)[0], timeout=60, what="the update applied",
+                         explain=lambda: pipeline_state(cfg))
                 consumer.stop.set()
                 consumer.thread.join(120)
         assert not consumer.errors

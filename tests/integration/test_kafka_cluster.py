@@ -77,7 +77,8 @@ def test_three_brokers_killed_restarted_and_without_quorum_lose_and_double_nothi
 
     with ProducerProcess(path, tmp_path / "producer.log") as producer, \
             ConsumerProcess(path, tmp_path / "consumer.log") as consumer, stacks_on_failure(producer, consumer):
-        wait_for(lambda: verify_ok(cfg)[0], timeout=300, interval=2, what="the snapshot applied", explain=lambda: pipeline_state(cfg))
+        wait_for(lambda: verify_ok(cfg)[0], timeout=300, interval=2, what="the snapshot applied",
+                 explain=lambda: pipeline_state(cfg))
         topics = _topics(admin, topic_prefix)
         assert topics and all(len(p.replicas) == 3 for t in topics.values() for p in t.partitions.values())
         loader = threading.Thread(target=load, daemon=True)
@@ -110,7 +111,8 @@ def test_three_brokers_killed_restarted_and_without_quorum_lose_and_double_nothi
 
         done.set()
         loader.join(60)
-        ok = wait_for(lambda: verify_ok(cfg)[0], timeout=420, interval=2, what="target == source", explain=lambda: pipeline_state(cfg))
+        ok = wait_for(lambda: verify_ok(cfg)[0], timeout=420, interval=2, what="target == source",
+                      explain=lambda: pipeline_state(cfg))
         assert ok is True, verify_ok(cfg)[1]
         wait_for(lambda: caught_up(cfg), timeout=120, what="confirmed_flush_lsn at the last commit")
         assert producer.proc.poll() is None, "the producer ended by itself"

@@ -167,7 +167,8 @@ def test_the_pipeline_runs_end_to_end_over_sasl_ssl(secured, source_db, target_d
     assert config.kafka.client["sasl.password"] == PASSWORDS["wb"]
     cfg["kafka"]["client"] = dict(config.kafka.client)  # for verify's own clients
     with ProducerThread(config), ConsumerThread(config) as consumer:
-        wait_for(lambda: verify_ok(cfg)[0] or consumer.errors, timeout=180, interval=1, what="the snapshot applied", explain=lambda: pipeline_state(cfg))
+        wait_for(lambda: verify_ok(cfg)[0] or consumer.errors, timeout=180, interval=1, what="the snapshot applied",
+                 explain=lambda: pipeline_state(cfg))
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("UPDATE items SET name = 'renamed' WHERE id <= 50")
             conn.execute("DELETE FROM items WHERE id > 150")
