@@ -289,7 +289,8 @@ class Pipeline:
 
     @property
     def resend_until(self) -> int | None:
-        """The resend mark this run started with (given, or recorded with the slot)."""
+        """The resend mark this run started with: the given one, raised to the
+        slot's recorded one once the slot is found (never lower than given)."""
         return self._resend_until
 
     @property
@@ -733,17 +734,15 @@ class _Runs:
                 bound = pipeline.slot is not None and pipeline.slot.bound
                 if bound:
                     self.server = pipeline.slot.server
-                upto = pipeline.produced_upto
+                upto, mark = pipeline.produced_upto, pipeline.resend_until  # the mark: ours and the slot's
                 if (kafka_failed or pipeline.delivery_failed) and upto >= 0:
-                    self.resend_until = max(self.resend_until or upto, upto)
+                    self.resend_until = max(mark or upto, upto)
                     if bound:
                         self._record(pipeline, slot_binding.mark_resend, upto)
-                else:
-                    mark = max(self.resend_until or -1, pipeline.resend_until or -1)
-                    if mark >= 0 and pipeline.acks.confirmed_lsn >= mark:
-                        self.resend_until = None
-                        if bound:
-                            self._record(pipeline, slot_binding.clear_resend, pipeline.acks.confirmed_lsn)
+                elif mark is not None and pipeline.acks.confirmed_lsn >= mark:
+                    self.resend_until = None
+                    if bound:
+                        self._record(pipeline, slot_binding.clear_resend, pipeline.acks.confirmed_lsn)
                 pipeline.close()
 
     def _record(self, pipeline: Pipeline, write: Callable[[psycopg.Connection, str, int], None], lsn: int) -> None:

@@ -269,7 +269,7 @@ def _apply_keyless(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifi
         "  row_number() OVER (PARTITION BY {tc} ORDER BY {trank}, t._wb_partition, t._wb_offset) AS rn "
         "  FROM {t} AS t WHERE {tc} IN (SELECT c FROM r)), "
         "m AS (SELECT cand.tid, r.c, r.rn, r._wb_partition FROM r JOIN cand ON cand.c = r.c AND cand.rn = r.rn "
-        "  WHERE cand.rank < (r._wb_lsn, r._wb_op_index, true)), "
+        "  WHERE cand.rank < {rrank}), "
         "del AS (DELETE FROM {t} AS t USING m WHERE t.ctid = m.tid RETURNING m._wb_partition AS p), "
         "pend AS (INSERT INTO {tb} (_wb_row, _wb_lsn, _wb_op_index, _wb_partition, _wb_offset) "
         "  SELECT r.c, r._wb_lsn, r._wb_op_index, r._wb_partition, r._wb_offset FROM r "
@@ -277,7 +277,8 @@ def _apply_keyless(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifi
         "  ON CONFLICT DO NOTHING RETURNING _wb_partition AS p) "
         "SELECT 'deleted', p, count(*) FROM del GROUP BY p "
         "UNION ALL SELECT 'tombstoned', p, count(*) FROM pend GROUP BY p"
-    ).format(sc=content("s"), tc=content("t"), s=stage, t=t, tb=tb, trank=_rank("t"))).fetchall():
+    ).format(sc=content("s"), tc=content("t"), s=stage, t=t, tb=tb, trank=_rank("t"),
+             rrank=_rank("r", change=True))).fetchall():
         out[outcome][p] = n
     return out
 
