@@ -139,16 +139,21 @@ def _cmdline(pid: int) -> str:
 
 
 def python_workers(driver_pid: int) -> list[int]:
-    """Spark's Python processes: the Python descendants of the driver's JVM
-    (itself a child of the driver, perhaps through a launcher script)."""
-    found, todo = [], [(driver_pid, False)]
+    """Spark's Python workers: the processes ``pyspark.daemon`` forked (the
+    daemon is the Python child of the driver's JVM, itself a child of the
+    driver, perhaps through a launcher script). Not the daemon: killed, it
+    takes every worker with it and Spark runs short-lived workers without
+    one for minutes, so a later fault found nothing to kill."""
+    found, todo = [], [(driver_pid, "")]
     while todo:
-        pid, under_jvm = todo.pop()
+        pid, parent = todo.pop()
         for child in _children(pid):
             cmd = _cmdline(child)
-            if under_jvm and "python" in cmd:
+            if parent == "daemon" and "python" in cmd:
                 found.append(child)
-            todo.append((child, under_jvm or "java" in cmd.split(" ", 1)[0]))
+            kind = ("jvm" if "java" in cmd.split(" ", 1)[0] else
+                    "daemon" if parent == "jvm" and "python" in cmd else parent and "below")
+            todo.append((child, kind))
     return found
 
 
@@ -267,7 +272,7 @@ class Chaos:
                 self.consumer.kill9()
                 self.consumer.start()
         elif kind == "worker_kill":
-            workers = wait_for(lambda: python_workers(self.consumer.proc.pid), timeout=120, interval=0.5,
+            workers = wait_for(lambda: python_workers(self.consumer.proc.pid), timeout=120, interval=0.1,
                                what="a Spark Python worker")
             victim = random.Random(self.seed + len(self.result.injections)).choice(sorted(workers))
             os.kill(victim, signal.SIGKILL)
