@@ -28,11 +28,14 @@ def current_lsn(conn) -> int:
     """Past every commit made so far on ``conn``, and written. The test servers
     commit with synchronous_commit off, so a commit's record may not be written
     yet when it returns: a keepalive may then rightly confirm WAL up to the
-    write position before it. A synchronous commit of an empty transaction
-    writes everything before it first."""
+    write position before it. A synchronous commit flushes everything before
+    it, but only for a transaction that wrote WAL before its commit record
+    (PostgreSQL commits one that did not asynchronously, xid or not): a
+    non-transactional logical message is that WAL (pgoutput passes messages
+    on only when asked to)."""
     with conn.transaction():
         conn.execute("SET LOCAL synchronous_commit = on")
-        conn.execute("SELECT pg_current_xact_id()")
+        conn.execute("SELECT pg_current_xact_id(), pg_logical_emit_message(false, 'walbridge-test', '')")
     return lsn_to_int(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
 
 
