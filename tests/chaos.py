@@ -151,9 +151,12 @@ def python_workers(driver_pid: int) -> list[int]:
             cmd = _cmdline(child)
             if parent == "daemon" and "python" in cmd:
                 found.append(child)
-            kind = ("jvm" if "java" in cmd.split(" ", 1)[0] else
-                    "daemon" if parent == "jvm" and "python" in cmd else parent and "below")
-            todo.append((child, kind))
+            if "java" in cmd.split(" ", 1)[0]:
+                todo.append((child, "jvm"))
+            elif parent == "jvm" and "python" in cmd:
+                todo.append((child, "daemon"))
+            else:  # the driver's other children: searched as the driver is; under the JVM: no daemon below
+                todo.append((child, "" if not parent else "below"))
     return found
 
 
