@@ -235,7 +235,11 @@ class ShapeConfig(_Section):
 
 class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, registry and target
     group: str = "walbridge-spark"
+    # What the consumer applies to: "postgresql" (target_dsn; the default when
+    # it is set) or "delta" (a Delta Lake table per shape under target_path).
+    target: Literal["postgresql", "delta"] | None = None
     target_dsn: str | None = Field(default=None, repr=False)
+    target_path: str | None = None  # delta: the folder (or URI) holding <target_path>/<shape name>
     target_password: str | None = Field(default=None, repr=False)  # joined into target_dsn
     # Spark's checkpoint of the running query: scratch, emptied at every start
     # (the target's progress is what says where a start begins).
@@ -263,6 +267,28 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
         if v is not None:
             _check_dsn(v)
         return v
+
+    @model_validator(mode="after")
+    def _target_kind(self) -> ConsumerConfig:
+        """The target named, or implied by the one place given, and that place set."""
+        if self.target is None:
+            if self.target_path is not None:
+                raise ValueError('target_path: is given without target = "delta"')
+        elif self.target == "postgresql" and self.target_dsn is None:
+            raise ValueError('target = "postgresql" needs target_dsn (the database to apply to)')
+        elif self.target == "delta" and not self.target_path:
+            raise ValueError('target = "delta" needs target_path (the folder of the shapes\' Delta tables)')
+        return self
+
+    @property
+    def target_kind(self) -> str | None:
+        """The target applied to: ``target``, else "postgresql" when target_dsn is set."""
+        return self.target or ("postgresql" if self.target_dsn else None)
+
+    @property
+    def has_target(self) -> bool:
+        """Is a target configured (the consumer can run)?"""
+        return self.target_kind is not None
 
 
 class AckConfig(_Section):
@@ -301,7 +327,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _consumer_kafka_client(self) -> Config:
         """The consumer's Spark source must be able to take ``[kafka.client]``."""
-        if self.consumer.target_dsn:
+        if self.consumer.has_target:
             try:
                 java_client_options(self.kafka.bootstrap_servers, self.kafka.client)
             except JavaClientError as e:

@@ -33,19 +33,19 @@ from typing import Iterable, Sequence
 
 import psycopg
 
-from spark_consumer.apply_plan import DEFAULT_GC_CONTROLS, Position, plan_batch, split_replayed
+from spark_consumer.apply_plan import DEFAULT_GC_CONTROLS, plan_batch
 from spark_consumer.batch import (
     BatchResult,
     Part,
-    PartResult,
-    check_range,
     fill_results,
     merge_plan_stats,
     progress_update,
+    staged_kinds,
+    unapplied_rows,
 )
-from spark_consumer.progress import check_gap, lock_progress, write_progress
+from spark_consumer.progress import lock_progress, write_progress
 from spark_consumer.shape_record import ShapeTarget
-from spark_consumer.staging import copy_rows, staged_kinds, temp_stage
+from spark_consumer.staging import copy_rows, temp_stage
 from spark_consumer.statements import apply_stage, insert_new_keys, only_new_keys, record_backfills, upsert_keys
 
 
@@ -79,27 +79,9 @@ def apply_shapes(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
         for target, parts in batches:
             if not parts:
                 continue
-            todo_rows: list = []
-            floors: dict[int, Position] = {}
+            todo_rows, floors = unapplied_rows(parts, progress, existed, result, on_gap=on_gap,
+                                               on_offset_reset=on_offset_reset)
             fields = parts[0].fields
-            if any(part.fields != fields for part in parts):
-                raise ValueError(f"the parts of shape {target.shape} lay their rows out differently")
-            for part in parts:
-                res = result.parts[part.tp] = PartResult(part.topic, part.partition, part.start, part.end,
-                                                         rows=len(part.rows))
-                prog = progress[part.tp]
-                if part.tp in existed:
-                    check_gap(part, prog, on_gap)
-                check_range(part)
-                if prog.next_offset <= part.start:  # the usual case: nothing of this part was applied
-                    todo_rows.extend(part.rows)
-                else:
-                    todo, skipped, reset = split_replayed(part.rows, prog, where=f"{part.topic}[{part.partition}]",
-                                                          on_offset_reset=on_offset_reset, fields=fields)
-                    res.skipped_replayed, res.offset_reset = skipped, reset
-                    todo_rows.extend(todo)
-                if prog.floor is not None:
-                    floors[part.partition] = prog.floor
             plan = plan_batch(target, todo_rows, floors=floors, gc_controls=gc, fields=fields)
             merge_plan_stats(result, plan)
             result.controls.extend(plan.controls)

@@ -35,8 +35,9 @@ from spark_consumer.apply_plan import (
     Position,
     field_getter,
     field_index,
+    split_replayed,
 )
-from spark_consumer.progress import Progress
+from spark_consumer.progress import Progress, check_gap
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,16 @@ def merge_plan_stats(result: BatchResult, plan: ApplyPlan) -> None:
         add_counts(res, plan_counts(st))
 
 
+def staged_kinds(plan: ApplyPlan) -> dict[int, Counter]:
+    """Per partition, the plan's staged rows by kind."""
+    n = len(plan.target.columns)
+    counts = Counter(map(itemgetter(n + 4, n), plan.stage_rows))  # (partition, kind)
+    out: dict[int, Counter] = defaultdict(Counter)
+    for (p, kind), c in counts.items():
+        out[p][kind] = c
+    return out
+
+
 def fill_results(results: dict[tuple[str, int], PartResult], topic: str, staged: Mapping[int, Counter],
                  applied: Mapping[str, Counter]) -> None:
     """Add what the statements did (``applied``: per outcome, counts per
@@ -205,6 +216,36 @@ def fill_results(results: dict[tuple[str, int], PartResult], topic: str, staged:
         else:
             res.stale += (kinds[APPEND] - applied["appended"].get(p, 0) - applied["cancelled"].get(p, 0)) + (
                 kinds[REMOVE] - applied["deleted"].get(p, 0) - applied["tombstoned"].get(p, 0))
+
+
+def unapplied_rows(parts: Sequence[Part], progress: Mapping[tuple[str, int], Progress], existed: Iterable,
+                   result: BatchResult, *, on_gap: str, on_offset_reset: str) -> tuple[list, dict[int, Position]]:
+    """The rows of one shape's parts that progress does not cover yet (each
+    part's :class:`PartResult` made in ``result``), and each partition's
+    floor. A part that starts after its partition's progress raises
+    (:func:`~spark_consumer.progress.check_gap`) unless its progress is new
+    (not in ``existed``)."""
+    rows: list = []
+    floors: dict[int, Position] = {}
+    fields = parts[0].fields if parts else None
+    if any(part.fields != fields for part in parts):
+        raise ValueError(f"the parts of {parts[0].topic} lay their rows out differently")
+    for part in parts:
+        res = result.parts[part.tp] = PartResult(part.topic, part.partition, part.start, part.end, rows=len(part.rows))
+        prog = progress[part.tp]
+        if part.tp in existed:
+            check_gap(part, prog, on_gap)
+        check_range(part)
+        if prog.next_offset <= part.start:  # the usual case: nothing of this part was applied
+            rows.extend(part.rows)
+        else:
+            todo, skipped, reset = split_replayed(part.rows, prog, where=f"{part.topic}[{part.partition}]",
+                                                  on_offset_reset=on_offset_reset, fields=fields)
+            res.skipped_replayed, res.offset_reset = skipped, reset
+            rows.extend(todo)
+        if prog.floor is not None:
+            floors[part.partition] = prog.floor
+    return rows, floors
 
 
 def progress_update(part: Part, prog: Progress, res: PartResult, max_position: Position | None,

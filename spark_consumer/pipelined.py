@@ -33,10 +33,10 @@ log = logging.getLogger("walbridge.consumer")
 
 class PipelinedApply:
     """See the module docstring; ``what`` names the query in errors. It owns
-    the query's target connection (``_conn``, opened by the subclass) and
+    the query's target (:class:`spark_consumer.targets.Target`) and its
     consumer-group committer, both used on the apply thread."""
 
-    def __init__(self, what: str, thread_name: str, kafka_conf: dict[str, Any], group: str):
+    def __init__(self, what: str, thread_name: str, kafka_conf: dict[str, Any], group: str, target: Any):
         self.what = what
         self.kafka_conf = kafka_conf
         self.group = group
@@ -45,7 +45,7 @@ class PipelinedApply:
         self._calls = threading.Lock()
         self._in_call = False
         self._quiesced = False
-        self._conn = None
+        self.target = target
         self._committer: OffsetCommitter | None = None
         self.batches = 0
         self.rows = 0
@@ -62,9 +62,7 @@ class PipelinedApply:
         if self._committer is not None:
             self._committer.close()
             self._committer = None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self.target.close()
 
     def _group(self) -> OffsetCommitter:
         if self._committer is None:

@@ -12,11 +12,12 @@ The path of one micro-batch, top to bottom:
 3. Every topic's id is compared with the incarnation the run reads it in:
    the parts of a topic recreated since are not applied, and the run ends
    for a restart that reads the new incarnation from its start.
-4. The apply thread applies every shape's part in ONE target transaction
-   (:func:`spark_consumer.apply_driver.apply_shapes`), with the DDL of the
-   shapes whose target follows a new writer schema, and moves each
-   topic-partition's progress (with the topic id) in it; meanwhile Spark
-   reads the next batch (:mod:`spark_consumer.pipelined`).
+4. The apply thread hands every shape's part to the target
+   (:mod:`spark_consumer.targets`: PostgreSQL applies them in ONE
+   transaction, Delta in one commit per shape), with the DDL of the shapes
+   whose table follows a new writer schema, and each topic-partition's
+   progress (with the topic id) in the rows' commit; meanwhile Spark reads
+   the next batch (:mod:`spark_consumer.pipelined`).
 5. After that commit, the group's offsets of every topic it moved, in one
    commit, each tagged with the topic id its range was read from
    (:mod:`spark_consumer.group_commits`).
@@ -32,12 +33,11 @@ Invariants:
   consecutive parts leave no gap for the apply to refuse, whatever
   compaction removed.
 - A shape whose target cannot follow its new writer schema
-  (:class:`~spark_consumer.target_layout.ShapeCannotFollow`) is *held*: its
-  DDL is rolled back to a savepoint, none of its rows are applied, its
-  progress and group offsets stay (the producer keeps its WAL), and the
-  others' parts commit. The query is then restarted without it
-  (:attr:`BatchApplier.needs_restart`); it rejoins at its target progress
-  when the consumer next starts.
+  (:class:`~spark_consumer.target_layout.ShapeCannotFollow`) is *held*:
+  none of its rows are applied, its progress and group offsets stay (the
+  producer keeps its WAL), and the others' parts commit. The query is then
+  restarted without it (:attr:`BatchApplier.needs_restart`); it rejoins at
+  its target progress when the consumer next starts.
 - Undecodable messages go to each shape's own ``<topic>.dlq``.
 """
 
@@ -53,7 +53,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka.admin import AdminClient
@@ -65,12 +64,10 @@ from schemas.failures import KAFKA, TARGET, Failure, attributed
 from schemas.kafka import describe_topics, topic_ids
 from schemas.retry import Outage, RetryPolicy
 from spark_consumer import metrics
-from spark_consumer.apply_driver import apply_shapes
 from spark_consumer.batch import BatchResult, Part, parts_from_rows
 from spark_consumer.batch_split import DECODED_SCHEMA, decode_shapes, new_schema_reason, tables_by_topic
 from spark_consumer.decode import arrow_rows
 from spark_consumer.pipelined import PipelinedApply
-from spark_consumer.progress import ensure_progress, read_progress
 from spark_consumer.shape_record import ShapeTarget
 from spark_consumer.shape_schemas import (
     ShapeSchemas,
@@ -81,7 +78,8 @@ from spark_consumer.shape_schemas import (
     wait_for_schemas,
 )
 from spark_consumer.source import StartPlan, incarnation_changes, plan_start, read_kafka
-from spark_consumer.target_layout import ShapeCannotFollow, ensure_table
+from spark_consumer.target_layout import ShapeCannotFollow
+from spark_consumer.targets import ShapeBatch, Target, open_target
 
 log = logging.getLogger("walbridge.consumer")
 
@@ -89,7 +87,6 @@ QUERY_NAME = "walbridge"
 CHECKPOINT_NAME = "query"  # <checkpoint_dir>/query: the running query's scratch, removed at every start
 NEW_SCHEMA_ROUNDS = 3  # lookups of the schemas for one batch (the producer publishes before it writes)
 OFFSET_RESET = {"follow": "follow", "stop": "raise"}  # [consumer] on_data_loss -> the apply's on_offset_reset
-TARGET_APP_NAME = "walbridge-consumer"  # application_name of the consumer's target connection
 
 
 @dataclass
@@ -118,9 +115,9 @@ class BatchApplier(PipelinedApply):
     -> why its shape is held back; ``recreated``: topic -> why this run must
     read it no further (both read by the supervisor, which restarts the query)."""
 
-    def __init__(self, config: Config, states: dict[str, ShapeState], kafka_conf: dict[str, Any],
+    def __init__(self, config: Config, states: dict[str, ShapeState], kafka_conf: dict[str, Any], target: Target,
                  plan: StartPlan | None = None, held: dict[str, str] | None = None):
-        super().__init__("the query", "apply", kafka_conf, config.consumer.group)
+        super().__init__("the query", "apply", kafka_conf, config.consumer.group, target)
         self.config = config
         self.states = states  # topic -> the shape it carries
         self.held: dict[str, str] = dict(held or {})
@@ -143,24 +140,14 @@ class BatchApplier(PipelinedApply):
         """The topics the query applies (held ones aside)."""
         return [t for t in self.states if t not in self.held]
 
-    def _connection(self):
-        if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.config.consumer.target_dsn, autocommit=True,
-                                         application_name=TARGET_APP_NAME)
-            ensure_progress(self._conn)
-            for topic in self.topics:
-                self._ensure(self._conn, topic, self.states[topic].target)
-        return self._conn
-
-    def _ensure(self, conn, topic: str, target: ShapeTarget) -> bool:
-        """Make the shape's tables follow ``target`` (a savepoint inside a
-        transaction); False, with the shape held, when they cannot."""
-        try:
-            ensure_table(conn, target, self.config.consumer.on_dropped_column)
-            return True
-        except ShapeCannotFollow as e:
-            self._hold(topic, str(e))
-            return False
+    def _follow_all(self) -> None:
+        """At a start: every shape's table follows its writer schema (holding
+        those that cannot)."""
+        for topic in self.topics:
+            try:
+                self.target.follow(topic, self.states[topic].target)
+            except ShapeCannotFollow as e:
+                self._hold(topic, str(e))
 
     def _hold(self, topic: str, why: str) -> None:
         if topic not in self.held:
@@ -174,8 +161,9 @@ class BatchApplier(PipelinedApply):
         tables follow their shapes on connecting)."""
         progress = None
         for attempt in Outage(RetryPolicy.of(self.config.consumer), stop, log):
-            with attempt, attributed(database=(TARGET, self.config.consumer.target_dsn)):
-                progress = read_progress(self._connection(), self.config.consumer.group)
+            with attempt, attributed(database=(TARGET, self.target.address)):
+                self._follow_all()
+                progress = self.target.read_progress(self.config.consumer.group)
         if progress is None:
             raise Stopped()
         return progress
@@ -281,26 +269,16 @@ class BatchApplier(PipelinedApply):
 
     def _apply_parts(self, parts: dict[str, list[Part]], targets: dict[str, ShapeTarget],
                      tables: dict[str, pa.Table], batch_id: int, started: float, read_s: float) -> None:
-        """Apply thread: every shape's part in one target transaction, then
-        the group's offsets (module docstring)."""
+        """Apply thread: every shape's part to the target, then the group's
+        offsets (module docstring)."""
         began = time.monotonic()
-        conn = self._connection()
-        followed: dict[str, ShapeTarget] = {}
-        with conn.transaction():
-            batches = []
-            for topic, topic_parts in parts.items():
-                if topic in self.held:
-                    continue
-                target = targets[topic]
-                if target is not self.states[topic].target:
-                    if not self._ensure(conn, topic, target):
-                        continue
-                    followed[topic] = target
-                batches.append((target, topic_parts))
-            result = apply_shapes(conn, self.config.consumer.group, batches,
-                                  on_offset_reset=OFFSET_RESET[self.config.consumer.on_data_loss])
-        for topic, target in followed.items():
-            self.states[topic].target = target
+        batches = [ShapeBatch(topic, targets[topic], topic_parts, follow=targets[topic] is not self.states[topic].target)
+                   for topic, topic_parts in parts.items() if topic not in self.held]
+        result = self.target.apply(self.config.consumer.group, batches,
+                                   on_offset_reset=OFFSET_RESET[self.config.consumer.on_data_loss], hold=self._hold)
+        for b in batches:
+            if b.follow and b.topic not in self.held:
+                self.states[b.topic].target = b.target
         self._applied(batch_id, result, tables, started, f"read {read_s:.2f}s, apply {time.monotonic() - began:.2f}s")
 
     def _applied(self, batch_id: int, result: BatchResult, tables: dict[str, pa.Table], started: float,
@@ -370,7 +348,7 @@ def start_query(spark, config: Config, kafka_conf: dict[str, Any], source_option
     """The query over every shape not ``held``, started at the target's
     progress, and its applier; (None, applier) when every shape is held."""
     states = shape_states(config, stop)
-    applier = BatchApplier(config, states, kafka_conf, held=held)
+    applier = BatchApplier(config, states, kafka_conf, open_target(config, spark), held=held)
     applier.tasks = spark.sparkContext.defaultParallelism
     progress = applier.target_progress(stop)  # the tables follow their shapes first (holding those that cannot)
     topics = applier.reading = applier.topics

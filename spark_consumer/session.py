@@ -40,7 +40,7 @@ import re
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Collection
+from typing import Collection, Mapping
 
 import pyspark
 from pyspark.sql import SparkSession
@@ -135,8 +135,11 @@ def _verbose() -> bool:
     return logging.getLogger("walbridge").isEnabledFor(logging.DEBUG)
 
 
-def spark_session(master: str | None = None, ui: bool = False) -> SparkSession:
-    """The session (see the module's docstring for whose settings apply)."""
+def spark_session(master: str | None = None, ui: bool = False, target_settings: Mapping[str, str] | None = None
+                  ) -> SparkSession:
+    """The session (see the module's docstring for whose settings apply);
+    ``target_settings``: what the target needs (Delta's SQL extension), set
+    where walbridge starts the driver and checked under spark-submit."""
     # Python workers run this interpreter unless spark.pyspark.python names
     # another (spark-submit exports that as PYSPARK_PYTHON).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -162,12 +165,20 @@ def spark_session(master: str | None = None, ui: bool = False) -> SparkSession:
             spark.stop()
             raise MissingJars(f"Spark's Kafka source is not on the classpath: start spark-submit with "
                               f"--packages {SPARK_PACKAGES}") from None
+        conf = spark.sparkContext.getConf()
+        missing = {k: v for k, v in (target_settings or {}).items() if v not in (conf.get(k) or "")}
+        if missing:
+            spark.stop()
+            raise MissingJars("the target needs " + " ".join(f"--conf {k}={v}" for k, v in missing.items())
+                              + " on spark-submit's command line")
     else:
         quiet = quiet_spark_logs(_verbose(), user_log4j=_conf_dir_has_log4j())
         master = local_master(master or "local[*]")
         jars = [str(j) for j in jvm_jars("spark")]
         builder = SparkSession.builder.appName(APP_NAME).master(master)
-        for key, value in own_driver_settings(master, quiet_log4j_uri() if quiet else None, jars, ui).items():
+        settings = {**own_driver_settings(master, quiet_log4j_uri() if quiet else None, jars, ui),
+                    **(target_settings or {})}
+        for key, value in settings.items():
             builder = builder.config(key, value)
         spark = builder.getOrCreate()
     if quiet:

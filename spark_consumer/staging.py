@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import datetime
 import zlib
-from collections import Counter, defaultdict
 from decimal import Decimal
-from operator import itemgetter
 from typing import Iterable, Mapping, Sequence
 
 import psycopg
@@ -32,7 +30,7 @@ from psycopg import sql
 from psycopg.adapt import Dumper
 from psycopg.pq import Format
 
-from spark_consumer.apply_plan import STAGE_EXTRA, ApplyPlan
+from spark_consumer.apply_plan import STAGE_EXTRA
 from spark_consumer.shape_record import ShapeTarget
 from spark_consumer.target_layout import APPLIED_AT, BOOKKEEPING_COLUMNS, table_ident
 
@@ -63,16 +61,6 @@ def temp_stage(conn: psycopg.Connection, target: ShapeTarget) -> sql.Identifier:
                     + stage_select(target))
         cur.execute(sql.SQL("DELETE FROM {}").format(ident))
     return ident
-
-
-def staged_kinds(plan: ApplyPlan) -> dict[int, Counter]:
-    """Per partition, the plan's staged rows by kind."""
-    n = len(plan.target.columns)
-    counts = Counter(map(itemgetter(n + 4, n), plan.stage_rows))  # (partition, kind)
-    out: dict[int, Counter] = defaultdict(Counter)
-    for (p, kind), c in counts.items():
-        out[p][kind] = c
-    return out
 
 
 def copy_rows(conn: psycopg.Connection, target: ShapeTarget, stage: sql.Composable, rows: Iterable[tuple],

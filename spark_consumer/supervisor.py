@@ -46,6 +46,7 @@ from schemas.retry import Outage, RetryPolicy
 from spark_consumer.query import BatchApplier, start_query
 from spark_consumer.session import spark_session
 from spark_consumer.shape_schemas import Stopped
+from spark_consumer.targets import target_spark_settings
 
 log = logging.getLogger("walbridge.consumer")
 
@@ -57,11 +58,14 @@ SPARK_DATA_LOSS = "KAFKA_DATA_LOSS"  # Spark's error class when failOnDataLoss f
 
 
 def reach_target(config: Config, stop: threading.Event | None = None) -> None:
-    """Connect to the target once before Spark starts: a refused password or
-    an unknown database ends the consumer in seconds, an unreachable target
-    is waited for."""
-    if not config.consumer.target_dsn:
-        raise ConfigError(["consumer.target_dsn: is required by the consumer (the database to apply to)"])
+    """Connect to a PostgreSQL target once before Spark starts: a refused
+    password or an unknown database ends the consumer in seconds, an
+    unreachable target is waited for."""
+    if not config.consumer.has_target:
+        raise ConfigError(['consumer.target_dsn: is required by the consumer (the database to apply to), unless '
+                           'target = "delta" names a target_path'])
+    if config.consumer.target_kind != "postgresql":
+        return
     for attempt in Outage(RetryPolicy.of(config.consumer), stop, log):
         with attempt, attributed(database=(TARGET, config.consumer.target_dsn)):
             psycopg.connect(config.consumer.target_dsn, connect_timeout=10).close()
@@ -88,7 +92,7 @@ def query_failure(config: Config, error: BaseException) -> Failure | None:
     """A failed query's error as a Failure of its endpoint: raised in the
     apply thread (an exception), or in a Spark task (recognised in its text);
     None when it is neither (counted against ``QUERY_RESTARTS``)."""
-    failure = classify(error, database=(TARGET, config.consumer.target_dsn), kafka=config.kafka.bootstrap_servers,
+    failure = classify(error, database=(TARGET, config.consumer.target_dsn or config.consumer.target_path), kafka=config.kafka.bootstrap_servers,
                        registry=config.kafka.schema_registry_url)
     return failure if failure is not None else classify_text(str(error))
 
@@ -111,7 +115,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
     if stop is not None and stop.is_set():
         return
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
-    spark = spark_session(master, ui)
+    spark = spark_session(master, ui, target_spark_settings(config))
     policy = RetryPolicy.of(config.consumer)
     held: dict[str, str] = {}
     failures: list[float] = []  # when each failure that was not an outage happened

@@ -12,7 +12,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from producer.pgoutput import lsn_to_int
 from schemas.config import parse_config
-from spark_consumer.query import TARGET_APP_NAME
+from spark_consumer.targets.postgresql import TARGET_APP_NAME
 from tests.helpers import data_records, make_config, read_topic
 from walbridge.embedded import find_pg_bin
 from walbridge.verify import verify

@@ -19,8 +19,11 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
+from urllib.parse import urlparse
 
 import psycopg
 from confluent_kafka import TopicCollection
@@ -68,8 +71,10 @@ def live_checks(config: Config) -> Checklist:
     _kafka(config, checks)
     if config.kafka.schema_registry_url:
         _registry(config, checks)
-    if config.consumer.target_dsn:
+    if config.consumer.target_kind == "postgresql":
         _target(config, checks)
+    elif config.consumer.target_kind == "delta":
+        _lake(config.consumer.target_path, checks)
     return checks
 
 
@@ -317,6 +322,22 @@ def _registry(config: Config, checks: Checklist) -> None:
 
 def _target(config: Config, checks: Checklist) -> None:
     _database(TARGET, config.consumer.target_dsn, checks, lambda conn: _target_catalog(config, conn, checks))
+
+
+def _lake(target_path: str, checks: Checklist) -> None:
+    """A local target_path must be a folder walbridge may write (or create);
+    a URI is Spark's Hadoop file systems' to reach, checked when the consumer starts."""
+    parsed = urlparse(target_path)
+    if parsed.scheme not in ("", "file"):
+        checks.add(TARGET, f"Delta tables under {target_path}", True, "a URI: reached through Spark's file systems "
+                   "when the consumer starts")
+        return
+    path = Path(parsed.path if parsed.scheme else target_path)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    ok = existing is not None and existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
+    checks.add(TARGET, f"Delta tables under {path}", ok,
+               ("exists, writable" if existing == path else f"will be created in {existing}") if ok
+               else f"{existing} is not a folder this user may write")
 
 
 def _target_catalog(config: Config, conn: psycopg.Connection, checks: Checklist) -> None:

@@ -195,7 +195,7 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
     servers still run (tests inspect them there). Without the Spark extra
     installed, a run that would start the consumer raises ``MissingExtra``
     before anything starts."""
-    if with_consumer and (config is None or config.consumer.target_dsn):
+    if with_consumer and (config is None or config.consumer.has_target):
         spark_job()
     console = console or Console()
     base_dir.mkdir(parents=True, exist_ok=True)
@@ -232,7 +232,7 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
             name="producer", daemon=True)
         producer.start()
         appliers: list = []
-        if with_consumer and config.consumer.target_dsn:
+        if with_consumer and config.consumer.has_target:
             consumer = threading.Thread(target=_guard(lambda: consumer_service(config, "local[*]", stop, appliers, ui=True),
                                                       "consumer", stop, failed), name="consumer", daemon=True)
             consumer.start()

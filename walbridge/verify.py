@@ -135,6 +135,9 @@ class _Side:
 
 
 def verify(config: Config, shapes: list[str] | None = None) -> list[ShapeDiff]:
+    if config.consumer.target_kind == "delta":
+        raise ConfigError(['consumer.target: verify compares PostgreSQL targets only; a "delta" target is not '
+                           "verified yet (read its tables with Spark or delta-rs)"])
     if not config.consumer.target_dsn:
         raise ConfigError(["consumer.target_dsn: is required to verify (the database the consumer applies to)"])
     out = []

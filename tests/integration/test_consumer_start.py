@@ -17,6 +17,7 @@ from schemas.failures import TARGET, Failure
 from schemas.retry import RetryPolicy
 from spark_consumer.query import BatchApplier
 from spark_consumer.shape_schemas import ShapeSource, Stopped, discover_schemas, wait_for_schemas
+from spark_consumer.targets import open_target
 from tests.helpers import make_config, wait_for
 from walbridge.embedded import free_port
 
@@ -25,7 +26,7 @@ def applier(target_dsn: str, tmp_path, **consumer) -> BatchApplier:
     cfg = parse_config(make_config("postgresql://unused@127.0.0.1:1/x", "127.0.0.1:1", "wb", [{"table": "app.items"}],
                                    consumer={"group": "g-start", "target_dsn": target_dsn,
                                              "checkpoint_dir": str(tmp_path / "ck"), **consumer}))
-    return BatchApplier(cfg, {}, {"bootstrap.servers": "127.0.0.1:1"})
+    return BatchApplier(cfg, {}, {"bootstrap.servers": "127.0.0.1:1"}, open_target(cfg, spark=None))
 
 
 def test_a_start_waits_for_an_unreachable_target_then_gives_up_after_max_elapsed(tmp_path, caplog):

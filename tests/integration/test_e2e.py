@@ -14,8 +14,8 @@ import psycopg
 import pytest
 from prometheus_client import REGISTRY
 
-from spark_consumer import query
 from spark_consumer.session import SPARK_PACKAGES
+from spark_consumer.targets import postgresql as pg_target
 from tests.helpers import ConsumerProcess, ConsumerThread, ProducerThread, make_config, wait_for, write_toml
 from tests.pipeline import (
     SHAPES,
@@ -66,7 +66,7 @@ def test_a_failed_apply_restarts_the_query_at_the_targets_progress(source_db, ta
     cfg["shapes"] = [s for s in SHAPES if s["table"] == "public.pgbench_accounts" and "name" not in s]
     cfg["consumer"]["max_offsets_per_trigger"] = 20000
     calls = []
-    real_apply = query.apply_shapes
+    real_apply = pg_target.apply_shapes
 
     def faulty_third_apply(conn, group, batches, **kwargs):
         calls.append(1)
@@ -76,7 +76,7 @@ def test_a_failed_apply_restarts_the_query_at_the_targets_progress(source_db, ta
             batches = [(t, parts[1:]) for t, parts in batches]  # as if one partition's part was never read
         return real_apply(conn, group, batches, **kwargs)
 
-    monkeypatch.setattr(query, "apply_shapes", faulty_third_apply)
+    monkeypatch.setattr(pg_target, "apply_shapes", faulty_third_apply)
     caplog.set_level("INFO", logger="walbridge.consumer")
     with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
         ok = wait_for(lambda: verify_ok(cfg)[0] or consumer.errors, timeout=240, interval=2,

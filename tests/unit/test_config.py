@@ -58,6 +58,10 @@ BAD = [
     (with_("ack.interval", 0), "ack.interval: Input should be greater than 0"),
     (with_("metrics.port", 70000), "metrics.port: Input should be less than or equal to 65535"),
     (with_("consumer.target_dsn", "warehouse"), "consumer.target_dsn: is not a valid PostgreSQL connection"),
+    (with_("consumer.target", "delta"), 'consumer: target = "delta" needs target_path'),
+    (with_("consumer.target", "postgresql"), 'consumer: target = "postgresql" needs target_dsn'),
+    (with_("consumer.target", "iceberg"), "consumer.target: Input should be 'postgresql' or 'delta'"),
+    (with_("consumer.target_path", "/lake"), 'consumer: target_path: is given without target = "delta"'),
 ]
 
 
@@ -75,6 +79,13 @@ def test_good_config_defaults():
     assert parse_config(with_("ack.consumer_groups", [])).ack_groups == []
     assert parse_config(with_("shapes.0.table", "orders")).shapes[0].table == "public.orders"
     assert parse_config(with_("shapes.0.table", 'app."Order Items"')).shapes[0].table_name == "Order Items"
+
+
+def test_the_target_is_named_or_implied_by_target_dsn():
+    assert parse_config(GOOD).consumer.target_kind is None
+    assert parse_config(with_("consumer.target_dsn", "postgresql://w/x")).consumer.target_kind == "postgresql"
+    lake = parse_config(with_("consumer", {"target": "delta", "target_path": "/lake"})).consumer
+    assert lake.target_kind == "delta" and lake.has_target and lake.target_path == "/lake"
 
 
 def test_errors_never_show_secrets():

@@ -21,6 +21,7 @@ from spark_consumer.query import BatchApplier
 from spark_consumer.session import local_master
 from spark_consumer.source import StartPlan
 from spark_consumer.supervisor import headline
+from spark_consumer.targets import open_target
 from tests.helpers import make_config
 
 TOPIC = "wb.app.items"
@@ -53,7 +54,8 @@ class SlowBatch:
 
 
 def _applier(plan: StartPlan | None = None) -> BatchApplier:
-    return BatchApplier(config(), {}, {"bootstrap.servers": "127.0.0.1:1"}, plan)
+    cfg = config()
+    return BatchApplier(cfg, {}, {"bootstrap.servers": "127.0.0.1:1"}, open_target(cfg, spark=None), plan)
 
 
 def test_an_idle_applier_can_be_stopped_and_refuses_further_batches_unread():

@@ -1,0 +1,140 @@
+"""Lakehouse apply benchmark: the Delta target's apply of decoded change rows
+against a plain Spark ``MERGE`` of the same rows into the same format, in one
+run on one Spark session.
+
+    .venv/bin/python bench/lakehouse.py [--keys 100000] [--batch 50000] [--rounds 3]
+
+- The rows: ``--keys`` inserts, then ``--rounds - 1`` rounds of an update of
+  every key (one change per key per round), as the decoder hands them to the
+  apply (tuples in its column order, positions increasing), in micro-batches
+  of ``--batch`` rows.
+- walbridge: :class:`spark_consumer.targets.delta.DeltaTarget` applies each
+  micro-batch (plan, tombstones, one MERGE with the progress in its commit).
+- reference: each micro-batch's rows as a DataFrame (from Arrow made before
+  the clock starts: the same Arrow the stage is built from) and ``MERGE INTO t USING s ON key WHEN
+  MATCHED THEN UPDATE SET * WHEN NOT MATCHED THEN INSERT *`` into a fresh
+  Delta table: what a hand-written Debezium → Spark → Delta job runs.
+- Ratio = reference time / walbridge time (1.0: as fast as the plain MERGE).
+  Both run twice in alternation; the faster run of each counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pyspark.sql import SparkSession  # noqa: E402
+
+from schemas.jvm import jvm_jars  # noqa: E402
+from spark_consumer.apply_plan import plan_batch  # noqa: E402
+from spark_consumer.batch import Part  # noqa: E402
+from spark_consumer.targets.base import ShapeBatch  # noqa: E402
+from spark_consumer.targets.delta import (  # noqa: E402
+    SNAPSHOT_PARTITIONS,
+    SPARK_SETTINGS,
+    DeltaTarget,
+    ddl_columns,
+    shape_fields,
+    stage_table,
+)
+from tests.unit.test_apply_plan import as_tuples, keyed_target, row  # noqa: E402
+
+TOPIC = "wb.public.items"
+
+
+def batches(keys: int, rounds: int, size: int):
+    """Micro-batches of decoded rows: (fields, rows) per batch, offsets running on."""
+    target = keyed_target()
+    out, rows, offset = [], [], 0
+    for r in range(rounds):
+        for k in range(1, keys + 1):
+            rows.append(row("c" if r == 0 else "u", 1000 + offset, off=offset, id=k, body=f"row {k} round {r}",
+                            n=None, d=None))
+            offset += 1
+            if len(rows) == size:
+                out.append(as_tuples(target, rows))
+                rows = []
+    if rows:
+        out.append(as_tuples(target, rows))
+    return target, out
+
+
+def run_walbridge(spark, root: str, target, data) -> float:
+    shutil.rmtree(root, ignore_errors=True)
+    lake = DeltaTarget(spark, root)
+    lake.follow(TOPIC, target)
+    lake.read_progress("bench")
+    t0 = time.monotonic()
+    for fields, rows in data:
+        offsets = [r[fields.index("_wb_offset")] for r in rows]
+        part = Part(TOPIC, 0, min(offsets), max(offsets) + 1, rows, fields)
+        lake.apply("bench", [ShapeBatch(TOPIC, target, [part])], on_offset_reset="raise",
+                   hold=lambda t, why: (_ for _ in ()).throw(RuntimeError(why)))
+    return time.monotonic() - t0
+
+
+def run_plain(spark, root: str, target, tables) -> float:
+    shutil.rmtree(root, ignore_errors=True)
+    path = f"{root}/plain"
+    cols = ", ".join(f"`{c}`" for c in target.names)
+    t0 = time.monotonic()
+    first = True
+    for table in tables:
+        df = spark.createDataFrame(table)
+        if first:  # column mapping: the bench's shape has a column named "body text", as the target makes it
+            spark.sql(f"CREATE TABLE delta.`{path}` ({ddl_columns(shape_fields(target))}) USING delta "
+                      "TBLPROPERTIES ('delta.columnMapping.mode' = 'name')")
+            first = False
+        df.createOrReplaceTempView("plain_stage")
+        spark.sql(f"MERGE INTO delta.`{path}` t USING (SELECT {cols} FROM plain_stage) s ON t.id = s.id "
+                  "WHEN MATCHED THEN UPDATE SET * WHEN NOT MATCHED THEN INSERT *").collect()
+    return time.monotonic() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--keys", type=int, default=100_000)
+    ap.add_argument("--batch", type=int, default=50_000)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = (SparkSession.builder.master("local[2]").config("spark.jars", ",".join(map(str, jvm_jars("spark"))))
+               .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
+               .config("spark.sql.session.timeZone", "UTC").config("spark.ui.showConsoleProgress", "false"))
+    for k, v in SPARK_SETTINGS.items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    # The reference gets the Delta setting the target gives its own session.
+    spark.conf.set(SNAPSHOT_PARTITIONS, str(spark.sparkContext.defaultParallelism))
+    target, data = batches(args.keys, args.rounds, args.batch)
+    rows = sum(len(r) for _, r in data)
+    # The reference's input, made before it is timed: the rows as Arrow, one per
+    # key (the same Arrow the walbridge stage is built from, less the bookkeeping).
+    tables = [stage_table(target, plan_batch(target, r, fields=f)).select(list(target.names)) for f, r in data]
+    work = tempfile.mkdtemp(prefix="wb-lakehouse-")
+    try:
+        wb, plain = [], []
+        for _ in range(2):
+            plain.append(run_plain(spark, f"{work}/plain", target, tables))
+            wb.append(run_walbridge(spark, f"{work}/walbridge", target, data))
+        best_wb, best_plain = min(wb), min(plain)
+        print(f"rows {rows} in {len(data)} micro-batches of {args.batch}")
+        print(f"plain Spark MERGE: {rows / best_plain:,.0f} rows/s (runs {', '.join(f'{t:.1f}s' for t in plain)})")
+        print(f"walbridge Delta:   {rows / best_wb:,.0f} rows/s (runs {', '.join(f'{t:.1f}s' for t in wb)})")
+        print(f"ratio (plain time / walbridge time): {best_plain / best_wb:.2f}")
+    finally:
+        spark.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

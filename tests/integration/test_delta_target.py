@@ -1,0 +1,228 @@
+"""The Delta Lake target end to end on real parts: PostgreSQL → producer →
+Apache Kafka → the Spark consumer's MERGEs → Delta tables, read back with
+an independent reader (delta-rs, ``deltalake``) and compared with the source
+row by row."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+from decimal import Decimal
+from pathlib import Path
+
+import psycopg
+import pyarrow as pa
+from confluent_kafka import Consumer, TopicPartition
+from deltalake import DeltaTable, QueryBuilder
+
+from tests.helpers import ConsumerProcess, ConsumerThread, ProducerThread, make_config, wait_for, write_toml
+from tests.pipeline import caught_up, pgbench, prepare_source
+
+SHAPES = [
+    {"table": "public.pgbench_accounts"},
+    {"table": "public.pgbench_branches"},
+    {"table": "public.pgbench_tellers"},
+    {"table": "public.pgbench_accounts", "name": "accounts_b1_positive", "where": "bid = 1 AND abalance > 0",
+     "columns": ["aid", "bid", "abalance"]},
+]
+# shape -> (source query, key): what the shape's Delta table must equal
+SOURCE = {
+    "public.pgbench_accounts": ("SELECT aid, bid, abalance, filler FROM pgbench_accounts", "aid"),
+    "public.pgbench_branches": ("SELECT bid, bbalance, filler FROM pgbench_branches", "bid"),
+    "public.pgbench_tellers": ("SELECT tid, bid, tbalance, filler FROM pgbench_tellers", "tid"),
+    "accounts_b1_positive": ("SELECT aid, bid, abalance FROM pgbench_accounts WHERE bid = 1 AND abalance > 0",
+                             "aid"),
+}
+
+
+def delta_rows(path: str, columns: list[str], key: str) -> list[tuple] | None:
+    """The table's rows as delta-rs reads them (its DataFusion reader, which
+    follows column mapping), sorted by key; None while there is no table."""
+    try:
+        table = DeltaTable(path)
+    except Exception:  # noqa: BLE001 - delta-rs's TableNotFoundError: not created yet
+        return None
+    cols = ", ".join(f'"{c}"' for c in columns)
+    data = pa.table(QueryBuilder().register("t", table).execute(f'SELECT {cols} FROM t ORDER BY "{key}"').read_all())
+    return [tuple(r.values()) for r in data.to_pylist()]
+
+
+def source_rows(dsn: str, query: str, key: str) -> tuple[list[str], list[tuple]]:
+    with psycopg.connect(dsn) as conn, conn.cursor() as cur:
+        cur.execute(f"{query} ORDER BY {key}")
+        return [d.name for d in cur.description], cur.fetchall()
+
+
+def topic_ends(bootstrap: str, topic: str) -> dict[int, int]:
+    """Each partition's end offset."""
+    client = Consumer({"bootstrap.servers": bootstrap, "group.id": "wb-test-ends"})
+    try:
+        parts = client.list_topics(topic, timeout=10).topics[topic].partitions
+        return {p: client.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts}
+    finally:
+        client.close()
+
+
+def hashable(value):
+    """A row with its lists as tuples (a set of rows can hold it)."""
+    return tuple(map(hashable, value)) if isinstance(value, (list, tuple)) else value
+
+
+def lake_differences(cfg: dict, shapes: dict = SOURCE) -> list[str]:
+    """Per shape whose Delta table differs from the source: how."""
+    out = []
+    for shape, (query, key) in shapes.items():
+        columns, want = source_rows(cfg["source"]["dsn"], query, key)
+        got = delta_rows(f"{cfg['consumer']['target_path']}/{shape}", columns, key)
+        if got is None:
+            out.append(f"{shape}: no Delta table yet")
+        elif got != want:
+            have, wanted = set(map(hashable, got)), set(map(hashable, want))
+            out.append(f"{shape}: {len(got)} rows in Delta, {len(want)} at the source; missing "
+                       f"{sorted(wanted - have)[:3]}, extra {sorted(have - wanted)[:3]}")
+    return out
+
+
+def lake_config(source_db, bootstrap, prefix, tmp_path, shapes=SHAPES) -> dict:
+    group = f"{prefix}-delta"
+    return make_config(source_db, bootstrap, prefix, shapes,
+                       consumer={"group": group, "target": "delta", "target_path": str(tmp_path / "lake"),
+                                 "checkpoint_dir": str(tmp_path / "checkpoints")},
+                       ack={"consumer_groups": [group], "interval": 0.5})
+
+
+def test_pgbench_into_delta_equals_the_source_read_by_delta_rs(source_db, kafka_broker, topic_prefix, tmp_path):
+    """Snapshot, then pgbench's updates and a delete, merged into Delta: each
+    shape's table (the filtered, column-limited one too) equals the source,
+    each commit carries the shape's progress, and the slot is confirmed."""
+    prepare_source(source_db)
+    cfg = lake_config(source_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
+    with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
+        pgbench(source_db, "-n", "-c", "2", "-T", "8")
+        with psycopg.connect(source_db, autocommit=True) as conn:
+            conn.execute("DELETE FROM pgbench_accounts WHERE aid IN (SELECT aid FROM pgbench_accounts"
+                         " WHERE bid = 1 AND abalance > 0 LIMIT 3)")
+            conn.execute("UPDATE pgbench_accounts SET abalance = 7 WHERE aid = 2")
+        wait_for(lambda: not lake_differences(cfg) or consumer.errors, timeout=300, interval=3,
+                 what="Delta tables == source", explain=lambda: "\n".join(lake_differences(cfg)))
+        assert not consumer.errors, [str(e) for e in consumer.errors]
+        assert lake_differences(cfg) == []
+        wait_for(lambda: caught_up(cfg), timeout=60, what="confirmed_flush_lsn at the last commit")
+    # Every batch committed its progress, to the end of each topic (a MERGE
+    # that changed no row too).
+    for shape in SOURCE:
+        history = DeltaTable(f"{tmp_path}/lake/{shape}").history()
+        merges = [h for h in history if h.get("operation") == "MERGE"]
+        assert merges and all('"walbridge"' in (h.get("userMetadata") or "") for h in merges)
+        newest = json.loads(merges[0]["userMetadata"])["walbridge"]
+        ends = topic_ends(kafka_broker.bootstrap, newest["topic"])
+        assert {int(p): v[0] for p, v in newest["partitions"].items()} == {p: e for p, e in ends.items() if e}
+
+
+def test_types_and_a_restart_apply_each_change_once(source_db, kafka_broker, topic_prefix, tmp_path):
+    """Decimal, timestamp, date, bytea, array and text columns (a name with a
+    space: column mapping) round-trip into Delta; after a consumer restart the
+    table still equals the source (replays skipped by the commit's progress)."""
+    with psycopg.connect(source_db, autocommit=True) as conn:
+        conn.execute('CREATE TABLE items (id int PRIMARY KEY, "body text" text, n numeric(10,2), d date,'
+                     " at timestamptz, raw bytea, tags int[])")
+        conn.execute("INSERT INTO items SELECT g, 'row ' || g, g / 4.0, date '2026-01-01' + g,"
+                     " timestamptz '2026-01-01 00:00:00+00' + g * interval '1 minute', decode('beef', 'hex'),"
+                     " ARRAY[g, g + 1] FROM generate_series(1, 50) g")
+    shapes = [{"table": "public.items"}]
+    cfg = lake_config(source_db, kafka_broker.bootstrap, topic_prefix, tmp_path, shapes)
+    query = ('SELECT id, "body text", n, d, at, raw, tags FROM items', "id")
+    with ProducerThread(cfg):
+        with ConsumerThread(cfg) as consumer:
+            wait_for(lambda: not lake_differences(cfg, {"public.items": query}) or consumer.errors, timeout=240,
+                     interval=2, what="items in Delta", explain=lambda: "\n".join(lake_differences(
+                         cfg, {"public.items": query})))
+            assert not consumer.errors
+        with psycopg.connect(source_db, autocommit=True) as conn:
+            conn.execute("UPDATE items SET \"body text\" = 'changed', n = 99.99 WHERE id <= 10")
+            conn.execute("DELETE FROM items WHERE id > 40")
+            conn.execute("INSERT INTO items VALUES (100, 'new', 1.25, '2026-02-03', '2026-02-03 04:05:06+00',"
+                         " 'x', '{7}')")
+        with ConsumerThread(cfg) as consumer:
+            wait_for(lambda: not lake_differences(cfg, {"public.items": query}) or consumer.errors, timeout=240,
+                     interval=2, what="items in Delta after the restart",
+                     explain=lambda: "\n".join(lake_differences(cfg, {"public.items": query})))
+            assert not consumer.errors
+    row = delta_rows(f"{tmp_path}/lake/public.items", ["id", "body text", "n", "d", "at", "raw", "tags"], "id")[-1]
+    assert row == (100, "new", Decimal("1.25"), datetime.date(2026, 2, 3),
+                   datetime.datetime(2026, 2, 3, 4, 5, 6, tzinfo=datetime.timezone.utc), b"x", [7])
+
+
+def newest_commit(table: Path) -> float:
+    """When the table's newest commit was written (0: none yet)."""
+    try:
+        return max((f.stat().st_mtime for f in (table / "_delta_log").glob("*.json")), default=0.0)
+    except OSError:  # a file replaced while listed
+        return 0.0
+
+
+def writing_uncommitted(table: Path) -> bool:
+    """Is a MERGE between writing its data files and committing them?"""
+    newest = newest_commit(table)
+    try:
+        return newest > 0 and any(f.stat().st_mtime > newest for f in table.glob("*.parquet"))
+    except OSError:
+        return False
+
+
+def delete_accounts(dsn: str, done: threading.Event) -> None:
+    """Delete a few accounts every 0.2 s until ``done``."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not done.wait(0.2):
+            conn.execute("DELETE FROM pgbench_accounts WHERE aid IN (SELECT aid FROM pgbench_accounts"
+                         " ORDER BY random() LIMIT 5)")
+
+
+def test_consumer_kill9_mid_merge_and_between_commits_applies_each_change_once(source_db, kafka_broker, topic_prefix,
+                                                                             tmp_path):
+    """``kill -9`` of the driver (and its JVM) under pgbench: once while a
+    MERGE has written data files and not committed them, once between a
+    batch's tombstone commit and its table's. The tables end equal to the
+    source (a key applied twice would be two rows), and each start began at
+    the tables' own progress."""
+    prepare_source(source_db)
+    cfg = lake_config(source_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
+    cfg["consumer"]["max_offsets_per_trigger"] = 20000
+    path = write_toml(cfg, tmp_path / "wb.toml")
+    log = tmp_path / "consumer.log"
+    lake = tmp_path / "lake"
+    accounts = lake / "public.pgbench_accounts"
+    accounts_tombstones = lake / "_walbridge" / "tombstones" / "public.pgbench_accounts"
+    load_done = threading.Event()
+
+    def load():  # at a rate the MERGEs of a loaded 2-core machine keep up with, and deletes
+        deleter = threading.Thread(target=delete_accounts, args=(source_db, load_done), daemon=True)
+        deleter.start()
+        pgbench(source_db, "-n", "-c", "2", "-R", "40", "-T", "25")
+        load_done.set()
+        deleter.join()
+
+    moments = [("a MERGE's files written, not committed", lambda: writing_uncommitted(accounts)),
+               ("tombstones committed, the table not yet",
+                lambda: newest_commit(accounts_tombstones) > newest_commit(accounts) > 0)]
+    with ProducerThread(cfg):
+        consumer = ConsumerProcess(path, log).start()
+        try:
+            wait_for(lambda: newest_commit(accounts) > 0, timeout=240, what="the consumer merging")
+            threading.Thread(target=load, daemon=True).start()
+            for starts, (what, moment) in enumerate(moments, 1):
+                wait_for(lambda: log.read_text().count("from the target's progress") >= starts, timeout=180,
+                         what=f"start {starts} reading from the tables' progress")
+                wait_for(moment, timeout=180, interval=0.01, what=what)
+                consumer.kill9()
+                consumer = ConsumerProcess(path, log).start()
+            load_done.wait(120)
+            wait_for(lambda: not lake_differences(cfg) or consumer.proc.poll() is not None, timeout=300, interval=3,
+                     what="Delta tables == source", explain=lambda: "\n".join(lake_differences(cfg)))
+            assert consumer.proc.poll() is None, log.read_text()[-3000:]
+            assert lake_differences(cfg) == []
+            wait_for(lambda: caught_up(cfg), timeout=60, what="slot at the last commit")
+        finally:
+            consumer.stop()
+    assert log.read_text().count("from the target's progress") >= 3

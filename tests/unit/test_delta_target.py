@@ -1,0 +1,83 @@
+"""The Delta target's pure parts: the progress a commit carries, the stage's
+Arrow layout, what a cut or a completed backfill removes. (Its MERGEs run on
+real Spark and Delta in tests/integration/test_delta_target.py.)"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from decimal import Decimal
+
+import pytest
+from pyspark.sql.types import DoubleType, StructField
+
+from spark_consumer.apply_plan import plan_batch
+from spark_consumer.progress import Progress
+from spark_consumer.target_layout import ShapeCannotFollow
+from spark_consumer.targets.delta import (
+    STAGE_HEAD,
+    gc_condition,
+    needs_mapping,
+    progress_metadata,
+    read_metadata,
+    special_values,
+    stage_table,
+    table_merge,
+    tombstones_merge,
+)
+from tests.unit.test_apply_plan import keyed_target, row
+from walbridge.check import FAILED, Checklist, _lake, render_checks
+
+
+def test_a_commits_progress_reads_back_for_its_group_only():
+    progress = {0: Progress(12, (100, 2), None, "id-a"), 2: Progress(5, None, (90, 0), None)}
+    text = progress_metadata("g1", "wb.public.items", progress, {"b1": [80, 3, [0]]})
+    assert read_metadata(text, "g1") == ("wb.public.items", progress, {"b1": [80, 3, [0]]})
+    assert read_metadata(text, "g2") is None
+    assert read_metadata("written by someone else", "g1") is None
+    assert read_metadata(None, "g1") is None
+
+
+def test_the_stage_is_typed_by_the_shapes_columns_then_the_bookkeeping():
+    target = keyed_target()
+    plan = plan_batch(target, [row("c", 10, off=0, id=1, body="a", n=Decimal("1.50"), d=datetime.date(2026, 1, 2)),
+                               row("d", 11, off=1, id=2)])
+    table = stage_table(target, plan)
+    assert table.column_names[:4] == ["id", "body text", "n", "d"]
+    assert table.column_names[4:6] == [f.name for f in STAGE_HEAD]
+    assert str(table.schema.field("n").type) == "decimal128(10, 2)"
+    by_id = {r["id"]: r for r in table.to_pylist()}
+    assert by_id[1]["n"] == Decimal("1.50") and by_id[1]["_wb_kind"] == "u" and by_id[2]["_wb_kind"] == "d"
+
+
+def test_special_values_become_floats_or_hold_the_shape():
+    target = keyed_target()
+    plan = plan_batch(target, [row("c", 10, off=0, id=1, special={"d": "infinity"})])
+    with pytest.raises(ShapeCannotFollow, match="'infinity'.*date"):
+        stage_table(target, plan)
+    floats = special_values(StructField("x", DoubleType()), ["NaN", "-Infinity", 1.0])
+    assert math.isnan(floats[0]) and floats[1:] == [float("-inf"), 1.0]
+
+
+def test_a_cut_removes_its_partitions_rows_below_it_and_a_completed_backfill_everything_below_its_start():
+    assert gc_condition({}, [], "t") is None
+    cond = gc_condition({1: (50, 3)}, [40], "t")
+    assert "t._wb_partition = 1" in cond and "50L" in cond and "'o', 3L" in cond and "40L" in cond
+    merge = table_merge(keyed_target(), "/lake/t", "/lake/_walbridge/tombstones/t", "stage", ["n"], {1: (50, 3)})
+    assert "WHEN NOT MATCHED BY SOURCE AND" in merge and "array_contains(s._wb_keep, 'n')" in merge
+    tombstones = tombstones_merge(keyed_target(), "/lake/_walbridge/tombstones/t", "stage", {1: (50, 3)})
+    assert "d._wb_partition = 1" in tombstones and "t._wb" not in tombstones
+
+
+def test_only_names_delta_cannot_hold_plainly_need_column_mapping():
+    assert needs_mapping("body text") and needs_mapping("a,b") and not needs_mapping("abalance")
+
+
+def test_check_config_says_whether_the_lake_folder_can_be_written(tmp_path):
+    checks = Checklist()
+    _lake(str(tmp_path / "lake" / "cdc"), checks)
+    (tmp_path / "file").write_text("")
+    _lake(str(tmp_path / "file" / "cdc"), checks)
+    _lake("s3a://bucket/cdc", checks)
+    assert [c.state == FAILED for c in checks] == [False, True, False]
+    assert f"will be created in {tmp_path}" in render_checks(checks)
