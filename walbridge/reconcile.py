@@ -26,10 +26,15 @@ from schemas.config import Config
 from schemas.kafka import client_config
 from spark_consumer.progress import read_backfills
 from walbridge.verify import ShapeDiff, verify
+from walbridge.verify_lake import lake_table, newest_record
 
 
-def consumer_completed(config: Config, backfill_id: str) -> bool:
+def consumer_completed(config: Config, backfill_id: str, shape: str) -> bool:
     """Has the consumer group applied ``backfill_end`` of ``backfill_id`` on every partition?"""
+    if config.consumer.target_kind == "delta":
+        shape_config = next(s for s in config.shapes if s.shape_name == shape)
+        record = newest_record(lake_table(config.consumer.target_path, shape_config), config.consumer.group)
+        return record is not None and record.complete(backfill_id)
     with connect(config.consumer.target_dsn) as conn:
         return any(b["backfill_id"] == backfill_id and b["completed_at"] is not None
                    for b in read_backfills(conn, config.consumer.group))
@@ -52,13 +57,14 @@ def wait_for(config: Config, request_ids: list[str], timeout: float = 1800.0,
             state = record["state"]
             if state == "failed":
                 raise RuntimeError(f"backfill {rid} of shape {record.get('shape')} failed: {record.get('error')}")
-            if state == "done" and config.consumer.target_dsn:
-                state = "applied" if consumer_completed(config, record["backfill_id"]) else "done, applying"
+            if state == "done" and config.consumer.has_target:
+                state = "applied" if consumer_completed(config, record["backfill_id"], record["shape"]) \
+                    else "done, applying"
             if last_said.get(rid) != state:
                 extra = f" ({record.get('rows')} rows)" if record.get("rows") is not None else ""
                 on_progress(f"backfill {rid} of shape {record.get('shape')}: {state}{extra}")
                 last_said[rid] = state
-            if state not in ("applied", "done") or (state == "done" and config.consumer.target_dsn):
+            if state not in ("applied", "done") or (state == "done" and config.consumer.has_target):
                 pending.append(rid)
         if not pending:
             return {rid: states[rid] for rid in request_ids}
@@ -84,8 +90,9 @@ def reconcile(config: Config, shapes: list[str] | None = None, wait: bool = True
             # A keyless shape is a multiset without keys to order by: a scoped
             # backfill could not tell a late streamed append from its own copy,
             # so it is backfilled whole (the consumer then drops what is older).
+            # A Delta target is backfilled whole too (it compares no buckets).
             scope = ({"columns": d.bucket_columns, "bucket_count": d.buckets, "buckets": d.differing}
-                     if d.keyed else None)
+                     if d.keyed and d.buckets else None)
             rid = request_backfill(config, d.shape, scope, reason="reconcile")
             on_progress(f"{d.shape}: {d.differing_buckets} of {d.buckets} key buckets differ "
                         f"({len(d.missing)} missing, {len(d.extra)} extra, {len(d.changed)} changed rows); "

@@ -1,5 +1,6 @@
 """``walbridge verify``: does each shape's target table equal
-``SELECT <columns> FROM <table> WHERE <filter>`` at the source?
+``SELECT <columns> FROM <table> WHERE <filter>`` at the source? (A Delta
+target: :mod:`walbridge.verify_lake`; below, a PostgreSQL one.)
 
 Method (the self-correcting sink's eye, seed 004): compare counts, then a hash
 per key bucket, then — only inside buckets that differ — the keys themselves.
@@ -23,7 +24,6 @@ Invariants:
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
 import psycopg
 from psycopg import sql
@@ -33,31 +33,11 @@ from producer.replication import connect
 from schemas import buckets, wire
 from schemas.config import Config, ConfigError, ShapeConfig
 from schemas.failures import SOURCE, TARGET, attributed
+from walbridge.shape_diff import ShapeDiff
+from walbridge.verify_lake import verify_lake_shape
 
 MAX_KEYS_SHOWN = 20
-
-
-@dataclass
-class ShapeDiff:
-    shape: str
-    source_table: str
-    target_table: str
-    source_rows: int = 0
-    target_rows: int = 0
-    buckets: int = 0
-    differing_buckets: int = 0
-    keyed: bool = True
-    bucket_columns: list = field(default_factory=list)  # what a bucket hashes (schemas.buckets)
-    differing: list = field(default_factory=list)  # the differing bucket numbers
-    missing: list = field(default_factory=list)  # keys at the source, not in the target
-    extra: list = field(default_factory=list)  # keys in the target, not at the source
-    changed: list = field(default_factory=list)  # keys whose rows differ
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and not (self.missing or self.extra or self.changed) \
-            and self.source_rows == self.target_rows and self.differing_buckets == 0
+__all__ = ["ShapeDiff", "as_json", "verify", "verify_shape"]
 
 
 def _select(schema: str, table: str, columns: list[str], where: str | None) -> sql.Composable:
@@ -135,29 +115,30 @@ class _Side:
 
 
 def verify(config: Config, shapes: list[str] | None = None) -> list[ShapeDiff]:
-    if config.consumer.target_kind == "delta":
-        raise ConfigError(['consumer.target: verify compares PostgreSQL targets only; a "delta" target is not '
-                           "verified yet (read its tables with Spark or delta-rs)"])
-    if not config.consumer.target_dsn:
-        raise ConfigError(["consumer.target_dsn: is required to verify (the database the consumer applies to)"])
+    """Each configured shape (or those named) compared with its target table."""
+    kind = config.consumer.target_kind
+    if kind is None:
+        raise ConfigError(["consumer.target_dsn: is required to verify (the database the consumer applies to), "
+                           'unless target = "delta" names a target_path'])
     out = []
     source = _Side(SOURCE, config.source.dsn)
+    target = _Side(TARGET, config.consumer.target_dsn) if kind == "postgresql" else None
     try:
-        target = _Side(TARGET, config.consumer.target_dsn)
-        try:
-            for shape in config.shapes:
-                if shapes and shape.shape_name not in shapes:
-                    continue
-                info = table_info(source, shape.schema_name, shape.table_name)
-                if info is None:
-                    out.append(ShapeDiff(shape.shape_name, shape.table, "-", error=f"source table {shape.table} "
-                                         "does not exist"))
-                    continue
+        for shape in config.shapes:
+            if shapes and shape.shape_name not in shapes:
+                continue
+            info = table_info(source, shape.schema_name, shape.table_name)
+            if info is None:
+                out.append(ShapeDiff(shape.shape_name, shape.table, "-", error=f"source table {shape.table} "
+                                     "does not exist"))
+            elif target is None:
+                out.append(verify_lake_shape(source, config.consumer.target_path, shape, info))
+            else:
                 out.append(verify_shape(source, target, shape, info))
-        finally:
-            target.conn.close()
     finally:
         source.conn.close()
+        if target is not None:
+            target.conn.close()
     return out
 
 

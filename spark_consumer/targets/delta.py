@@ -15,11 +15,9 @@ Layout
   position, partition and offset of its delete (keyed shapes), so that an
   older change of a deleted key (a backfill row, a replay) never brings it back.
 - The progress of the shape's topic: the ``userMetadata`` of the table's
-  commits (:func:`progress_metadata`), ``{"walbridge": {"group", "topic",
-  "partitions": {p: [next_offset, applied_lsn, applied_op_index, floor_lsn,
-  floor_op_index, topic_id]}, "backfills": {id: [start_lsn, partitions,
-  [partitions done]]}}}``; the newest commit that carries the group's is the
-  record (:meth:`DeltaTarget.read_progress`).
+  commits (:class:`spark_consumer.lake_progress.LakeProgress`); the
+  newest commit that carries the group's is the record
+  (:meth:`DeltaTarget.read_progress`).
 
 The path of one shape's batch, top to bottom:
 1. Refuse a gap, skip what progress covers, plan the rest
@@ -84,6 +82,7 @@ from spark_consumer.batch import (
     unapplied_rows,
 )
 from spark_consumer.decode import column_type
+from spark_consumer.lake_progress import LakeProgress, backfill_ends_applied
 from spark_consumer.progress import Progress
 from spark_consumer.shape_record import ShapeTarget
 from spark_consumer.target_layout import ShapeCannotFollow
@@ -99,7 +98,6 @@ SPARK_SETTINGS = {
 USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"  # the next commit's userMetadata
 SNAPSHOT_PARTITIONS = "spark.databricks.delta.snapshotPartitions"
 SKIP_EMPTY_COMMITS = "spark.databricks.delta.skipRecordingEmptyCommits"  # true by default: no commit, no progress
-METADATA_KEY = "walbridge"
 KEY_PROPERTY = "walbridge.key"  # table property: the shape's key columns (a JSON list) when the table was made
 TOMBSTONES_DIR = "_walbridge/tombstones"
 HISTORY_LOOKBACK = 100  # commits read back for the progress before the whole history
@@ -128,31 +126,6 @@ def needs_mapping(name: str) -> bool:
 def shape_fields(target: ShapeTarget) -> list[StructField]:
     """The shape's columns as Spark fields (the decoder's types)."""
     return [StructField(c.name, column_type(c.avro_type, f"column {c.name!r}").spark_type) for c in target.columns]
-
-
-def progress_metadata(group: str, topic: str, progress: Mapping[int, Progress],
-                      backfills: Mapping[str, list]) -> str:
-    """The commit's ``userMetadata``: the shape's progress after it (module docstring)."""
-    parts = {str(p): [pr.next_offset, *(pr.applied or (None, None)), *(pr.floor or (None, None)), pr.topic_id]
-             for p, pr in sorted(progress.items())}
-    return json.dumps({METADATA_KEY: {"group": group, "topic": topic, "partitions": parts,
-                                      "backfills": dict(backfills)}}, separators=(",", ":"))
-
-
-def read_metadata(text: str | None, group: str) -> tuple[str, dict[int, Progress], dict[str, list]] | None:
-    """(topic, progress per partition, backfills) from a commit's ``userMetadata``
-    if it is the group's progress, else None."""
-    try:
-        meta = json.loads(text or "")[METADATA_KEY]
-    except (ValueError, TypeError, KeyError):
-        return None
-    if not isinstance(meta, dict) or meta.get("group") != group:
-        return None
-    progress = {}
-    for p, (nxt, alsn, aopi, flsn, fopi, topic_id) in meta["partitions"].items():
-        progress[int(p)] = Progress(nxt, (alsn, aopi) if alsn is not None else None,
-                                    (flsn, fopi) if flsn is not None else None, topic_id)
-    return meta["topic"], progress, dict(meta.get("backfills") or {})
 
 
 def rank(a: str, changes_only: bool = False) -> str:
@@ -288,8 +261,7 @@ class DeltaTarget:
         self.address = root
         self.on_dropped_column = on_dropped_column
         self._followed: dict[str, ShapeTarget] = {}  # topic -> what its table has
-        self._progress: dict[str, dict[int, Progress]] = {}  # topic -> partition -> as committed
-        self._backfills: dict[str, dict[str, list]] = {}  # topic -> backfill id -> [start lsn, partitions, done]
+        self._records: dict[str, LakeProgress] = {}  # topic -> its table's record, as committed
 
     def table_path(self, target: ShapeTarget) -> str:
         return f"{self.root}/{target.shape}"
@@ -358,24 +330,23 @@ class DeltaTarget:
         carries the group's."""
         out: dict[tuple[str, int], Progress] = {}
         for topic, target in self._followed.items():
-            found = self._newest_metadata(self.table_path(target), group)
-            progress, backfills = ({}, {}) if found is None else (found[1], found[2])
-            if found is not None and found[0] != topic:
+            record = self.newest_record(self.table_path(target), group)
+            if record is not None and record.topic != topic:
                 log.warning("shape %s: the Delta table's progress is for topic %s, not %s; read from the start",
-                            target.shape, found[0], topic)
-                progress, backfills = {}, {}
-            self._progress[topic], self._backfills[topic] = dict(progress), dict(backfills)
-            out.update({(topic, p): pr for p, pr in progress.items()})
+                            target.shape, record.topic, topic)
+                record = None
+            self._records[topic] = record or LakeProgress(topic)
+            out.update({(topic, p): pr for p, pr in self._records[topic].partitions.items()})
         return out
 
-    def _newest_metadata(self, path: str, group: str):
+    def newest_record(self, path: str, group: str) -> LakeProgress | None:
         for limit in (f"LIMIT {HISTORY_LOOKBACK}", ""):
             rows = self.spark.sql(f"DESCRIBE HISTORY delta.{quote(path)} {limit}").select(
                 "version", "userMetadata").orderBy("version", ascending=False).collect()
             for row in rows:
-                found = read_metadata(row.userMetadata, group)
-                if found is not None:
-                    return found
+                record = LakeProgress.from_json(row.userMetadata, group)
+                if record is not None:
+                    return record
             if len(rows) < HISTORY_LOOKBACK:
                 return None
         return None
@@ -396,7 +367,8 @@ class DeltaTarget:
 
     def _apply_shape(self, group: str, b: ShapeBatch, result: BatchResult, on_offset_reset: str) -> None:
         target, parts = b.target, b.parts
-        committed = self._progress.setdefault(b.topic, {})
+        record = self._records.setdefault(b.topic, LakeProgress(b.topic))
+        committed = record.partitions
         progress = {part.tp: committed[part.partition].for_incarnation(part.topic_id)
                     if part.partition in committed else Progress(part.start) for part in parts}
         existed = {part.tp for part in parts if part.partition in committed}
@@ -409,16 +381,7 @@ class DeltaTarget:
                                     "does not apply scoped backfills yet")
         merge_plan_stats(result, plan)
         result.controls.extend(plan.controls)
-        backfills = {k: list(v) for k, v in self._backfills.get(b.topic, {}).items()}
-        collected = []
-        for cut in plan.backfill_ends:
-            info = cut.info or {}
-            entry = backfills.setdefault(str(info["backfill_id"]), [int(info["lsn"]), int(info["partitions"]), []])
-            if cut.partition not in entry[2]:
-                entry[2].append(cut.partition)
-            if len(entry[2]) >= entry[1]:  # complete: what it did not rewrite is gone at the source
-                collected.append(entry[0])
-                del backfills[str(info["backfill_id"])]
+        backfills, collected = backfill_ends_applied(record.backfills, plan.backfill_ends)
         cuts = {p: c.position for p, c in plan.cuts.items()}
         staged = staged_kinds(plan)
         updates = {}
@@ -428,13 +391,12 @@ class DeltaTarget:
                                                                   st.max_position if st else None,
                                                                   plan.cuts.get(part.partition))
             updates[p] = Progress(nxt, applied, floor, topic_id)
-        new_progress = {**committed, **updates}
-        self._merge(target, plan, cuts, collected, progress_metadata(group, b.topic, new_progress, backfills))
+        new_record = LakeProgress(b.topic, {**committed, **updates}, backfills)
+        self._merge(target, plan, cuts, collected, new_record.to_json(group))
         applied_counts = {"upserted": Counter({p: c[UPSERT] for p, c in staged.items()}),
                           "tombstoned": Counter({p: c[DELETE] for p, c in staged.items()})}
         fill_results(result.parts, b.topic, staged, applied_counts)
-        self._progress[b.topic] = new_progress
-        self._backfills[b.topic] = backfills
+        self._records[b.topic] = new_record
 
     def _merge(self, target: ShapeTarget, plan: ApplyPlan, cuts: Cuts, collected: Sequence[int], metadata: str
                ) -> None:

@@ -14,10 +14,13 @@ from pathlib import Path
 import psycopg
 import pyarrow as pa
 from confluent_kafka import Consumer, TopicPartition
-from deltalake import DeltaTable, QueryBuilder
+from deltalake import DeltaTable, QueryBuilder, write_deltalake
 
+from schemas.config import parse_config
 from tests.helpers import ConsumerProcess, ConsumerThread, ProducerThread, make_config, wait_for, write_toml
 from tests.pipeline import caught_up, pgbench, prepare_source
+from walbridge.reconcile import reconcile
+from walbridge.verify import verify
 
 SHAPES = [
     {"table": "public.pgbench_accounts"},
@@ -95,7 +98,8 @@ def lake_config(source_db, bootstrap, prefix, tmp_path, shapes=SHAPES) -> dict:
 def test_pgbench_into_delta_equals_the_source_read_by_delta_rs(source_db, kafka_broker, topic_prefix, tmp_path):
     """Snapshot, then pgbench's updates and a delete, merged into Delta: each
     shape's table (the filtered, column-limited one too) equals the source,
-    each commit carries the shape's progress, and the slot is confirmed."""
+    each commit carries the shape's progress, and the slot is confirmed;
+    verify finds rows another writer damaged, and reconcile repairs them."""
     prepare_source(source_db)
     cfg = lake_config(source_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
     with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
@@ -118,6 +122,26 @@ def test_pgbench_into_delta_equals_the_source_read_by_delta_rs(source_db, kafka_
         newest = json.loads(merges[0]["userMetadata"])["walbridge"]
         ends = topic_ends(kafka_broker.bootstrap, newest["topic"])
         assert {int(p): v[0] for p, v in newest["partitions"].items()} == {p: e for p, e in ends.items() if e}
+    # walbridge verify reads the tables with delta-rs too: equal, then a row
+    # another writer deleted, one it changed and one it added are found;
+    # reconcile backfills the shape whole (what the backfill did not rewrite
+    # is collected when it completes) and the table is equal again.
+    config = parse_config(cfg)
+    assert all(d.ok for d in verify(config)), [d for d in verify(config) if not d.ok]
+    with psycopg.connect(source_db) as conn:
+        gone, changed = (r[0] for r in conn.execute("SELECT aid FROM pgbench_accounts ORDER BY aid DESC LIMIT 2"))
+    accounts = DeltaTable(f"{tmp_path}/lake/public.pgbench_accounts")
+    stray = accounts.to_pyarrow_table(filters=[("aid", "=", changed)])
+    stray = stray.set_column(stray.schema.get_field_index("aid"), "aid", pa.array([10**7], stray.schema.field("aid").type))
+    accounts.delete(f"aid = {gone}")
+    accounts.update(updates={"abalance": "abalance + 1"}, predicate=f"aid = {changed}")
+    write_deltalake(accounts, stray, mode="append")
+    diff = next(d for d in verify(config, ["public.pgbench_accounts"]))
+    assert (diff.missing, diff.extra, diff.changed, diff.ok) == ([gone], [10**7], [changed], False)
+    with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
+        before, after = reconcile(config, ["public.pgbench_accounts"], timeout=300, on_progress=lambda line: None)
+        assert not consumer.errors, [str(e) for e in consumer.errors]
+    assert [d.ok for d in before] == [False] and [d.ok for d in after] == [True], after
 
 
 def test_types_and_a_restart_apply_each_change_once(source_db, kafka_broker, topic_prefix, tmp_path):
@@ -149,6 +173,7 @@ def test_types_and_a_restart_apply_each_change_once(source_db, kafka_broker, top
                      interval=2, what="items in Delta after the restart",
                      explain=lambda: "\n".join(lake_differences(cfg, {"public.items": query})))
             assert not consumer.errors
+    assert [d.ok for d in verify(parse_config(cfg))] == [True]
     row = delta_rows(f"{tmp_path}/lake/public.items", ["id", "body text", "n", "d", "at", "raw", "tags"], "id")[-1]
     assert row == (100, "new", Decimal("1.25"), datetime.date(2026, 2, 3),
                    datetime.datetime(2026, 2, 3, 4, 5, 6, tzinfo=datetime.timezone.utc), b"x", [7])

@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import datetime
 import math
+import struct
 from decimal import Decimal
 
 import pytest
 from pyspark.sql.types import DoubleType, StructField
 
-from spark_consumer.apply_plan import plan_batch
+from schemas import wire
+from spark_consumer.apply_plan import make_cut, plan_batch
+from spark_consumer.lake_progress import LakeProgress, backfill_ends_applied
 from spark_consumer.progress import Progress
 from spark_consumer.target_layout import ShapeCannotFollow
 from spark_consumer.targets.delta import (
     STAGE_HEAD,
     gc_condition,
     needs_mapping,
-    progress_metadata,
-    read_metadata,
     special_values,
     stage_table,
     table_merge,
@@ -27,15 +28,28 @@ from spark_consumer.targets.delta import (
 )
 from tests.unit.test_apply_plan import keyed_target, row
 from walbridge.check import FAILED, Checklist, _lake, render_checks
+from walbridge.verify_lake import as_float32, same_value
 
 
 def test_a_commits_progress_reads_back_for_its_group_only():
     progress = {0: Progress(12, (100, 2), None, "id-a"), 2: Progress(5, None, (90, 0), None)}
-    text = progress_metadata("g1", "wb.public.items", progress, {"b1": [80, 3, [0]]})
-    assert read_metadata(text, "g1") == ("wb.public.items", progress, {"b1": [80, 3, [0]]})
-    assert read_metadata(text, "g2") is None
-    assert read_metadata("written by someone else", "g1") is None
-    assert read_metadata(None, "g1") is None
+    text = LakeProgress("wb.public.items", progress, {"b1": [80, 3, [0], False]}).to_json("g1")
+    assert LakeProgress.from_json(text, "g1") == LakeProgress("wb.public.items", progress, {"b1": [80, 3, [0], False]})
+    assert LakeProgress.from_json(text, "g2") is None
+    assert LakeProgress.from_json("written by someone else", "g1") is None
+    assert LakeProgress.from_json(None, "g1") is None
+
+
+def test_a_backfill_completes_once_when_its_end_reached_every_partition():
+    def end(p):
+        return make_cut(p, 500, 0, 9, wire.BACKFILL_END, {"backfill_id": "b1", "lsn": 400, "partitions": 2})
+
+    backfills, completed = backfill_ends_applied({}, [end(0)])
+    assert backfills == {"b1": [400, 2, [0], False]} and completed == []
+    backfills, completed = backfill_ends_applied(backfills, [end(1), end(0)])
+    assert backfills["b1"][3] and completed == [400]
+    assert backfill_ends_applied(backfills, [end(1)]) == (backfills, [])  # a replayed end: nothing again
+    assert LakeProgress("t", {}, backfills).complete("b1") and not LakeProgress("t").complete("b1")
 
 
 def test_the_stage_is_typed_by_the_shapes_columns_then_the_bookkeeping():
@@ -81,3 +95,9 @@ def test_check_config_says_whether_the_lake_folder_can_be_written(tmp_path):
     _lake("s3a://bucket/cdc", checks)
     assert [c.state == FAILED for c in checks] == [False, True, False]
     assert f"will be created in {tmp_path}" in render_checks(checks)
+
+
+def test_lake_verify_compares_nan_lists_and_reals_as_delta_holds_them():
+    assert same_value(float("nan"), float("nan")) and same_value([1, [2.0]], (1, (2.0,)))
+    assert not same_value([1], [1, 2])
+    assert as_float32((1, 0.1, None), [1, 2]) == (1, struct.unpack("f", struct.pack("f", 0.1))[0], None)
