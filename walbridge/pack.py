@@ -63,7 +63,7 @@ def copy_source(root: Path, into: Path) -> Path:
     into.mkdir(parents=True)
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(root / name, into / name)
-    for package in packages:
+    for package in sorted({p.split(".")[0] for p in packages}):  # a top package's folder holds its subpackages
         shutil.copytree(root / package, into / package,
                         ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.c"))
     return into
