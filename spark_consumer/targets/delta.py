@@ -40,7 +40,8 @@ Invariants:
 - What this target does not follow yet stops the shape loudly
   (:class:`~spark_consumer.target_layout.ShapeCannotFollow`), never a row
   applied wrong: keyless shapes, scoped backfill cuts, a writer schema that
-  drops, renames or retypes a column or changes the key, a special value
+  renames or retypes a column, drops one with ``on_dropped_column = "drop"``
+  or changes the key (:func:`follow_changes`), a special value
   (``infinity``) Spark's type cannot hold.
 """
 
@@ -242,6 +243,29 @@ def special_values(f: StructField, values: Sequence[Any]) -> Sequence[Any]:
                             "column cannot hold")
 
 
+def follow_changes(target: ShapeTarget, have: Sequence[StructField], wanted: Sequence[StructField],
+                   had_key: tuple[str, ...] | None, on_dropped_column: str) -> tuple[list[StructField], list[str]]:
+    """What a table with columns ``have`` must gain to follow the shape's
+    ``wanted`` columns, and what it cannot follow (a rename, which would
+    otherwise read as a new empty column beside the old one; a retype; a
+    column to drop; a changed key). A column the shape lost is kept with
+    ``on_dropped_column = "keep"`` (later rows leave it NULL), as on PostgreSQL."""
+    have_types = {f.name: f.dataType for f in have}
+    wanted_names = {f.name for f in wanted}
+    added = [f for f in wanted if f.name not in have_types]
+    problems = [f"column {f.name!r} is {have_types[f.name].simpleString()} in the table, "
+                f"{f.dataType.simpleString()} in the shape"
+                for f in wanted if f.name in have_types and have_types[f.name] != f.dataType]
+    problems += [f"column {old!r} was renamed to {c.name!r}" for c in target.columns if c.name not in have_types
+                 for old in c.aliases if old in have_types and old not in wanted_names]
+    gone = [n for n in have_types if n not in wanted_names and not n.startswith(wire.RESERVED_PREFIX)]
+    if gone and on_dropped_column == "drop":
+        problems.append(f"columns {', '.join(gone)} left the shape (on_dropped_column = \"drop\")")
+    if had_key is not None and had_key != target.key_columns:
+        problems.append(f"the key changed from ({', '.join(had_key)}) to ({', '.join(target.key_columns)})")
+    return added, problems
+
+
 def ddl_columns(fields: Sequence[StructField]) -> str:
     return ", ".join(f"{quote(f.name)} {f.dataType.simpleString()}" for f in fields)
 
@@ -305,18 +329,9 @@ class DeltaTarget:
 
     def _follow_columns(self, target: ShapeTarget, path: str, have: list[StructField],
                         wanted: list[StructField]) -> None:
-        have_types = {f.name: f.dataType for f in have}
-        added = [f for f in wanted if f.name not in have_types]
-        problems = [f"column {f.name!r} is {have_types[f.name].simpleString()} in the table, "
-                    f"{f.dataType.simpleString()} in the shape"
-                    for f in wanted if f.name in have_types and have_types[f.name] != f.dataType]
-        gone = [n for n in have_types if n not in {f.name for f in wanted} and not n.startswith(wire.RESERVED_PREFIX)]
-        if gone and self.on_dropped_column == "drop":
-            problems.append(f"columns {', '.join(gone)} left the shape (on_dropped_column = \"drop\")")
         key = self.spark.sql(f"SHOW TBLPROPERTIES delta.{quote(path)} ({_literal(KEY_PROPERTY)})").collect()
-        had = tuple(json.loads(key[0].value)) if key and key[0].value.startswith("[") else None
-        if had is not None and had != target.key_columns:
-            problems.append(f"the key changed from ({', '.join(had)}) to ({', '.join(target.key_columns)})")
+        had_key = tuple(json.loads(key[0].value)) if key and key[0].value.startswith("[") else None
+        added, problems = follow_changes(target, have, wanted, had_key, self.on_dropped_column)
         if problems:
             raise ShapeCannotFollow(f"shape {target.shape}: the Delta table cannot follow its writer schema yet: "
                                     + "; ".join(problems))

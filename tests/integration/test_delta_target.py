@@ -251,3 +251,34 @@ def test_consumer_kill9_mid_merge_and_between_commits_applies_each_change_once(s
         finally:
             consumer.stop()
     assert log.read_text().count("from the target's progress") >= 3
+
+
+def test_a_rename_holds_the_shape_loudly_while_the_others_go_on(source_db, kafka_broker, topic_prefix, tmp_path,
+                                                               caplog):
+    """A column renamed at the source would read, to a Delta table, as a new
+    empty column beside the old one: the shape is held (its rows and progress
+    stay where they were), the other shape goes on."""
+    with psycopg.connect(source_db, autocommit=True) as conn:
+        for t in ("renamed", "free"):
+            conn.execute(f"CREATE TABLE {t} (id int PRIMARY KEY, v int)")
+            conn.execute(f"INSERT INTO {t} SELECT g, g FROM generate_series(1, 20) g")
+    shapes = [{"table": "public.renamed"}, {"table": "public.free"}]
+    cfg = lake_config(source_db, kafka_broker.bootstrap, topic_prefix, tmp_path, shapes)
+    tables = {s: ("SELECT id, v FROM " + s, "id") for s in ("public.renamed", "public.free")}
+    caplog.set_level("INFO", logger="walbridge.consumer")
+    with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
+        wait_for(lambda: not lake_differences(cfg, tables) or consumer.errors, timeout=240, interval=2,
+                 what="both shapes in Delta", explain=lambda: "\n".join(lake_differences(cfg, tables)))
+        with psycopg.connect(source_db, autocommit=True) as conn:
+            conn.execute("ALTER TABLE renamed RENAME COLUMN v TO w")
+            conn.execute("INSERT INTO renamed VALUES (21, 21)")
+            conn.execute("INSERT INTO free VALUES (21, 21)")
+        free = {"public.free": tables["public.free"]}
+        wait_for(lambda: not lake_differences(cfg, free) or consumer.errors, timeout=120, interval=2,
+                 what="the free shape goes on", explain=lambda: "\n".join(lake_differences(cfg, free)))
+        wait_for(lambda: any("shape public.renamed stopped" in r.getMessage() for r in caplog.records), timeout=60,
+                 what="the renamed shape held")
+        assert not consumer.errors, consumer.errors
+    held = next(r.getMessage() for r in caplog.records if "shape public.renamed stopped" in r.getMessage())
+    assert "column 'v' was renamed to 'w'" in held
+    assert delta_rows(f"{tmp_path}/lake/public.renamed", ["id", "v"], "id") == [(g, g) for g in range(1, 21)]

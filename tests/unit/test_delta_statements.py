@@ -4,6 +4,7 @@ real Spark and Delta in tests/integration/test_delta_target.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import struct
@@ -19,8 +20,10 @@ from spark_consumer.progress import Progress
 from spark_consumer.target_layout import ShapeCannotFollow
 from spark_consumer.targets.delta import (
     STAGE_HEAD,
+    follow_changes,
     gc_condition,
     needs_mapping,
+    shape_fields,
     special_values,
     stage_table,
     table_merge,
@@ -101,3 +104,20 @@ def test_lake_verify_compares_nan_lists_and_reals_as_delta_holds_them():
     assert same_value(float("nan"), float("nan")) and same_value([1, [2.0]], (1, (2.0,)))
     assert not same_value([1], [1, 2])
     assert as_float32((1, 0.1, None), [1, 2]) == (1, struct.unpack("f", struct.pack("f", 0.1))[0], None)
+
+
+def test_a_table_gains_added_columns_and_refuses_renames_retypes_and_key_changes():
+    target = keyed_target()
+    wanted = shape_fields(target)
+    have = [f for f in wanted if f.name != "d"] + [StructField("gone", DoubleType())]
+    added, problems = follow_changes(target, have, wanted, ("id",), "keep")
+    assert [f.name for f in added] == ["d"] and problems == []  # "gone" is kept
+    assert follow_changes(target, have, wanted, ("id",), "drop")[1] == [
+        'columns gone left the shape (on_dropped_column = "drop")']
+    renamed = dataclasses.replace(target, columns=tuple(
+        dataclasses.replace(c, name="day", aliases=("d",)) if c.name == "d" else c for c in target.columns))
+    _, problems = follow_changes(renamed, wanted, shape_fields(renamed), ("id",), "keep")
+    assert problems == ["column 'd' was renamed to 'day'"]
+    retyped = [StructField(f.name, DoubleType()) if f.name == "n" else f for f in wanted]
+    assert "column 'n' is double in the table" in follow_changes(target, retyped, wanted, ("id",), "keep")[1][0]
+    assert follow_changes(target, wanted, wanted, ("n",), "keep")[1] == ["the key changed from (n) to (id)"]
