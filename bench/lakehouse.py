@@ -1,19 +1,20 @@
-"""Lakehouse apply benchmark: the Delta target's apply of decoded change rows
-against a plain Spark ``MERGE`` of the same rows into the same format, in one
-run on one Spark session.
+"""Lakehouse apply benchmark: each lakehouse target's apply of decoded change
+rows against a plain Spark ``MERGE`` of the same rows into the same format,
+in one run on one Spark session.
 
-    .venv/bin/python bench/lakehouse.py [--keys 100000] [--batch 50000] [--rounds 3]
+    .venv/bin/python bench/lakehouse.py [--keys 100000] [--batch 50000] [--rounds 3] [--formats delta,iceberg]
 
 - The rows: ``--keys`` inserts, then ``--rounds - 1`` rounds of an update of
   every key (one change per key per round), as the decoder hands them to the
   apply (tuples in its column order, positions increasing), in micro-batches
   of ``--batch`` rows.
-- walbridge: :class:`spark_consumer.targets.delta.DeltaTarget` applies each
-  micro-batch (plan, tombstones, one MERGE with the progress in its commit).
+- walbridge: :class:`spark_consumer.targets.delta.DeltaTarget` (or
+  :class:`~spark_consumer.targets.iceberg.IcebergTarget`, a Hadoop catalog)
+  applies each micro-batch (plan, stage, one MERGE with the progress in its commit).
 - reference: each micro-batch's rows as a DataFrame (from Arrow made before
   the clock starts: the same Arrow the stage is built from) and ``MERGE INTO t USING s ON key WHEN
   MATCHED THEN UPDATE SET * WHEN NOT MATCHED THEN INSERT *`` into a fresh
-  Delta table: what a hand-written Debezium → Spark → Delta job runs.
+  table of the format: what a hand-written Debezium → Spark → lakehouse job runs.
 - Ratio = reference time / walbridge time (1.0: as fast as the plain MERGE).
   Both run twice in alternation; the faster run of each counts.
 """
@@ -33,18 +34,15 @@ sys.path.insert(0, str(ROOT))
 
 from pyspark.sql import SparkSession  # noqa: E402
 
+from schemas.config import IcebergConfig  # noqa: E402
 from schemas.jvm import jvm_jars  # noqa: E402
 from spark_consumer.apply_plan import plan_batch  # noqa: E402
 from spark_consumer.batch import Part  # noqa: E402
+from spark_consumer.targets import iceberg  # noqa: E402
 from spark_consumer.targets.base import ShapeBatch  # noqa: E402
-from spark_consumer.targets.delta import (  # noqa: E402
-    SNAPSHOT_PARTITIONS,
-    SPARK_SETTINGS,
-    DeltaTarget,
-    ddl_columns,
-    shape_fields,
-    stage_table,
-)
+from spark_consumer.targets.delta import SNAPSHOT_PARTITIONS, SPARK_SETTINGS, DeltaTarget  # noqa: E402
+from spark_consumer.targets.iceberg import IcebergTarget  # noqa: E402
+from spark_consumer.targets.merge_sql import ddl_columns, shape_fields, stage_table  # noqa: E402
 from tests.unit.test_apply_plan import as_tuples, keyed_target, row  # noqa: E402
 
 TOPIC = "wb.public.items"
@@ -67,9 +65,17 @@ def batches(keys: int, rounds: int, size: int):
     return target, out
 
 
-def run_walbridge(spark, root: str, target, data) -> float:
-    shutil.rmtree(root, ignore_errors=True)
-    lake = DeltaTarget(spark, root)
+CATALOG = "bench"
+_runs = iter(range(1_000_000))  # each run's own Iceberg namespace: fresh tables
+
+
+def run_walbridge(spark, fmt: str, work: str, target, data) -> float:
+    if fmt == "delta":
+        shutil.rmtree(f"{work}/walbridge", ignore_errors=True)
+        lake = DeltaTarget(spark, f"{work}/walbridge")
+    else:
+        lake = IcebergTarget(spark, IcebergConfig(warehouse=f"{work}/warehouse", name=CATALOG,
+                                                  namespace=f"wb{next(_runs)}"))
     lake.follow(TOPIC, target)
     lake.read_progress("bench")
     t0 = time.monotonic()
@@ -81,20 +87,26 @@ def run_walbridge(spark, root: str, target, data) -> float:
     return time.monotonic() - t0
 
 
-def run_plain(spark, root: str, target, tables) -> float:
-    shutil.rmtree(root, ignore_errors=True)
-    path = f"{root}/plain"
+def run_plain(spark, fmt: str, work: str, target, tables) -> float:
+    if fmt == "delta":
+        shutil.rmtree(f"{work}/plain", ignore_errors=True)
+        table = f"delta.`{work}/plain/plain`"
+        # column mapping: the bench's shape has a column named "body text", as the target makes it
+        create = "USING delta TBLPROPERTIES ('delta.columnMapping.mode' = 'name')"
+    else:
+        ns = f"{CATALOG}.plain{next(_runs)}"
+        spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {ns}")
+        table, create = f"{ns}.plain", "USING iceberg TBLPROPERTIES ('format-version' = '2')"
     cols = ", ".join(f"`{c}`" for c in target.names)
     t0 = time.monotonic()
     first = True
-    for table in tables:
-        df = spark.createDataFrame(table)
-        if first:  # column mapping: the bench's shape has a column named "body text", as the target makes it
-            spark.sql(f"CREATE TABLE delta.`{path}` ({ddl_columns(shape_fields(target))}) USING delta "
-                      "TBLPROPERTIES ('delta.columnMapping.mode' = 'name')")
+    for arrow in tables:
+        df = spark.createDataFrame(arrow)
+        if first:
+            spark.sql(f"CREATE TABLE {table} ({ddl_columns(shape_fields(target))}) {create}")
             first = False
         df.createOrReplaceTempView("plain_stage")
-        spark.sql(f"MERGE INTO delta.`{path}` t USING (SELECT {cols} FROM plain_stage) s ON t.id = s.id "
+        spark.sql(f"MERGE INTO {table} t USING (SELECT {cols} FROM plain_stage) s ON t.id = s.id "
                   "WHEN MATCHED THEN UPDATE SET * WHEN NOT MATCHED THEN INSERT *").collect()
     return time.monotonic() - t0
 
@@ -104,12 +116,17 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=50_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--formats", default="delta,iceberg")
     args = ap.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = (SparkSession.builder.master("local[2]").config("spark.jars", ",".join(map(str, jvm_jars("spark"))))
                .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
                .config("spark.sql.session.timeZone", "UTC").config("spark.ui.showConsoleProgress", "false"))
-    for k, v in SPARK_SETTINGS.items():
+    work = tempfile.mkdtemp(prefix="wb-lakehouse-")
+    settings = {**SPARK_SETTINGS, **iceberg.spark_settings(IcebergConfig(warehouse=f"{work}/warehouse",
+                                                                          name=CATALOG)),
+                "spark.sql.extensions": f"{SPARK_SETTINGS['spark.sql.extensions']},{iceberg.EXTENSIONS}"}
+    for k, v in settings.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
@@ -120,17 +137,17 @@ def main() -> None:
     # The reference's input, made before it is timed: the rows as Arrow, one per
     # key (the same Arrow the walbridge stage is built from, less the bookkeeping).
     tables = [stage_table(target, plan_batch(target, r, fields=f)).select(list(target.names)) for f, r in data]
-    work = tempfile.mkdtemp(prefix="wb-lakehouse-")
     try:
-        wb, plain = [], []
-        for _ in range(2):
-            plain.append(run_plain(spark, f"{work}/plain", target, tables))
-            wb.append(run_walbridge(spark, f"{work}/walbridge", target, data))
-        best_wb, best_plain = min(wb), min(plain)
         print(f"rows {rows} in {len(data)} micro-batches of {args.batch}")
-        print(f"plain Spark MERGE: {rows / best_plain:,.0f} rows/s (runs {', '.join(f'{t:.1f}s' for t in plain)})")
-        print(f"walbridge Delta:   {rows / best_wb:,.0f} rows/s (runs {', '.join(f'{t:.1f}s' for t in wb)})")
-        print(f"ratio (plain time / walbridge time): {best_plain / best_wb:.2f}")
+        for fmt in args.formats.split(","):
+            wb, plain = [], []
+            for _ in range(2):
+                plain.append(run_plain(spark, fmt, work, target, tables))
+                wb.append(run_walbridge(spark, fmt, work, target, data))
+            best_wb, best_plain = min(wb), min(plain)
+            print(f"{fmt}: plain Spark MERGE {rows / best_plain:,.0f} rows/s (runs "
+                  f"{', '.join(f'{t:.1f}s' for t in plain)}); walbridge {rows / best_wb:,.0f} rows/s (runs "
+                  f"{', '.join(f'{t:.1f}s' for t in wb)}); ratio {best_plain / best_wb:.2f}")
     finally:
         spark.stop()
         shutil.rmtree(work, ignore_errors=True)

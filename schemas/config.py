@@ -233,11 +233,43 @@ class ShapeConfig(_Section):
         return self.name or f"{self.schema_name}.{self.table_name}"
 
 
+class IcebergConfig(_Section):
+    """``[consumer.iceberg]``: the Iceberg catalog a ``target = "iceberg"``
+    consumer applies to, each shape a table ``<namespace>.<shape name>``."""
+
+    catalog: Literal["hadoop", "jdbc"] = "hadoop"
+    warehouse: str  # the folder (or URI) the catalog keeps table files in
+    catalog_dsn: str | None = Field(default=None, repr=False)  # jdbc: the PostgreSQL database of the catalog
+    namespace: str = "cdc"
+    name: str = "walbridge"  # the catalog's name (Spark's and pyiceberg's; a JDBC catalog's rows carry it)
+
+    @field_validator("catalog_dsn")
+    @classmethod
+    def _dsn(cls, v: str | None) -> str | None:
+        if v is not None:
+            _check_dsn(v)
+        return v
+
+    @property
+    def warehouse_uri(self) -> str:
+        """The warehouse as a URI (a local folder as ``file:``)."""
+        return self.warehouse if "://" in self.warehouse else Path(self.warehouse).resolve().as_uri()
+
+    @model_validator(mode="after")
+    def _jdbc_needs_a_database(self) -> IcebergConfig:
+        if self.catalog == "jdbc" and not self.catalog_dsn:
+            raise ValueError('catalog = "jdbc" needs catalog_dsn (the PostgreSQL database holding the catalog)')
+        if not self.name.isidentifier() or not all(part.isidentifier() for part in self.namespace.split(".")):
+            raise ValueError("name and namespace must be plain identifiers (letters, digits, _)")
+        return self
+
+
 class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, registry and target
     group: str = "walbridge-spark"
     # What the consumer applies to: "postgresql" (target_dsn; the default when
-    # it is set) or "delta" (a Delta Lake table per shape under target_path).
-    target: Literal["postgresql", "delta"] | None = None
+    # it is set), "delta" (a Delta Lake table per shape under target_path) or
+    # "iceberg" (an Apache Iceberg table per shape in [consumer.iceberg]'s catalog).
+    target: Literal["postgresql", "delta", "iceberg"] | None = None
     target_dsn: str | None = Field(default=None, repr=False)
     target_path: str | None = None  # delta: the folder (or URI) holding <target_path>/<shape name>
     target_password: str | None = Field(default=None, repr=False)  # joined into target_dsn
@@ -255,6 +287,15 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
     # A column the shape's new writer schema lacks (DROP COLUMN at the source):
     # "keep" it in the target, nullable (later rows leave it NULL); "drop" it.
     on_dropped_column: Literal["keep", "drop"] = "keep"
+    # Lakehouse tables' upkeep, run by the consumer between micro-batches
+    # (their only writer: it never conflicts with a MERGE), in seconds, 0 =
+    # never: compaction of the small files streaming MERGEs leave (OPTIMIZE,
+    # rewrite_data_files), and removal of what no version of the last
+    # vacuum_retain_hours needs (VACUUM, expire_snapshots).
+    compact_interval: Annotated[float, Field(ge=0)] = 600.0
+    vacuum_interval: Annotated[float, Field(ge=0)] = 86400.0
+    vacuum_retain_hours: Annotated[float, Field(ge=0)] = 168.0
+    iceberg: IcebergConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -278,6 +319,8 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
             raise ValueError('target = "postgresql" needs target_dsn (the database to apply to)')
         elif self.target == "delta" and not self.target_path:
             raise ValueError('target = "delta" needs target_path (the folder of the shapes\' Delta tables)')
+        elif self.target == "iceberg" and self.iceberg is None:
+            raise ValueError('target = "iceberg" needs a [consumer.iceberg] section (catalog, warehouse)')
         return self
 
     @property

@@ -159,6 +159,8 @@ ROW_COLUMN = "_wb_row"  # a keyless shape's pending removals: the removed row as
 # A staged plan row's kind and kept columns (spark_consumer.staging).
 KIND_COLUMN = "_wb_kind"
 KEEP_COLUMN = "_wb_keep"
+ICEBERG_PROGRESS_PROPERTY = "walbridge.progress"  # an Iceberg snapshot summary's key of the consumer's record
+SEQ_COLUMN = "_wb_seq"  # a staged row's index in its stage (lakehouse targets' keyless matching)
 # The executors' decoded parts of one micro-batch: a shape's rows as an Arrow IPC stream.
 ARROW_COLUMN = "_wb_arrow"
 

@@ -6,7 +6,8 @@ reconcile`` reads it too.
 The record, JSON: ``{"walbridge": {"group", "topic", "partitions": {p:
 [next_offset, applied_lsn, applied_op_index, floor_lsn, floor_op_index,
 topic_id]}, "backfills": {id: [start_lsn, partitions, [partitions done],
-complete]}}}``.
+complete]}, "commits": n}}`` (``commits``: how many batches the table
+has committed; the keyless pending removals' commits carry it too).
 
 Invariants:
 - A record names its consumer group; another group's record is not read as ours.
@@ -38,12 +39,14 @@ class LakeProgress:
     topic: str
     partitions: dict[int, Progress] = field(default_factory=dict)
     backfills: dict[str, list] = field(default_factory=dict)  # id -> [start lsn, partitions, done, complete]
+    commits: int = 0
 
     def to_json(self, group: str) -> str:
         parts = {str(p): [pr.next_offset, *(pr.applied or (None, None)), *(pr.floor or (None, None)), pr.topic_id]
                  for p, pr in sorted(self.partitions.items())}
         return json.dumps({METADATA_KEY: {"group": group, "topic": self.topic, "partitions": parts,
-                                          "backfills": self.backfills}}, separators=(",", ":"))
+                                          "backfills": self.backfills,
+                                          "commits": self.commits}}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | None, group: str) -> LakeProgress | None:
@@ -57,7 +60,8 @@ class LakeProgress:
         partitions = {int(p): Progress(nxt, (alsn, aopi) if alsn is not None else None,
                                        (flsn, fopi) if flsn is not None else None, topic_id)
                       for p, (nxt, alsn, aopi, flsn, fopi, topic_id) in meta["partitions"].items()}
-        return cls(meta["topic"], partitions, {k: list(v) for k, v in (meta.get("backfills") or {}).items()})
+        return cls(meta["topic"], partitions, {k: list(v) for k, v in (meta.get("backfills") or {}).items()},
+                   int(meta.get("commits") or 0))
 
     def complete(self, backfill_id: str) -> bool:
         entry = self.backfills.get(backfill_id)

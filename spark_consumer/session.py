@@ -169,8 +169,9 @@ def spark_session(master: str | None = None, ui: bool = False, target_settings: 
         missing = {k: v for k, v in (target_settings or {}).items() if v not in (conf.get(k) or "")}
         if missing:
             spark.stop()
-            raise MissingJars("the target needs " + " ".join(f"--conf {k}={v}" for k, v in missing.items())
-                              + " on spark-submit's command line")
+            raise MissingJars("the target needs " + " ".join(
+                f"--conf {k}={'<password>' if k.endswith('password') else v}" for k, v in missing.items())
+                + " on spark-submit's command line")
     else:
         quiet = quiet_spark_logs(_verbose(), user_log4j=_conf_dir_has_log4j())
         master = local_master(master or "local[*]")

@@ -63,7 +63,7 @@ def reach_target(config: Config, stop: threading.Event | None = None) -> None:
     unreachable target is waited for."""
     if not config.consumer.has_target:
         raise ConfigError(['consumer.target_dsn: is required by the consumer (the database to apply to), unless '
-                           'target = "delta" names a target_path'])
+                           'target = "delta" or "iceberg" names a lakehouse'])
     if config.consumer.target_kind != "postgresql":
         return
     for attempt in Outage(RetryPolicy.of(config.consumer), stop, log):

@@ -27,6 +27,26 @@ SHAPES = [
 ]
 
 
+def topic_ends(bootstrap: str, topic: str) -> dict[int, int]:
+    """Each partition's end offset."""
+    client = Consumer({"bootstrap.servers": bootstrap, "group.id": "wb-test-ends"})
+    try:
+        parts = client.list_topics(topic, timeout=10).topics[topic].partitions
+        return {p: client.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts}
+    finally:
+        client.close()
+
+
+def delete_rows(dsn: str, done: threading.Event) -> None:
+    """Delete a few accounts and history rows (keyless: removals) every 0.2 s until ``done``."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not done.wait(0.2):
+            conn.execute("DELETE FROM pgbench_accounts WHERE aid IN (SELECT aid FROM pgbench_accounts"
+                         " ORDER BY random() LIMIT 5)")
+            conn.execute("DELETE FROM pgbench_history WHERE ctid IN (SELECT ctid FROM pgbench_history"
+                         " ORDER BY random() LIMIT 2)")
+
+
 def pgbench(dsn: str, *args: str) -> None:
     subprocess.run([str(find_pg_bin() / "pgbench"), *args, dsn], check=True, capture_output=True)
 

@@ -75,6 +75,12 @@ def live_checks(config: Config) -> Checklist:
         _target(config, checks)
     elif config.consumer.target_kind == "delta":
         _lake(config.consumer.target_path, checks)
+    elif config.consumer.target_kind == "iceberg":
+        iceberg = config.consumer.iceberg
+        _lake(iceberg.warehouse, checks, "Iceberg tables")
+        if iceberg.catalog == "jdbc":  # Iceberg makes its catalog tables there: a connection is enough
+            _database(TARGET, iceberg.catalog_dsn, checks, lambda conn: checks.add(
+                TARGET, f"Iceberg catalog database {redact_dsn(iceberg.catalog_dsn)}", True, "reachable"))
     return checks
 
 
@@ -324,18 +330,19 @@ def _target(config: Config, checks: Checklist) -> None:
     _database(TARGET, config.consumer.target_dsn, checks, lambda conn: _target_catalog(config, conn, checks))
 
 
-def _lake(target_path: str, checks: Checklist) -> None:
-    """A local target_path must be a folder walbridge may write (or create);
-    a URI is Spark's Hadoop file systems' to reach, checked when the consumer starts."""
+def _lake(target_path: str, checks: Checklist, what: str = "Delta tables") -> None:
+    """A local target_path (or Iceberg warehouse) must be a folder walbridge
+    may write (or create); a URI is Spark's Hadoop file systems' to reach,
+    checked when the consumer starts."""
     parsed = urlparse(target_path)
     if parsed.scheme not in ("", "file"):
-        checks.add(TARGET, f"Delta tables under {target_path}", True, "a URI: reached through Spark's file systems "
+        checks.add(TARGET, f"{what} under {target_path}", True, "a URI: reached through Spark's file systems "
                    "when the consumer starts")
         return
     path = Path(parsed.path if parsed.scheme else target_path)
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     ok = existing is not None and existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
-    checks.add(TARGET, f"Delta tables under {path}", ok,
+    checks.add(TARGET, f"{what} under {path}", ok,
                ("exists, writable" if existing == path else f"will be created in {existing}") if ok
                else f"{existing} is not a folder this user may write")
 

@@ -46,7 +46,7 @@ from walbridge.runtime import (
     version,
 )
 from walbridge.status import collect_status
-from walbridge.up import run_up
+from walbridge.up import TARGETS, run_up
 from walbridge.verify import as_json, verify
 
 
@@ -72,8 +72,11 @@ def cmd_producer(args) -> int:
 
 def cmd_up(args) -> int:
     config = load_config(args.config) if args.config else None
+    if config is not None and args.target != "postgresql":
+        raise Failure(CONFIG, "--target chooses the embedded demo's target; with -c, the config's [consumer] "
+                              "target does")
     rate = args.rate if args.rate is not None else (0.0 if config else 20.0)
-    last = run_up(config, Path(args.data_dir), args.duration, rate, headless=args.headless)
+    last = run_up(config, Path(args.data_dir), args.duration, rate, headless=args.headless, target=args.target)
     return EXIT_SIGNAL + last["signal"] if "signal" in last else EXIT_OK
 
 
@@ -201,6 +204,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, help="demo workload transactions/s (default 20 embedded, 0 with -c)")
     p.add_argument("--data-dir", default=".walbridge/up", help="where embedded data and logs live")
     p.add_argument("--headless", action="store_true", help="no live view; print the final view")
+    p.add_argument("--target", choices=list(TARGETS), default="postgresql",
+                   help="the embedded demo's target: a PostgreSQL database, or Delta or Iceberg tables in "
+                        "<data-dir>/lake")
     p = command("verify", cmd_verify, "compare every shape's target table with the source (exit 1 on differences)")
     p.add_argument("--shape", action="append", help="only this shape (repeatable)")
     p.add_argument("--json", action="store_true")

@@ -26,14 +26,14 @@ from schemas.config import Config
 from schemas.kafka import client_config
 from spark_consumer.progress import read_backfills
 from walbridge.verify import ShapeDiff, verify
-from walbridge.verify_lake import lake_table, newest_record
+from walbridge.verify_lake import lake_reader
 
 
 def consumer_completed(config: Config, backfill_id: str, shape: str) -> bool:
     """Has the consumer group applied ``backfill_end`` of ``backfill_id`` on every partition?"""
-    if config.consumer.target_kind == "delta":
+    if config.consumer.target_kind in ("delta", "iceberg"):
         shape_config = next(s for s in config.shapes if s.shape_name == shape)
-        record = newest_record(lake_table(config.consumer.target_path, shape_config), config.consumer.group)
+        record = lake_reader(config).newest_record(shape_config, config.consumer.group)
         return record is not None and record.complete(backfill_id)
     with connect(config.consumer.target_dsn) as conn:
         return any(b["backfill_id"] == backfill_id and b["completed_at"] is not None
@@ -90,7 +90,7 @@ def reconcile(config: Config, shapes: list[str] | None = None, wait: bool = True
             # A keyless shape is a multiset without keys to order by: a scoped
             # backfill could not tell a late streamed append from its own copy,
             # so it is backfilled whole (the consumer then drops what is older).
-            # A Delta target is backfilled whole too (it compares no buckets).
+            # A lakehouse target is backfilled whole too (it compares no buckets).
             scope = ({"columns": d.bucket_columns, "bucket_count": d.buckets, "buckets": d.differing}
                      if d.keyed and d.buckets else None)
             rid = request_backfill(config, d.shape, scope, reason="reconcile")

@@ -162,8 +162,19 @@ class _ErrorCounter(logging.Handler):
         self.count += 1
 
 
-def embedded_config(base_dir: Path) -> tuple[dict, list]:
-    """Start the embedded PostgreSQL and broker; returns (config dict, things to stop)."""
+# The embedded demo's targets (`walbridge up --target`): [consumer] settings
+# from the embedded PostgreSQL and the data folder's lake.
+TARGETS = {
+    "postgresql": lambda pg, lake: {"target_dsn": pg.dsn("warehouse")},
+    "delta": lambda pg, lake: {"target": "delta", "target_path": str(lake)},
+    "iceberg": lambda pg, lake: {"target": "iceberg", "iceberg": {"catalog": "hadoop", "warehouse": str(lake)}},
+}
+
+
+def embedded_config(base_dir: Path, target: str = "postgresql") -> tuple[dict, list]:
+    """Start the embedded PostgreSQL and broker; returns (config dict, things
+    to stop). ``target``: ``"postgresql"`` (the ``warehouse`` database),
+    ``"delta"`` or ``"iceberg"`` (tables in ``<base_dir>/lake``)."""
     pg = PostgresCluster(base_dir / "pg", durable=True).start()
     broker = KafkaBroker(base_dir / "kafka").start()
     with psycopg.connect(pg.dsn("postgres"), autocommit=True) as conn:
@@ -178,8 +189,8 @@ def embedded_config(base_dir: Path) -> tuple[dict, list]:
         "source": {"dsn": pg.dsn("app"), "slot": "walbridge", "publication": "walbridge"},
         "kafka": {"bootstrap_servers": broker.bootstrap, "topic_prefix": "wb", "partitions": 4},
         "shapes": DEMO_SHAPES,
-        "consumer": {"group": "walbridge-spark", "target_dsn": pg.dsn("warehouse"),
-                     "checkpoint_dir": str(base_dir / "checkpoints")},
+        "consumer": {"group": "walbridge-spark", "checkpoint_dir": str(base_dir / "checkpoints"),
+                     **TARGETS[target](pg, base_dir / "lake")},
         # WAL is released once the Spark consumer has committed (set to [] to
         # release on broker acknowledgement instead).
         "ack": {"consumer_groups": ["walbridge-spark"], "interval": 0.5},
@@ -189,12 +200,12 @@ def embedded_config(base_dir: Path) -> tuple[dict, list]:
 
 def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: float,
            headless: bool = False, console=None, before_stop: Callable[[Config], None] | None = None,
-           with_consumer: bool = True) -> dict:
+           with_consumer: bool = True, target: str = "postgresql") -> dict:
     """Run until Ctrl-C or ``duration``; returns the last view snapshot.
     ``before_stop(config)`` runs after the pipeline stopped, while the embedded
     servers still run (tests inspect them there). Without the Spark extra
     installed, a run that would start the consumer raises ``MissingExtra``
-    before anything starts."""
+    before anything starts. ``target``: the embedded demo's (:func:`embedded_config`)."""
     if with_consumer and (config is None or config.consumer.has_target):
         spark_job()
     console = console or Console()
@@ -219,10 +230,10 @@ def run_up(config: Config | None, base_dir: Path, duration: float | None, rate: 
         if config is None:
             # A throwaway demo: each run starts from nothing (the broker keeps no
             # data across restarts, so old checkpoints and progress would not fit).
-            for sub in ("pg", "kafka", "checkpoints"):
+            for sub in ("pg", "kafka", "checkpoints", "lake"):
                 shutil.rmtree(base_dir / sub, ignore_errors=True)
             console.print(f"starting embedded PostgreSQL and Kafka broker in {base_dir} ...")
-            data, stoppables = embedded_config(base_dir)
+            data, stoppables = embedded_config(base_dir, target)
             config = parse_config(data)
         console.print(f"source {redact_dsn(config.source.dsn)} → Kafka {config.kafka.bootstrap_servers} "
                       f"(topics {config.kafka.topic_prefix}.*)")

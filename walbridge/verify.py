@@ -34,7 +34,7 @@ from schemas import buckets, wire
 from schemas.config import Config, ConfigError, ShapeConfig
 from schemas.failures import SOURCE, TARGET, attributed
 from walbridge.shape_diff import ShapeDiff
-from walbridge.verify_lake import verify_lake_shape
+from walbridge.verify_lake import lake_reader, verify_lake_shape
 
 MAX_KEYS_SHOWN = 20
 __all__ = ["ShapeDiff", "as_json", "verify", "verify_shape"]
@@ -119,10 +119,11 @@ def verify(config: Config, shapes: list[str] | None = None) -> list[ShapeDiff]:
     kind = config.consumer.target_kind
     if kind is None:
         raise ConfigError(["consumer.target_dsn: is required to verify (the database the consumer applies to), "
-                           'unless target = "delta" names a target_path'])
+                           'unless target = "delta" or "iceberg" names a lakehouse'])
     out = []
     source = _Side(SOURCE, config.source.dsn)
     target = _Side(TARGET, config.consumer.target_dsn) if kind == "postgresql" else None
+    lake = lake_reader(config) if target is None else None
     try:
         for shape in config.shapes:
             if shapes and shape.shape_name not in shapes:
@@ -132,7 +133,7 @@ def verify(config: Config, shapes: list[str] | None = None) -> list[ShapeDiff]:
                 out.append(ShapeDiff(shape.shape_name, shape.table, "-", error=f"source table {shape.table} "
                                      "does not exist"))
             elif target is None:
-                out.append(verify_lake_shape(source, config.consumer.target_path, shape, info))
+                out.append(verify_lake_shape(source, lake, shape, info))
             else:
                 out.append(verify_shape(source, target, shape, info))
     finally:

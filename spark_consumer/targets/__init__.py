@@ -6,6 +6,11 @@ interface (:class:`Target`), chosen by ``[consumer] target``
   in a PostgreSQL database; every shape of a micro-batch in one transaction.
 - ``delta`` (:mod:`spark_consumer.targets.delta`): a Delta Lake table per
   shape under ``[consumer] target_path``; one table commit per shape.
+- ``iceberg`` (:mod:`spark_consumer.targets.iceberg`): an Apache Iceberg table
+  per shape in ``[consumer.iceberg]``'s catalog; one snapshot per shape.
+
+The two lakehouse formats share their apply (:mod:`spark_consumer.targets.lake`)
+and its SQL (:mod:`spark_consumer.targets.merge_sql`).
 
 Invariants (every target):
 - A shape's progress (next offset per topic-partition, with the topic id it
@@ -29,6 +34,9 @@ from schemas.config import Config
 from spark_consumer.targets.base import ShapeBatch, Target
 from spark_consumer.targets.delta import SPARK_SETTINGS as DELTA_SPARK_SETTINGS
 from spark_consumer.targets.delta import DeltaTarget
+from spark_consumer.targets.iceberg import IcebergTarget
+from spark_consumer.targets.iceberg import spark_settings as iceberg_spark_settings
+from spark_consumer.targets.lake import Upkeep
 from spark_consumer.targets.postgresql import PostgresTarget
 
 __all__ = ["ShapeBatch", "Target", "open_target", "target_spark_settings"]
@@ -37,11 +45,19 @@ __all__ = ["ShapeBatch", "Target", "open_target", "target_spark_settings"]
 def target_spark_settings(config: Config) -> dict[str, str]:
     """The Spark settings the configured target needs at session start
     (where walbridge starts the driver)."""
-    return dict(DELTA_SPARK_SETTINGS) if config.consumer.target == "delta" else {}
+    if config.consumer.target == "delta":
+        return dict(DELTA_SPARK_SETTINGS)
+    if config.consumer.target == "iceberg":
+        return iceberg_spark_settings(config.consumer.iceberg)
+    return {}
 
 
 def open_target(config: Config, spark) -> Target:
     """The configured target (``[consumer] target``), not yet connected."""
-    if config.consumer.target == "delta":
-        return DeltaTarget(spark, config.consumer.target_path, config.consumer.on_dropped_column)
+    c = config.consumer
+    upkeep = Upkeep(c.compact_interval, c.vacuum_interval, c.vacuum_retain_hours)
+    if c.target == "delta":
+        return DeltaTarget(spark, c.target_path, c.on_dropped_column, upkeep)
+    if c.target == "iceberg":
+        return IcebergTarget(spark, c.iceberg, c.on_dropped_column, upkeep)
     return PostgresTarget(config.consumer.target_dsn, config.consumer.on_dropped_column)

@@ -57,3 +57,20 @@ def test_up_headless_flows_and_shows_real_numbers(capfd):
     # The Spark consumer applied everything: verify passes for every shape.
     assert [v["ok"] for v in last["verify"]] == [True] * len(DEMO_SHAPES), last["verify"]
     assert "walbridge verify" in text and "DIFFERENT" not in text
+
+
+def test_up_with_a_delta_target_ends_with_verify_ok():
+    """``walbridge up --target delta``: the demo (the keyless audit_log too)
+    merged into Delta tables in the data folder, verified with delta-rs."""
+    base = Path(tempfile.mkdtemp(prefix="wb-up-delta-"))
+    console = Console(record=True, width=140, file=io.StringIO())
+    try:
+        last = run_up(None, base, duration=25, rate=25, headless=True, console=console, target="delta")
+        tables = sorted(p.name for p in (base / "lake").iterdir() if not p.name.startswith("_"))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert tables == sorted(s.get("name") or s["table"] for s in DEMO_SHAPES)
+    assert last["workload_tx"] > 100
+    assert [v["ok"] for v in last["verify"]] == [True] * len(DEMO_SHAPES), last["verify"]
+    text = console.export_text()
+    assert "walbridge verify" in text and "DIFFERENT" not in text

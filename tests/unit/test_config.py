@@ -60,7 +60,12 @@ BAD = [
     (with_("consumer.target_dsn", "warehouse"), "consumer.target_dsn: is not a valid PostgreSQL connection"),
     (with_("consumer.target", "delta"), 'consumer: target = "delta" needs target_path'),
     (with_("consumer.target", "postgresql"), 'consumer: target = "postgresql" needs target_dsn'),
-    (with_("consumer.target", "iceberg"), "consumer.target: Input should be 'postgresql' or 'delta'"),
+    (with_("consumer.target", "hudi"), "consumer.target: Input should be 'postgresql', 'delta' or 'iceberg'"),
+    (with_("consumer.target", "iceberg"), 'consumer: target = "iceberg" needs a [consumer.iceberg] section'),
+    (with_("consumer.iceberg", {"catalog": "jdbc", "warehouse": "/wh"}),
+     'consumer.iceberg: catalog = "jdbc" needs catalog_dsn'),
+    (with_("consumer.iceberg", {"warehouse": "/wh", "namespace": "my cdc"}),
+     "consumer.iceberg: name and namespace must be plain identifiers"),
     (with_("consumer.target_path", "/lake"), 'consumer: target_path: is given without target = "delta"'),
 ]
 

@@ -1,6 +1,7 @@
-"""The Delta target's pure parts: the progress a commit carries, the stage's
-Arrow layout, what a cut or a completed backfill removes. (Its MERGEs run on
-real Spark and Delta in tests/integration/test_delta_target.py.)"""
+"""The lakehouse targets' pure parts: the progress a commit carries, the
+stage's Arrow layout, what a cut or a completed backfill removes, an Iceberg
+catalog's settings. (Their MERGEs run on real Spark, Delta and Iceberg in
+tests/integration/test_delta_target.py and test_iceberg_target.py.)"""
 
 from __future__ import annotations
 
@@ -14,24 +15,30 @@ import pytest
 from pyspark.sql.types import DoubleType, StructField
 
 from schemas import wire
+from schemas.config import IcebergConfig
 from spark_consumer.apply_plan import make_cut, plan_batch
 from spark_consumer.lake_progress import LakeProgress, backfill_ends_applied
 from spark_consumer.progress import Progress
 from spark_consumer.target_layout import ShapeCannotFollow
-from spark_consumer.targets.delta import (
+from spark_consumer.targets.delta import needs_mapping
+from spark_consumer.targets.iceberg import spark_settings as iceberg_settings
+from spark_consumer.targets.merge_sql import (
+    BOOKKEEPING,
     STAGE_HEAD,
+    TAKE,
     follow_changes,
     gc_condition,
-    needs_mapping,
+    keyless_table_merge,
+    marked_rows,
     shape_fields,
     special_values,
     stage_table,
     table_merge,
     tombstones_merge,
 )
-from tests.unit.test_apply_plan import keyed_target, row
+from tests.unit.test_apply_plan import keyed_target, keyless_target, lrow, row
 from walbridge.check import FAILED, Checklist, _lake, render_checks
-from walbridge.verify_lake import as_float32, same_value
+from walbridge.verify_lake import as_float32, comparable, same_value, sqlalchemy_url
 
 
 def test_a_commits_progress_reads_back_for_its_group_only():
@@ -41,6 +48,8 @@ def test_a_commits_progress_reads_back_for_its_group_only():
     assert LakeProgress.from_json(text, "g2") is None
     assert LakeProgress.from_json("written by someone else", "g1") is None
     assert LakeProgress.from_json(None, "g1") is None
+    counted = LakeProgress("t", progress, commits=7)
+    assert LakeProgress.from_json(counted.to_json("g1"), "g1").commits == 7
 
 
 def test_a_backfill_completes_once_when_its_end_reached_every_partition():
@@ -80,9 +89,10 @@ def test_a_cut_removes_its_partitions_rows_below_it_and_a_completed_backfill_eve
     assert gc_condition({}, [], "t") is None
     cond = gc_condition({1: (50, 3)}, [40], "t")
     assert "t._wb_partition = 1" in cond and "50L" in cond and "'o', 3L" in cond and "40L" in cond
-    merge = table_merge(keyed_target(), "/lake/t", "/lake/_walbridge/tombstones/t", "stage", ["n"], {1: (50, 3)})
+    merge = table_merge(keyed_target(), "delta.`/lake/t`", "delta.`/lake/_walbridge/tombstones/t`", "stage", ["n"],
+                        {1: (50, 3)})
     assert "WHEN NOT MATCHED BY SOURCE AND" in merge and "array_contains(s._wb_keep, 'n')" in merge
-    tombstones = tombstones_merge(keyed_target(), "/lake/_walbridge/tombstones/t", "stage", {1: (50, 3)})
+    tombstones = tombstones_merge(keyed_target(), "delta.`/lake/_walbridge/tombstones/t`", "stage", {1: (50, 3)})
     assert "d._wb_partition = 1" in tombstones and "t._wb" not in tombstones
 
 
@@ -121,3 +131,46 @@ def test_a_table_gains_added_columns_and_refuses_renames_retypes_and_key_changes
     retyped = [StructField(f.name, DoubleType()) if f.name == "n" else f for f in wanted]
     assert "column 'n' is double in the table" in follow_changes(target, retyped, wanted, ("id",), "keep")[1][0]
     assert follow_changes(target, wanted, wanted, ("n",), "keep")[1] == ["the key changed from (n) to (id)"]
+
+
+def test_a_keyless_batchs_takes_are_stage_rows_that_carry_only_the_taken_rows_bookkeeping():
+    target = keyless_target()
+    stage = stage_table(target, plan_batch(target, [lrow("c", 10, a=1, b="x"), lrow("d", 11, a=2, b="y", off=1)]))
+    marks = [(5, 0, 1, 9, None), (50, 0, 0, 3, "snap-1")]
+    takes = marked_rows(stage.schema, TAKE, marks, [f.name for f in BOOKKEEPING])
+    assert takes.schema == stage.schema and takes.num_rows == 2
+    rows = takes.to_pylist()
+    assert [r["_wb_kind"] for r in rows] == [TAKE, TAKE] and rows[1]["_wb_snapshot_id"] == "snap-1"
+    assert rows[0]["a"] is None and rows[0]["_wb_offset"] == 9 and rows[0]["_wb_keep"] is None
+    assert marked_rows(stage.schema, TAKE, [], ["_wb_lsn"]).num_rows == 0
+
+
+def test_a_keyless_merge_joins_on_position_so_a_snapshots_rows_never_meet_each_other():
+    merge = keyless_table_merge(keyless_target(), "delta.`/lake/log`", "src", {0: (7, 1)})
+    on = merge.split("\n")[0]
+    # Equi-join terms (no OR at the top of the condition): position, and offset for snapshot rows.
+    assert "t._wb_lsn = CASE" in on and "t._wb_op_index = s._wb_op_index" in on
+    assert "CASE WHEN t._wb_snapshot_id IS NULL THEN -1L ELSE t._wb_offset END" in on
+    assert "WHEN NOT MATCHED BY SOURCE AND" in merge and f"s._wb_kind = '{TAKE}' THEN DELETE" in merge
+
+
+def test_keyless_verify_compares_rows_as_a_multiset_with_nan_equal_to_nan():
+    rows = [(1, float("nan"), [1, 2]), (1, float("nan"), [1, 2])]
+    assert len({comparable(r) for r in rows}) == 1
+
+
+def test_an_iceberg_catalog_becomes_spark_settings_without_naming_its_password_elsewhere():
+    jdbc = IcebergConfig(catalog="jdbc", warehouse="/wh", catalog_dsn="postgresql://ice:s3cret@db:6432/cat",
+                         name="lakecat")
+    settings = iceberg_settings(jdbc)
+    assert settings["spark.sql.catalog.lakecat"] == "org.apache.iceberg.spark.SparkCatalog"
+    assert settings["spark.sql.catalog.lakecat.uri"] == "jdbc:postgresql://db:6432/cat"
+    assert settings["spark.sql.catalog.lakecat.jdbc.user"] == "ice"
+    assert settings["spark.sql.catalog.lakecat.jdbc.password"] == "s3cret"
+    assert settings["spark.sql.catalog.lakecat.warehouse"] == "file:///wh"
+    assert "IcebergSparkSessionExtensions" in settings["spark.sql.extensions"]
+    hadoop = iceberg_settings(IcebergConfig(warehouse="s3a://bucket/wh"))
+    assert hadoop["spark.sql.catalog.walbridge.type"] == "hadoop"
+    assert hadoop["spark.sql.catalog.walbridge.warehouse"] == "s3a://bucket/wh"
+    assert "s3cret" not in repr(jdbc)
+    assert sqlalchemy_url(jdbc.catalog_dsn) == "postgresql+psycopg://ice:s3cret@db:6432/cat"

@@ -1,0 +1,396 @@
+"""What every lakehouse target shares (:class:`LakeTarget`): a table per
+shape, applied by Spark SQL ``MERGE`` on the driver's session, the shape's
+progress in the commit of its rows. A format (:mod:`~spark_consumer.targets.delta`,
+:mod:`~spark_consumer.targets.iceberg`) says only where its tables are, how
+it makes one, how a commit carries a record and how its history is read,
+how it rolls a table back and keeps it up.
+
+The path of one keyed shape's batch, top to bottom:
+1. Refuse a gap, skip what progress covers, plan the rest
+   (:func:`spark_consumer.apply_plan.plan_batch`), as the PostgreSQL target.
+2. The plan's deletes (and cuts) into the shape's tombstones (per deleted
+   key, the position, partition and offset of its delete), by one MERGE
+   that only moves a key's tombstone forward and drops it when a newer
+   upsert lands. Skipped, with step 3's anti-join, while the shape has no
+   tombstone: an insert-and-update stream pays for no delete.
+3. One MERGE into the shape's table: an upsert lands where the row ranks
+   below it and no tombstone ranks at or above it, a delete removes an older
+   row, a cut removes its partition's rows below it; the commit carries the
+   shape's new progress (:class:`spark_consumer.lake_progress.LakeProgress`).
+
+A keyless shape's batch (a multiset of rows, the PostgreSQL target's rules):
+the appends that pending removals cancel and the table rows the removals
+take are read first (:func:`~spark_consumer.targets.merge_sql.keyless_cancels`,
+:func:`~spark_consumer.targets.merge_sql.keyless_takes`: the k-th removal of
+a row value takes its k-th oldest equal row, if older), then one MERGE moves
+the pending removals (the shape's tombstones table holds them: consumed ones
+out, unmatched ones in), and one MERGE into the table appends (a streamed
+append once per position) and deletes the taken rows by their bookkeeping.
+
+Upkeep: every ``compact_interval`` seconds each followed table is compacted,
+every ``vacuum_interval`` seconds what no version of the last
+``retain_hours`` needs is removed, on the apply thread after a batch: the
+consumer is the tables' only writer, so upkeep never conflicts with a MERGE,
+and the stream goes on.
+
+Invariants:
+- Every MERGE into a shape's table commits, even one that changes no row,
+  and its commit carries the record; so does a compaction's, so the newest
+  commit of the table always has it.
+- The table and its progress move in one commit: a crash before it leaves
+  neither (step 2 is idempotent: a replay plans the same tombstones), after
+  it both; a replayed range is skipped by progress.
+- A keyless shape's pending removals are not idempotent (a cancelled append
+  consumes one), so their commit carries the record the table's commit will
+  carry, and a start rolls them back to before any commit that is ahead of
+  the table's record (a crash between the two).
+- What a target does not follow yet stops the shape loudly
+  (:class:`~spark_consumer.target_layout.ShapeCannotFollow`), never a row
+  applied wrong: scoped backfill cuts, a writer schema that renames or
+  retypes a column, drops one with ``on_dropped_column = "drop"`` or changes
+  the key (:func:`~spark_consumer.targets.merge_sql.follow_changes`), a
+  special value (``infinity``) Spark's type cannot hold, a keyless removal
+  that would take a row another writer added (it has no position to delete
+  it by).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import pyarrow as pa
+from pyspark.sql import SparkSession
+from pyspark.sql.types import StructField
+
+from schemas import wire
+from spark_consumer.apply_plan import APPEND, DEFAULT_GC_CONTROLS, DELETE, REMOVE, UPSERT, ApplyPlan, plan_batch
+from spark_consumer.batch import (
+    BatchResult,
+    fill_results,
+    merge_plan_stats,
+    progress_update,
+    staged_kinds,
+    unapplied_rows,
+)
+from spark_consumer.lake_progress import LakeProgress, backfill_ends_applied
+from spark_consumer.progress import Progress
+from spark_consumer.shape_record import ShapeTarget
+from spark_consumer.target_layout import ShapeCannotFollow
+from spark_consumer.targets.base import ShapeBatch
+from spark_consumer.targets.merge_sql import (
+    BOOKKEEPING,
+    CONSUME,
+    TAKE,
+    TOMBSTONE_BOOKKEEPING,
+    Cuts,
+    ddl_columns,
+    follow_changes,
+    keyless_cancels,
+    keyless_table_merge,
+    keyless_takes,
+    literal,
+    marked_rows,
+    pending_merge,
+    shape_fields,
+    stage_table,
+    table_merge,
+    tombstones_merge,
+)
+
+log = logging.getLogger("walbridge.consumer")
+
+KEY_PROPERTY = "walbridge.key"  # table property: the shape's key columns (a JSON list) when the table was made
+HISTORY_LOOKBACK = 100  # commits read back for the progress before the whole history
+STAGE_VIEW, PENDING_VIEW = "walbridge_stage", "walbridge_pending"
+
+
+@dataclass(frozen=True)
+class Upkeep:
+    """When the target compacts and vacuums its tables (seconds; 0: never),
+    and how many hours of versions a vacuum keeps (``[consumer]
+    compact_interval``, ``vacuum_interval``, ``vacuum_retain_hours``)."""
+
+    compact_interval: float = 600.0
+    vacuum_interval: float = 86400.0
+    retain_hours: float = 168.0
+
+
+class LakeTarget:
+    """See the module docstring. A format implements the methods that raise
+    ``NotImplementedError``; ``upkeep``: when the tables are compacted and
+    vacuumed."""
+
+    format_name = "lake"  # for messages: "Delta", "Iceberg"
+
+    def __init__(self, spark: SparkSession, address: str, on_dropped_column: str = "keep",
+                 upkeep: Upkeep = Upkeep(), clock: Callable[[], float] = time.monotonic):
+        # A session of its own: the commit metadata it sets is seen by its statements only.
+        self.spark = spark.newSession()
+        self.address = address
+        self.on_dropped_column = on_dropped_column
+        self.upkeep, self.clock = upkeep, clock
+        self._followed: dict[str, ShapeTarget] = {}  # topic -> what its table has
+        self._records: dict[str, LakeProgress] = {}  # topic -> its table's record, as committed
+        # Tombstone tables that may hold a row (had files at follow, or took a
+        # delete since): only they are merged into and anti-joined against.
+        self._has_tombstones: set[str] = set()
+        self._group: str | None = None  # the consumer group whose progress the tables carry
+        start = clock()
+        self._due = {"compact": start + upkeep.compact_interval, "vacuum": start + upkeep.vacuum_interval}
+
+    # -- what a format implements
+    def table_ref(self, target: ShapeTarget) -> str:
+        """The Spark SQL reference of the shape's table."""
+        raise NotImplementedError
+
+    def tombstones_ref(self, target: ShapeTarget) -> str:
+        """The Spark SQL reference of the shape's tombstones (keyless: pending removals)."""
+        raise NotImplementedError
+
+    def _columns(self, ref: str) -> list[StructField] | None:
+        """The table's columns; None when there is no table."""
+        raise NotImplementedError
+
+    def _create(self, ref: str, fields: Sequence[StructField], properties: dict[str, str]) -> None:
+        raise NotImplementedError
+
+    def _history(self, ref: str, limit: int | None) -> list[tuple[int, str | None]]:
+        """The table's commits that make its current state, newest first:
+        (version or snapshot id, the record text it carries or None)."""
+        raise NotImplementedError
+
+    def _carrying(self, metadata: str | None) -> Iterator[None]:
+        """A context in which the session's commits carry ``metadata``."""
+        raise NotImplementedError
+
+    def _has_rows(self, ref: str) -> bool:
+        raise NotImplementedError
+
+    def _roll_back(self, ref: str, version: int) -> None:
+        """Undo the commit ``version`` and every later one."""
+        raise NotImplementedError
+
+    def _keep_up_table(self, ref: str, command: str) -> None:
+        """Run ``command`` ("compact" or "vacuum") on one table."""
+        raise NotImplementedError
+
+    # -- shared
+    def follow(self, topic: str, target: ShapeTarget) -> None:
+        """Create the shape's table and tombstones, or add the columns a new
+        writer schema brings; anything else this target cannot follow yet."""
+        wanted = shape_fields(target)
+        table = self.table_ref(target)
+        have = self._columns(table)
+        if have is None:
+            self._create(table, wanted + list(BOOKKEEPING), {KEY_PROPERTY: json.dumps(list(target.key_columns))})
+        else:
+            self._follow_columns(target, table, have, wanted)
+        tomb = self.tombstones_ref(target)
+        # Keyed: the key of each deleted row. Keyless: each pending removal's row.
+        held = [f for f in wanted if target.keyless or f.name in target.key_columns]
+        have_tomb = self._columns(tomb)
+        if have_tomb is None:
+            self._create(tomb, held + list(TOMBSTONE_BOOKKEEPING), {})
+        else:
+            if missing := [f for f in held if f.name not in {h.name for h in have_tomb}]:
+                self.spark.sql(f"ALTER TABLE {tomb} ADD COLUMNS ({ddl_columns(missing)})")
+            if self._has_rows(tomb):
+                self._has_tombstones.add(tomb)
+        self._followed[topic] = target
+
+    def _follow_columns(self, target: ShapeTarget, table: str, have: list[StructField],
+                        wanted: list[StructField]) -> None:
+        key = self.spark.sql(f"SHOW TBLPROPERTIES {table} ({literal(KEY_PROPERTY)})").collect()
+        had_key = tuple(json.loads(key[0].value)) if key and key[0].value.startswith("[") else None
+        added, problems = follow_changes(target, have, wanted, had_key, self.on_dropped_column)
+        if problems:
+            raise ShapeCannotFollow(f"shape {target.shape}: the {self.format_name} table cannot follow its writer "
+                                    "schema yet: " + "; ".join(problems))
+        if added:
+            self.spark.sql(f"ALTER TABLE {table} ADD COLUMNS ({ddl_columns(added)})")
+            log.info("shape %s: %s table %s gained columns %s", target.shape, self.format_name, table,
+                     ", ".join(f.name for f in added))
+
+    def read_progress(self, group: str) -> dict[tuple[str, int], Progress]:
+        """Each followed shape's progress: the newest commit of its table that
+        carries the group's."""
+        out: dict[tuple[str, int], Progress] = {}
+        self._group = group
+        for topic, target in self._followed.items():
+            record = self.newest_record(self.table_ref(target), group)
+            if record is not None and record.topic != topic:
+                log.warning("shape %s: the %s table's progress is for topic %s, not %s; read from the start",
+                            target.shape, self.format_name, record.topic, topic)
+                record = None
+            self._records[topic] = record or LakeProgress(topic)
+            if target.keyless:
+                self._roll_back_pending(target, group, self._records[topic].commits)
+            out.update({(topic, p): pr for p, pr in self._records[topic].partitions.items()})
+        return out
+
+    def newest_record(self, ref: str, group: str) -> LakeProgress | None:
+        for limit in (HISTORY_LOOKBACK, None):
+            commits = self._history(ref, limit)
+            for _, text in commits:
+                record = LakeProgress.from_json(text, group)
+                if record is not None:
+                    return record
+            if len(commits) < HISTORY_LOOKBACK:
+                return None
+        return None
+
+    def _roll_back_pending(self, target: ShapeTarget, group: str, commits: int) -> None:
+        """Undo pending-removal commits ahead of the table's record (a crash
+        between a batch's two commits): the batch is applied again, whole."""
+        pending = self.tombstones_ref(target)
+        ahead = [version for version, text in self._history(pending, None)
+                 if (r := LakeProgress.from_json(text, group)) is not None and r.commits > commits]
+        if ahead:
+            log.warning("shape %s: its pending removals are ahead of the table (a crash between a batch's "
+                        "commits); rolling them back to before commit %d", target.shape, ahead[-1])
+            self._roll_back(pending, ahead[-1])
+            self._has_tombstones.add(pending)
+
+    def apply(self, group: str, batches: Sequence[ShapeBatch], *, on_offset_reset: str,
+              hold: Callable[[str, str], None]) -> BatchResult:
+        result = BatchResult()
+        for b in batches:
+            try:
+                if b.follow:
+                    self.follow(b.topic, b.target)
+                self._apply_shape(group, b, result, on_offset_reset)
+            except ShapeCannotFollow as e:
+                hold(b.topic, str(e))
+                for part in b.parts:
+                    result.parts.pop(part.tp, None)
+        self._keep_up()
+        return result
+
+    def _keep_up(self) -> None:
+        """Compact, or vacuum, every followed table when due (module docstring)."""
+        intervals = {"compact": self.upkeep.compact_interval, "vacuum": self.upkeep.vacuum_interval}
+        for command, interval in intervals.items():
+            if not interval or self.clock() < self._due[command]:
+                continue
+            started = time.monotonic()
+            for topic, target in self._followed.items():
+                record = self._records.get(topic)
+                with self._carrying(record.to_json(self._group) if record and self._group else None):
+                    for ref in (self.table_ref(target), self.tombstones_ref(target)):
+                        self._keep_up_table(ref, command)
+            log.info("%s: %s of %d shapes' tables took %.1fs", self.format_name, command, len(self._followed),
+                     time.monotonic() - started)
+            self._due[command] = self.clock() + interval
+
+    def _apply_shape(self, group: str, b: ShapeBatch, result: BatchResult, on_offset_reset: str) -> None:
+        target, parts = b.target, b.parts
+        record = self._records.setdefault(b.topic, LakeProgress(b.topic))
+        committed = record.partitions
+        progress = {part.tp: committed[part.partition].for_incarnation(part.topic_id)
+                    if part.partition in committed else Progress(part.start) for part in parts}
+        existed = {part.tp for part in parts if part.partition in committed}
+        todo_rows, floors = unapplied_rows(parts, progress, existed, result, on_gap="raise",
+                                           on_offset_reset=on_offset_reset)
+        plan = plan_batch(target, todo_rows, floors=floors, gc_controls=DEFAULT_GC_CONTROLS, fields=parts[0].fields)
+        if plan.scoped_cuts:
+            raise ShapeCannotFollow(f"shape {target.shape}: a scoped backfill reached the {self.format_name} "
+                                    "target, which does not apply scoped backfills yet")
+        merge_plan_stats(result, plan)
+        result.controls.extend(plan.controls)
+        backfills, collected = backfill_ends_applied(record.backfills, plan.backfill_ends)
+        cuts = {p: c.position for p, c in plan.cuts.items()}
+        staged = staged_kinds(plan)
+        updates = {}
+        for part in parts:
+            st = plan.stats.get(part.tp)
+            _, p, nxt, applied, floor, topic_id = progress_update(part, progress[part.tp], result.parts[part.tp],
+                                                                  st.max_position if st else None,
+                                                                  plan.cuts.get(part.partition))
+            updates[p] = Progress(nxt, applied, floor, topic_id)
+        new_record = LakeProgress(b.topic, {**committed, **updates}, backfills, record.commits + 1)
+        if target.keyless:
+            applied_counts = self._merge_keyless(target, plan, cuts, collected, new_record.to_json(group))
+        else:
+            self._merge(target, plan, cuts, collected, new_record.to_json(group))
+            applied_counts = {"upserted": Counter({p: c[UPSERT] for p, c in staged.items()}),
+                              "tombstoned": Counter({p: c[DELETE] for p, c in staged.items()})}
+        fill_results(result.parts, b.topic, staged, applied_counts)
+        self._records[b.topic] = new_record
+
+    def _merge(self, target: ShapeTarget, plan: ApplyPlan, cuts: Cuts, collected: Sequence[int], metadata: str
+               ) -> None:
+        """Steps 2 and 3 of the module docstring."""
+        self.spark.createDataFrame(stage_table(target, plan)).createOrReplaceTempView(STAGE_VIEW)
+        tomb = self.tombstones_ref(target)
+        if any(t[len(target.columns)] == DELETE for t in plan.stage_rows):
+            self._has_tombstones.add(tomb)
+        if tomb in self._has_tombstones:
+            self.spark.sql(tombstones_merge(target, tomb, STAGE_VIEW, cuts, collected)).collect()
+        keep = sorted({c for ks in plan.keep_sets for c in (ks or ())})
+        with self._carrying(metadata):
+            self.spark.sql(table_merge(target, self.table_ref(target), tomb if tomb in self._has_tombstones else None,
+                                       STAGE_VIEW, keep, cuts, collected)).collect()
+
+    def _merge_keyless(self, target: ShapeTarget, plan: ApplyPlan, cuts: Cuts, collected: Sequence[int],
+                       metadata: str) -> dict[str, Counter]:
+        """A keyless batch (module docstring): what pending removals cancel and
+        what removals take, read first; then the pending removals' commit and
+        the table's, both with the record. Counts per outcome and partition."""
+        stage = stage_table(target, plan)
+        stage = stage.append_column(wire.SEQ_COLUMN, pa.array(range(stage.num_rows), pa.int64()))
+        self.spark.createDataFrame(stage).createOrReplaceTempView(STAGE_VIEW)
+        table, pending = self.table_ref(target), self.tombstones_ref(target)
+        kinds = stage.column(wire.KIND_COLUMN).to_pylist()
+        parts = stage.column(wire.PARTITION_COLUMN).to_pylist()
+        cancels = [tuple(r) for r in self.spark.sql(keyless_cancels(target, pending, STAGE_VIEW)).collect()] \
+            if APPEND in kinds and pending in self._has_tombstones else []
+        takes = [tuple(r) for r in self.spark.sql(keyless_takes(target, table, STAGE_VIEW)).collect()] \
+            if REMOVE in kinds else []
+        if any(t[1] is None or t[2] is None for t in takes):
+            raise ShapeCannotFollow(f"shape {target.shape}: a removed row equals a row of the {self.format_name} "
+                                    "table that has no position (another writer added it): it cannot be told "
+                                    "apart; reconcile the shape")
+        cancelled = {t[0] for t in cancels}
+        taken = {t[0] for t in takes}
+        out = {name: Counter() for name in ("appended", "cancelled", "deleted", "tombstoned")}
+        for i, (kind, p) in enumerate(zip(kinds, parts)):
+            if kind == APPEND:
+                out["cancelled" if i in cancelled else "appended"][p] += 1
+            else:
+                out["deleted" if i in taken else "tombstoned"][p] += 1
+        appends = pa.array([(k == APPEND and i not in cancelled) for i, k in enumerate(kinds)])
+        unmatched = pa.array([(k == REMOVE and i not in taken) for i, k in enumerate(kinds)])
+        pending_source = pa.concat_tables([stage.filter(unmatched), marked_rows(
+            stage.schema, CONSUME, [t[1:] for t in cancels], [wire.LSN_COLUMN, wire.OP_INDEX_COLUMN])])
+        table_source = pa.concat_tables([stage.filter(appends), marked_rows(
+            stage.schema, TAKE, [t[1:] for t in takes], [f.name for f in BOOKKEEPING])])
+        with self._carrying(metadata):
+            if pending_source.num_rows or ((cuts or collected) and pending in self._has_tombstones):
+                self._has_tombstones.add(pending)
+                self.spark.createDataFrame(pending_source).createOrReplaceTempView(PENDING_VIEW)
+                self.spark.sql(pending_merge(target, pending, PENDING_VIEW, cuts, collected)).collect()
+            self.spark.createDataFrame(table_source).createOrReplaceTempView(STAGE_VIEW)
+            self.spark.sql(keyless_table_merge(target, table, STAGE_VIEW, cuts, collected)).collect()
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+@contextmanager
+def session_setting(spark: SparkSession, key: str, value: str | None) -> Iterator[None]:
+    """``key`` set to ``value`` in the session for the block (None: left unset)."""
+    if value is None:
+        yield
+        return
+    spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        spark.conf.unset(key)

@@ -1,0 +1,214 @@
+"""A keyless (REPLICA IDENTITY FULL, no primary key) shape on each lakehouse
+target (Delta Lake, Apache Iceberg in a Hadoop catalog), batch by batch on
+real Spark: the PostgreSQL target's multiset rules (duplicates, a removal
+taking one equal row, a removal that waits for its row from another
+partition, a replayed append landing once), a crash between a batch's
+pending-removals commit and its table commit, and upkeep between batches.
+Tables are read back with each format's own reader (delta-rs, pyiceberg),
+not Spark."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, QueryBuilder
+from pyiceberg.table import StaticTable
+
+from schemas import wire
+from schemas.config import IcebergConfig
+from spark_consumer.batch import Part
+from spark_consumer.session import spark_session
+from spark_consumer.targets import delta, iceberg, lake
+from spark_consumer.targets.base import ShapeBatch
+from spark_consumer.targets.delta import DeltaTarget
+from spark_consumer.targets.iceberg import IcebergTarget
+from tests.unit.test_apply_plan import TOPIC, keyless_target, lrow
+
+GROUP = "g-keyless"
+CATALOG = "lakeapply"
+
+
+@pytest.fixture(scope="module")
+def warehouse(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("iceberg-warehouse")
+
+
+@pytest.fixture(scope="module")
+def spark(warehouse):
+    ice = iceberg.spark_settings(IcebergConfig(warehouse=str(warehouse), name=CATALOG))
+    settings = {**delta.SPARK_SETTINGS, **ice,
+                "spark.sql.extensions": f"{delta.SPARK_SETTINGS['spark.sql.extensions']},{iceberg.EXTENSIONS}"}
+    session = spark_session("local[2]", target_settings=settings)
+    yield session
+    session.stop()
+
+
+class Lake:
+    """One format's targets in a test's own place, and its rows as the
+    format's own reader reads them."""
+
+    def __init__(self, kind: str, spark, tmp_path: Path, warehouse: Path):
+        self.kind, self.spark = kind, spark
+        self.root = str(tmp_path / "lake")
+        self.namespace = "ns_" + re.sub(r"\W", "_", tmp_path.name)[-40:]
+        self.warehouse = warehouse
+
+    def target(self, **kwargs) -> lake.LakeTarget:
+        if self.kind == "delta":
+            return DeltaTarget(self.spark, self.root, **kwargs)
+        return IcebergTarget(self.spark, IcebergConfig(warehouse=str(self.warehouse), name=CATALOG,
+                                                       namespace=self.namespace), **kwargs)
+
+    def rows(self, which: str = "table") -> Counter:
+        if self.kind == "delta":
+            path = f"{self.root}/log" if which == "table" else f"{self.root}/{delta.TOMBSTONES_DIR}/log"
+            data = pa.table(QueryBuilder().register("t", DeltaTable(path)).execute("SELECT a, b FROM t").read_all())
+        else:
+            data = self.iceberg_table(which).scan(selected_fields=("a", "b")).to_arrow()
+        return Counter((r["a"], r["b"]) for r in data.to_pylist())
+
+    def iceberg_table(self, which: str = "table"):
+        ns = self.namespace + ("" if which == "table" else iceberg.TOMBSTONES_SUFFIX)
+        found = sorted((int(re.search(r"v(\d+)", f.name).group(1)), f)
+                       for f in (self.warehouse / ns / "log" / "metadata").glob("v*.metadata.json"))
+        return StaticTable.from_metadata(str(found[-1][1]))
+
+    def newest(self) -> tuple[str, str | None]:
+        """The table's newest commit: (operation, the record it carries)."""
+        if self.kind == "delta":
+            h = DeltaTable(f"{self.root}/log").history()[0]
+            return h["operation"], h.get("userMetadata")
+        snap = self.iceberg_table().current_snapshot()
+        return snap.summary.operation.value, snap.summary.get(wire.ICEBERG_PROGRESS_PROPERTY)
+
+    def data_files(self) -> int:
+        if self.kind == "delta":
+            return len(DeltaTable(f"{self.root}/log").file_uris())
+        return self.iceberg_table().inspect.files().num_rows
+
+
+@pytest.fixture(params=["delta", "iceberg"])
+def lakes(request, spark, tmp_path, warehouse) -> Lake:
+    return Lake(request.param, spark, tmp_path, warehouse)
+
+
+class Feed:
+    """Batches of one keyless shape's topic (two partitions), offsets counted per partition."""
+
+    def __init__(self, target: lake.LakeTarget):
+        self.target, self.shape = target, keyless_target()
+        self.next = {0: 0, 1: 0}
+        self.held: list[str] = []
+
+    def row(self, op, lsn, p=0, snap=None, **values):
+        r = lrow(op, lsn, p=p, off=self.next[p], **values)
+        r["_wb_snapshot_id"] = snap
+        self.next[p] += 1
+        return r
+
+    def apply(self, rows, start=None, follow=False):
+        parts = []
+        for p in (0, 1):
+            mine = [r for r in rows if r["_wb_partition"] == p]
+            if mine:
+                first = start[p] if start else mine[0]["_wb_offset"]
+                parts.append(Part(TOPIC, p, first, mine[-1]["_wb_offset"] + 1, mine))
+        return self.target.apply(GROUP, [ShapeBatch(TOPIC, self.shape, parts, follow)], on_offset_reset="raise",
+                                 hold=lambda topic, why: self.held.append(why))
+
+
+def started(lakes: Lake, **kwargs) -> tuple[lake.LakeTarget, Feed]:
+    target = lakes.target(**kwargs)
+    feed = Feed(target)
+    target.follow(TOPIC, feed.shape)
+    target.read_progress(GROUP)
+    return target, feed
+
+
+def test_a_keyless_shape_is_a_multiset_of_rows(lakes):
+    _, feed = started(lakes)
+    # A snapshot with a row three times (its rows share the snapshot's position).
+    feed.apply([feed.row("r", 50, a=1, b="x", snap="s1") for _ in range(3)] + [feed.row("r", 50, a=2, b="y",
+                                                                                         snap="s1")])
+    assert lakes.rows() == Counter({(1, "x"): 3, (2, "y"): 1})
+    # A delete takes one of the equal rows; an update replaces its old row.
+    feed.apply([feed.row("d", 100, a=1, b="x"), feed.row("u", 101, a=2, b="z", before={"a": 2, "b": "y"}),
+                feed.row("c", 102, a=3, b="w"), feed.row("c", 103, a=3, b="w")])
+    assert lakes.rows() == Counter({(1, "x"): 2, (2, "z"): 1, (3, "w"): 2})
+    # A removal on partition 1 ahead of its row (an older insert on partition
+    # 0, in a later batch) waits, then cancels that insert; a newer equal insert lands.
+    feed.apply([feed.row("d", 200, p=1, a=5, b="q")])
+    assert lakes.rows("pending") == Counter({(5, "q"): 1}) and (5, "q") not in lakes.rows()
+    result = feed.apply([feed.row("c", 150, a=5, b="q"), feed.row("c", 250, a=5, b="q")])
+    assert lakes.rows()[(5, "q")] == 1 and lakes.rows("pending") == Counter()
+    assert sum(r.cancelled for r in result.parts.values()) == 1
+    # Deleting every copy; a restart reads the progress and skips the replayed range.
+    feed.apply([feed.row("d", 300, a=3, b="w"), feed.row("d", 301, a=3, b="w")])
+    assert (3, "w") not in lakes.rows()
+    _, again = started(lakes)
+    replay = [lrow("c", 102, off=6, a=3, b="w")]  # offset 6 of partition 0: applied before
+    again.next = dict(feed.next)
+    again.apply(replay + [again.row("c", 400, a=6, b="v")], start={0: 6, 1: again.next[1]})
+    assert lakes.rows() == Counter({(1, "x"): 2, (2, "z"): 1, (5, "q"): 1, (6, "v"): 1})
+    assert not feed.held and not again.held
+
+
+def test_a_crash_between_the_pending_and_the_table_commit_is_rolled_back(lakes, monkeypatch):
+    """The append cancelled by a pending removal consumes it in the pending
+    commit; the crash comes before the table commit. The next start rolls
+    the pending removals back, and the batch applied again cancels the append
+    again (without the roll-back it would land: a row the source does not have)."""
+    _, feed = started(lakes)
+    feed.apply([feed.row("c", 10, a=1, b="kept")])
+    feed.apply([feed.row("d", 300, p=1, a=7, b="k")])
+    assert lakes.rows("pending") == Counter({(7, "k"): 1})
+    older = feed.row("c", 280, a=7, b="k")
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("killed between the commits")
+
+    with monkeypatch.context() as m:
+        m.setattr(lake, "keyless_table_merge", crash)
+        with pytest.raises(RuntimeError, match="between the commits"):
+            feed.apply([older])
+    assert lakes.rows("pending") == Counter()  # the pending commit landed, the table's did not
+    _, again = started(lakes)
+    assert lakes.rows("pending") == Counter({(7, "k"): 1})
+    again.apply([older])
+    assert lakes.rows() == Counter({(1, "kept"): 1}) and lakes.rows("pending") == Counter()
+    assert '"commits":3' in lakes.newest()[1]
+
+
+def test_compaction_and_vacuum_between_batches_change_no_row(lakes):
+    """Many small commits, then the upkeep the target runs between batches
+    when due: compaction leaves fewer files and the same rows, its commit
+    (or the one after it) carries the record; a vacuum keeping no history
+    leaves the rows and the progress as they were."""
+    now = [0.0]
+    target, feed = started(lakes, upkeep=lake.Upkeep(60, 120, 0), clock=lambda: now[0])
+    for i in range(6):
+        feed.apply([feed.row("c", 10 + i, a=i, b="x"), feed.row("c", 10 + i, p=1, a=i, b="y")])
+    feed.apply([feed.row("d", 100, a=2, b="x")])
+    before = lakes.rows()
+    files = lakes.data_files()
+    assert files >= 6
+    now[0] = 61  # compaction due after the next batch
+    feed.apply([feed.row("c", 200, a=9, b="z")])
+    assert lakes.data_files() < files
+    assert lakes.rows() == before + Counter({(9, "z"): 1})
+    assert '"commits":8' in lakes.newest()[1]  # the record, on the newest commit again
+    now[0] = 121  # vacuum due (and compaction again)
+    feed.apply([feed.row("c", 300, a=10, b="z")])
+    assert lakes.rows() == before + Counter({(9, "z"): 1, (10, "z"): 1})
+    if lakes.kind == "delta":  # the files no version needs are gone
+        parquet = list(Path(lakes.root, "log").glob("*.parquet"))
+        assert len(parquet) == lakes.data_files()
+    else:  # the snapshots before the newest are expired
+        assert len(lakes.iceberg_table().snapshots()) == 1
+    # The progress is still the newest commit's record.
+    again, _ = started(lakes)
+    assert again.read_progress(GROUP) == target.read_progress(GROUP)
