@@ -123,8 +123,8 @@ def verify(config: Config, shapes: list[str] | None = None) -> list[ShapeDiff]:
     out = []
     source = _Side(SOURCE, config.source.dsn)
     target = _Side(TARGET, config.consumer.target_dsn) if kind == "postgresql" else None
-    lake = lake_reader(config) if target is None else None
     try:
+        lake = lake_reader(config) if target is None else None  # no reader installed: the connections close
         for shape in config.shapes:
             if shapes and shape.shape_name not in shapes:
                 continue

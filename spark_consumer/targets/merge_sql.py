@@ -118,10 +118,10 @@ def table_merge(target: ShapeTarget, table: str, tombstones: str | None, stage: 
     return "\n".join(sql + inserts_and_gc(UPSERT, cols, gc))
 
 
-def inserts_and_gc(kind: str, cols: Sequence[str], gc: str | None) -> list[str]:
-    """A table MERGE's last clauses: rows of ``kind`` no table row matched
-    are inserted; the rows ``gc`` names go, matched or not."""
-    clauses = [f"WHEN MATCHED AND ({gc}) THEN DELETE"] if gc else []
+def inserts_and_gc(kind: str, cols: Sequence[str], gc: str | None, gc_matched: bool = True) -> list[str]:
+    """A MERGE's last clauses: rows of ``kind`` no table row matched are
+    inserted; the rows ``gc`` names go (matched ones too, with ``gc_matched``)."""
+    clauses = [f"WHEN MATCHED AND ({gc}) THEN DELETE"] if gc and gc_matched else []
     clauses.append(f"WHEN NOT MATCHED AND s.{wire.KIND_COLUMN} = '{kind}' THEN INSERT ({', '.join(cols)}) "
                    f"VALUES ({', '.join('s.' + c for c in cols)})")
     if gc:
@@ -140,12 +140,8 @@ def tombstones_merge(target: ShapeTarget, tombstones: str, stage: str, cuts: Cut
     sets = ", ".join(f"{quote(f.name)} = s.{quote(f.name)}" for f in TOMBSTONE_BOOKKEEPING)
     sql = [f"MERGE INTO {tombstones} d USING {stage} s ON {key_eq(target, 'd', 's')}",
            f"WHEN MATCHED AND s.{wire.KIND_COLUMN} = '{DELETE}' AND {d_rank} < {s_rank} THEN UPDATE SET {sets}",
-           f"WHEN MATCHED AND s.{wire.KIND_COLUMN} = '{UPSERT}' AND {d_rank} < {s_rank} THEN DELETE",
-           f"WHEN NOT MATCHED AND s.{wire.KIND_COLUMN} = '{DELETE}' THEN INSERT ({', '.join(cols)}) "
-           f"VALUES ({', '.join('s.' + c for c in cols)})"]
-    if gc:
-        sql.append(f"WHEN NOT MATCHED BY SOURCE AND ({gc}) THEN DELETE")
-    return "\n".join(sql)
+           f"WHEN MATCHED AND s.{wire.KIND_COLUMN} = '{UPSERT}' AND {d_rank} < {s_rank} THEN DELETE"]
+    return "\n".join(sql + inserts_and_gc(DELETE, cols, gc, gc_matched=False))
 
 
 def same_row(target: ShapeTarget, a: str, b: str) -> str:
@@ -219,12 +215,8 @@ def pending_merge(target: ShapeTarget, pending: str, source: str, cuts: Cuts | N
     cols = [quote(c) for c in target.names] + [quote(f.name) for f in TOMBSTONE_BOOKKEEPING]
     sql = [f"MERGE INTO {pending} d USING {source} s ON d.{wire.LSN_COLUMN} = s.{wire.LSN_COLUMN} "
            f"AND d.{wire.OP_INDEX_COLUMN} = s.{wire.OP_INDEX_COLUMN}",
-           f"WHEN MATCHED AND s.{wire.KIND_COLUMN} = '{CONSUME}' THEN DELETE",
-           f"WHEN NOT MATCHED AND s.{wire.KIND_COLUMN} = '{REMOVE}' THEN INSERT ({', '.join(cols)}) "
-           f"VALUES ({', '.join('s.' + c for c in cols)})"]
-    if gc:
-        sql.append(f"WHEN NOT MATCHED BY SOURCE AND ({gc}) THEN DELETE")
-    return "\n".join(sql)
+           f"WHEN MATCHED AND s.{wire.KIND_COLUMN} = '{CONSUME}' THEN DELETE"]
+    return "\n".join(sql + inserts_and_gc(REMOVE, cols, gc, gc_matched=False))
 
 
 def marked_rows(schema: pa.Schema, kind: str, marks: Sequence[tuple], names: Sequence[str]) -> pa.Table:
