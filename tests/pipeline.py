@@ -47,6 +47,26 @@ def delete_rows(dsn: str, done: threading.Event) -> None:
                          " ORDER BY random() LIMIT 2)")
 
 
+def create_items(dsn: str) -> None:
+    """The typed table of the lakehouse tests: numeric, date, timestamptz,
+    bytea, int[] and a column named with a space, 50 rows."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute('CREATE TABLE items (id int PRIMARY KEY, "body text" text, n numeric(10,2), d date,'
+                     " at timestamptz, raw bytea, tags int[])")
+        conn.execute("INSERT INTO items SELECT g, 'row ' || g, g / 4.0, date '2026-01-01' + g,"
+                     " timestamptz '2026-01-01 00:00:00+00' + g * interval '1 minute', decode('beef', 'hex'),"
+                     " ARRAY[g, g + 1] FROM generate_series(1, 50) g")
+
+
+def change_items(dsn: str) -> None:
+    """Ten updates, ten deletes and the insert of row 100 ('new', 1.25, 2026-02-03, b'x', [7])."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE items SET \"body text\" = 'changed', n = 99.99 WHERE id <= 10")
+        conn.execute("DELETE FROM items WHERE id > 40")
+        conn.execute("INSERT INTO items VALUES (100, 'new', 1.25, '2026-02-03', '2026-02-03 04:05:06+00',"
+                     " 'x', '{7}')")
+
+
 def pgbench(dsn: str, *args: str) -> None:
     subprocess.run([str(find_pg_bin() / "pgbench"), *args, dsn], check=True, capture_output=True)
 

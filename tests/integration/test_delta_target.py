@@ -18,7 +18,16 @@ from deltalake import DeltaTable, QueryBuilder, write_deltalake
 
 from schemas.config import parse_config
 from tests.helpers import ConsumerProcess, ConsumerThread, ProducerThread, make_config, wait_for, write_toml
-from tests.pipeline import SHAPES, caught_up, delete_rows, pgbench, prepare_source, topic_ends
+from tests.pipeline import (
+    SHAPES,
+    caught_up,
+    change_items,
+    create_items,
+    delete_rows,
+    pgbench,
+    prepare_source,
+    topic_ends,
+)
 from walbridge.reconcile import reconcile
 from walbridge.verify import verify
 
@@ -141,12 +150,7 @@ def test_types_and_a_restart_apply_each_change_once(source_db, kafka_broker, top
     """Decimal, timestamp, date, bytea, array and text columns (a name with a
     space: column mapping) round-trip into Delta; after a consumer restart the
     table still equals the source (replays skipped by the commit's progress)."""
-    with psycopg.connect(source_db, autocommit=True) as conn:
-        conn.execute('CREATE TABLE items (id int PRIMARY KEY, "body text" text, n numeric(10,2), d date,'
-                     " at timestamptz, raw bytea, tags int[])")
-        conn.execute("INSERT INTO items SELECT g, 'row ' || g, g / 4.0, date '2026-01-01' + g,"
-                     " timestamptz '2026-01-01 00:00:00+00' + g * interval '1 minute', decode('beef', 'hex'),"
-                     " ARRAY[g, g + 1] FROM generate_series(1, 50) g")
+    create_items(source_db)
     shapes = [{"table": "public.items"}]
     cfg = lake_config(source_db, kafka_broker.bootstrap, topic_prefix, tmp_path, shapes)
     query = ('SELECT id, "body text", n, d, at, raw, tags FROM items', "id")
@@ -156,11 +160,7 @@ def test_types_and_a_restart_apply_each_change_once(source_db, kafka_broker, top
                      interval=2, what="items in Delta", explain=lambda: "\n".join(lake_differences(
                          cfg, {"public.items": query})))
             assert not consumer.errors
-        with psycopg.connect(source_db, autocommit=True) as conn:
-            conn.execute("UPDATE items SET \"body text\" = 'changed', n = 99.99 WHERE id <= 10")
-            conn.execute("DELETE FROM items WHERE id > 40")
-            conn.execute("INSERT INTO items VALUES (100, 'new', 1.25, '2026-02-03', '2026-02-03 04:05:06+00',"
-                         " 'x', '{7}')")
+        change_items(source_db)
         with ConsumerThread(cfg) as consumer:
             wait_for(lambda: not lake_differences(cfg, {"public.items": query}) or consumer.errors, timeout=240,
                      interval=2, what="items in Delta after the restart",

@@ -18,7 +18,16 @@ from pyiceberg.catalog.sql import SqlCatalog
 from schemas import wire
 from schemas.config import parse_config
 from tests.helpers import ConsumerProcess, ConsumerThread, ProducerThread, make_config, wait_for, write_toml
-from tests.pipeline import SHAPES, caught_up, delete_rows, pgbench, prepare_source, topic_ends
+from tests.pipeline import (
+    SHAPES,
+    caught_up,
+    change_items,
+    create_items,
+    delete_rows,
+    pgbench,
+    prepare_source,
+    topic_ends,
+)
 from walbridge.verify import verify
 from walbridge.verify_lake import lake_reader, sqlalchemy_url
 
@@ -119,12 +128,7 @@ def test_a_jdbc_catalog_on_postgresql_holds_typed_rows_across_a_restart(source_d
     catalog_db = f"icecat_{topic_prefix}".lower()[:63]
     with psycopg.connect(pg_cluster.dsn("postgres"), autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {catalog_db}")
-    with psycopg.connect(source_db, autocommit=True) as conn:
-        conn.execute('CREATE TABLE items (id int PRIMARY KEY, "body text" text, n numeric(10,2), d date,'
-                     " at timestamptz, raw bytea, tags int[])")
-        conn.execute("INSERT INTO items SELECT g, 'row ' || g, g / 4.0, date '2026-01-01' + g,"
-                     " timestamptz '2026-01-01 00:00:00+00' + g * interval '1 minute', decode('beef', 'hex'),"
-                     " ARRAY[g, g + 1] FROM generate_series(1, 50) g")
+    create_items(source_db)
     cfg = iceberg_config(source_db, kafka_broker.bootstrap, topic_prefix, tmp_path,
                          {"catalog": "jdbc", "catalog_dsn": pg_cluster.dsn(catalog_db), "name": "wbjdbc"},
                          shapes=[{"table": "public.items"}])
@@ -133,11 +137,7 @@ def test_a_jdbc_catalog_on_postgresql_holds_typed_rows_across_a_restart(source_d
             wait_for(lambda: not differences(cfg) or consumer.errors, timeout=240, interval=2,
                      what="items in Iceberg", explain=lambda: "\n".join(differences(cfg)))
             assert not consumer.errors, consumer.errors
-        with psycopg.connect(source_db, autocommit=True) as conn:
-            conn.execute("UPDATE items SET \"body text\" = 'changed', n = 99.99 WHERE id <= 10")
-            conn.execute("DELETE FROM items WHERE id > 40")
-            conn.execute("INSERT INTO items VALUES (100, 'new', 1.25, '2026-02-03', '2026-02-03 04:05:06+00',"
-                         " 'x', '{7}')")
+        change_items(source_db)
         with ConsumerThread(cfg) as consumer:
             wait_for(lambda: not differences(cfg) or consumer.errors, timeout=240, interval=2,
                      what="items in Iceberg after the restart", explain=lambda: "\n".join(differences(cfg)))
