@@ -155,7 +155,9 @@ ERROR_COLUMN = "_wb_error"
 BEFORE_COLUMN = "_wb_before"
 BEFORE_SPECIAL_COLUMN = "_wb_before_special"
 APPLIED_AT_COLUMN = "_wb_applied_at"  # target tables: the applying transaction's start
-ROW_COLUMN = "_wb_row"  # a keyless shape's pending removals: the removed row as text
+ROW_COLUMN = "_wb_row"  # a keyless shape's removals: the removed row as text
+# A keyless removal's take: the rank (position, streamed) of the row it took, NULL while it waits.
+TOOK_COLUMNS = ("_wb_took_lsn", "_wb_took_op_index", "_wb_took_streamed")
 # A staged plan row's kind and kept columns (spark_consumer.staging).
 KIND_COLUMN = "_wb_kind"
 KEEP_COLUMN = "_wb_keep"

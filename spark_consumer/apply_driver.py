@@ -82,7 +82,7 @@ def apply_shapes(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
             todo_rows, floors = unapplied_rows(parts, progress, existed, result, on_gap=on_gap,
                                                on_offset_reset=on_offset_reset)
             fields = parts[0].fields
-            plan = plan_batch(target, todo_rows, floors=floors, gc_controls=gc, fields=fields)
+            plan = plan_batch(target, todo_rows, floors=floors, gc_controls=gc, fields=fields, keyless_pairs=False)
             merge_plan_stats(result, plan)
             result.controls.extend(plan.controls)
             if plan.stage_rows or plan.cuts or plan.scoped_cuts:

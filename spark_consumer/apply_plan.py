@@ -379,13 +379,16 @@ def _row_tuples(target: ShapeTarget, rows: Iterable, fields: Sequence[str] | Non
 
 def plan_batch(target: ShapeTarget, rows: Iterable, *,
                floors: Mapping[int, Position] | None = None,
-               gc_controls: Iterable[str] = DEFAULT_GC_CONTROLS, fields: Sequence[str] | None = None) -> ApplyPlan:
+               gc_controls: Iterable[str] = DEFAULT_GC_CONTROLS, fields: Sequence[str] | None = None,
+               keyless_pairs: bool = True) -> ApplyPlan:
     """Plan one micro-batch of one shape. ``rows``: Mappings (a row's fields by
     name) or, with ``fields``, sequences whose items ``fields`` names (e.g. one
     tuple per row of decode.py's columns, which is the fast form: nothing is
     copied). ``floors``: per partition, the highest cut already applied
     (changes below it are dropped). ``gc_controls``: control events that cut
-    their partition at their position."""
+    their partition at their position. ``keyless_pairs``: a keyless removal
+    and an older equal append of the batch both vanish here; off for a target
+    that keeps every removal with what it took (:mod:`spark_consumer.multiset`)."""
     gc = frozenset(gc_controls)
     floor_of = {int(p): tuple(f) for p, f in (floors or {}).items() if f is not None}
     cols = _Columns(target)
@@ -529,7 +532,7 @@ def plan_batch(target: ShapeTarget, rows: Iterable, *,
     if limits:
         data = [t for t in data if not gone(t)]
     if keyless:
-        out = _plan_keyless(data, n, stat)
+        out = _plan_keyless(data, n, stat) if keyless_pairs else data
     else:
         out = _plan_keyed(target, data, n, stat)
     keep_sets = sorted({tuple(t[n + _KEEP] or ()) for t in out if t[n + _KIND] == UPSERT})

@@ -38,6 +38,7 @@ from schemas import wire
 from schemas.buckets import SESSION_SETTINGS, in_scope
 from spark_consumer.apply_plan import DELETE, UPSERT, ApplyPlan, Cut, Position
 from spark_consumer.batch import BackfillGC
+from spark_consumer.multiset import Candidate, Taker, pair
 from spark_consumer.shape_record import ShapeTarget
 from spark_consumer.staging import STAGED_BOOKKEEPING, copy_rows
 from spark_consumer.target_layout import APPLIED_AT, BOOKKEEPING_COLUMNS, table_ident, tombstones_ident
@@ -226,60 +227,68 @@ def _insert_columns(target: ShapeTarget) -> tuple[sql.Composable, sql.Composable
 
 
 def _apply_keyless(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier) -> dict[str, Counter]:
+    """Appends and removals of whole rows (:mod:`spark_consumer.multiset` says
+    which equal row a removal takes). Every removal is kept in the tombstones:
+    waiting for its row (took NULL), or with the rank of the row it took."""
     t, tb = table_ident(target), tombstones_ident(target)
-    names = target.names
     all_cols, s_cols = _insert_columns(target)
-    out: dict[str, Counter] = {"cancelled": Counter()}
+    sc, tc = _content(target, "s"), _content(target, "t")
+    took = sql.SQL(", ").join(sql.Identifier(c) for c in wire.TOOK_COLUMNS)
+    out: dict[str, Counter] = {"cancelled": Counter(), "deleted": Counter(), "tombstoned": Counter()}
 
-    def content(alias: str) -> sql.Composable:
-        return sql.SQL("ROW({})::text").format(sql.SQL(", ").join(
-            sql.SQL("{}.{}").format(sql.Identifier(alias), sql.Identifier(c)) for c in names))
-
-    # An append whose removal came first (an earlier batch, another partition:
-    # its pending removal waits in the tombstones) never lands: the k-th
-    # append of a row value (by position) meets the k-th pending removal of
-    # it, if the append is the older.
-    if cur.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {})").format(tb)).fetchone()[0]:
-        out["cancelled"] = Counter(dict(cur.execute(sql.SQL(
-            "WITH a AS (SELECT s.ctid AS sid, {sc} AS c, {srank} AS rank, "
-            "  row_number() OVER (PARTITION BY {sc} ORDER BY {srank}, s._wb_partition, "
-            "  s._wb_offset) AS rn FROM {s} AS s WHERE s._wb_kind = 'a' AND {sc} IN (SELECT _wb_row FROM {tb})), "
-            "r AS (SELECT tb.ctid AS rid, tb._wb_row AS c, {tbrank} AS rank, "
-            "  row_number() OVER (PARTITION BY tb._wb_row ORDER BY tb._wb_lsn, tb._wb_op_index) AS rn "
-            "  FROM {tb} AS tb WHERE tb._wb_row IN (SELECT c FROM a)), "
-            "m AS (SELECT a.sid, r.rid FROM a JOIN r ON r.c = a.c AND r.rn = a.rn WHERE a.rank < r.rank), "
-            "gone AS (DELETE FROM {tb} AS tb USING m WHERE tb.ctid = m.rid), "
-            "took AS (DELETE FROM {s} AS s USING m WHERE s.ctid = m.sid RETURNING s._wb_partition AS p) "
-            "SELECT p, count(*) FROM took GROUP BY p"
-        ).format(sc=content("s"), s=stage, tb=tb, srank=_rank("s"), tbrank=_rank("tb", change=True))).fetchall()))
-    # Appends first: a removal later in the batch (on any partition) may target them.
+    # Staged appends that a kept removal takes: its row, which arrived after
+    # it (waiting removal), or a re-read copy of the row it took.
+    appends = [Candidate(ctid, c, tuple(rank), (p, off), not streamed) for ctid, c, *rank, streamed, p, off in cur.execute(
+        sql.SQL("SELECT s.ctid, {sc}, {rank}, s._wb_snapshot_id IS NULL, s._wb_partition, s._wb_offset FROM {s} AS s "
+                "WHERE s._wb_kind = 'a' AND {sc} IN (SELECT tb._wb_row FROM {tb} AS tb)").format(
+            sc=sc, rank=_rank_columns("s"), s=stage, tb=tb)).fetchall()]
+    if appends:
+        kept = [Taker((lsn, opi), c, (lsn, opi, True), None if tl is None else (tl, to, ts))
+                for c, lsn, opi, tl, to, ts in cur.execute(sql.SQL(
+                    "SELECT _wb_row, _wb_lsn, _wb_op_index, {took} FROM {tb} WHERE _wb_row = ANY(%s)").format(
+                        took=took, tb=tb), (list({a.content for a in appends}),)).fetchall()]
+        taken = pair(kept, appends)
+        if taken:
+            moved = [(k, c) for k, c in taken.items()]
+            cur.execute(sql.SQL(
+                "UPDATE {tb} AS tb SET ({took}) = (m.l, m.o, m.st) FROM unnest(%s::bigint[], %s::bigint[], "
+                "%s::bigint[], %s::bigint[], %s::boolean[]) AS m(rl, ro, l, o, st) "
+                "WHERE (tb._wb_lsn, tb._wb_op_index) = (m.rl, m.ro)").format(tb=tb, took=took),
+                ([k[0] for k, _ in moved], [k[1] for k, _ in moved], [c.rank[0] for _, c in moved],
+                 [c.rank[1] for _, c in moved], [c.rank[2] for _, c in moved]))
+            out["cancelled"] = _counts(cur, sql.SQL(
+                "DELETE FROM {s} AS s WHERE s.ctid = ANY(%s::tid[]) RETURNING s._wb_partition").format(s=stage),
+                ([c.id for c in taken.values()],))
+    # Appends first: a removal later in the batch (on any partition) may take them.
     out["appended"] = _counts(cur, sql.SQL(
         "INSERT INTO {t} AS t ({cols}) SELECT {s_cols} FROM {s} AS s WHERE s._wb_kind = 'a' "
         "ON CONFLICT (_wb_lsn, _wb_op_index) WHERE _wb_snapshot_id IS NULL DO NOTHING RETURNING t._wb_partition"
     ).format(t=t, cols=all_cols, s_cols=s_cols, s=stage))
-    # The k-th removal of a row value (by position) takes the k-th oldest equal
-    # target row, if that row is older than the removal; a removal that takes
-    # none waits in the tombstones for its row.
-    out["deleted"], out["tombstoned"] = Counter(), Counter()
-    for outcome, p, n in cur.execute(sql.SQL(
-        "WITH r AS (SELECT {sc} AS c, s._wb_lsn, s._wb_op_index, s._wb_partition, s._wb_offset, "
-        "  row_number() OVER (PARTITION BY {sc} ORDER BY s._wb_lsn, s._wb_op_index, s._wb_partition, s._wb_offset) AS rn "
-        "  FROM {s} AS s WHERE s._wb_kind = 'x'), "
-        "cand AS (SELECT t.ctid AS tid, {tc} AS c, {trank} AS rank, "
-        "  row_number() OVER (PARTITION BY {tc} ORDER BY {trank}, t._wb_partition, t._wb_offset) AS rn "
-        "  FROM {t} AS t WHERE {tc} IN (SELECT c FROM r)), "
-        "m AS (SELECT cand.tid, r.c, r.rn, r._wb_partition FROM r JOIN cand ON cand.c = r.c AND cand.rn = r.rn "
-        "  WHERE cand.rank < {rrank}), "
-        "del AS (DELETE FROM {t} AS t USING m WHERE t.ctid = m.tid RETURNING m._wb_partition AS p), "
-        "pend AS (INSERT INTO {tb} (_wb_row, _wb_lsn, _wb_op_index, _wb_partition, _wb_offset) "
-        "  SELECT r.c, r._wb_lsn, r._wb_op_index, r._wb_partition, r._wb_offset FROM r "
-        "  WHERE NOT EXISTS (SELECT 1 FROM m WHERE m.c = r.c AND m.rn = r.rn) "
-        "  ON CONFLICT DO NOTHING RETURNING _wb_partition AS p) "
-        "SELECT 'deleted', p, count(*) FROM del GROUP BY p "
-        "UNION ALL SELECT 'tombstoned', p, count(*) FROM pend GROUP BY p"
-    ).format(sc=content("s"), tc=content("t"), s=stage, t=t, tb=tb, trank=_rank("t"),
-             rrank=_rank("r", change=True))).fetchall():
-        out[outcome][p] = n
+    removals = cur.execute(sql.SQL(
+        "SELECT {sc}, s._wb_lsn, s._wb_op_index, s._wb_partition, s._wb_offset FROM {s} AS s "
+        "WHERE s._wb_kind = 'x' AND NOT EXISTS (SELECT 1 FROM {tb} AS tb "  # kept: applied before (a replay)
+        "  WHERE (tb._wb_lsn, tb._wb_op_index) = (s._wb_lsn, s._wb_op_index))").format(
+            sc=sc, s=stage, tb=tb)).fetchall()
+    if not removals:
+        return out
+    rows = [Candidate(ctid, c, tuple(rank), (p, off)) for ctid, c, *rank, p, off in cur.execute(sql.SQL(
+        "SELECT t.ctid, {tc}, {rank}, t._wb_partition, t._wb_offset FROM {t} AS t WHERE {tc} = ANY(%s)").format(
+            tc=tc, rank=_rank_columns("t"), t=t), (list({r[0] for r in removals}),)).fetchall()]
+    taken = pair((Taker((lsn, opi), c, (lsn, opi, True)) for c, lsn, opi, _, _ in removals), rows)
+    gone = [(taken[(lsn, opi)].id, p) for _, lsn, opi, p, _ in removals if (lsn, opi) in taken]
+    if gone:
+        out["deleted"] = _counts(cur, sql.SQL(
+            "DELETE FROM {t} AS t USING unnest(%s::tid[], %s::int[]) AS m(tid, p) WHERE t.ctid = m.tid "
+            "RETURNING m.p").format(t=t), ([g[0] for g in gone], [g[1] for g in gone]))
+    took_of = [taken.get((lsn, opi)) for _, lsn, opi, _, _ in removals]
+    out["tombstoned"] = Counter(dict(cur.execute(sql.SQL(
+        "WITH kept AS (INSERT INTO {tb} (_wb_row, _wb_lsn, _wb_op_index, _wb_partition, _wb_offset, {took}) "
+        "SELECT * FROM unnest(%s::text[], %s::bigint[], %s::bigint[], %s::int[], %s::bigint[], %s::bigint[], "
+        "%s::bigint[], %s::boolean[]) RETURNING _wb_partition AS p, {first} IS NULL AS waiting) "
+        "SELECT p, count(*) FROM kept WHERE waiting GROUP BY p").format(
+            tb=tb, took=took, first=sql.Identifier(wire.TOOK_COLUMNS[0])),
+        (*(list(col) for col in zip(*removals)), [c and c.rank[0] for c in took_of],
+         [c and c.rank[1] for c in took_of], [c and c.rank[2] for c in took_of])).fetchall()))
     return out
 
 
@@ -387,6 +396,18 @@ def _counts(cur: psycopg.Cursor, query: sql.Composable, params: Sequence = ()) -
     """Run ``WITH x AS (<dml> RETURNING <partition>) SELECT partition, count(*)``."""
     wrapped = sql.SQL("WITH x(p) AS ({}) SELECT p, count(*) FROM x GROUP BY p").format(query)
     return Counter({p: n for p, n in cur.execute(wrapped, params).fetchall()})
+
+
+def _content(target: ShapeTarget, a: str) -> sql.Composable:
+    """A keyless row's whole content as text (``wire.ROW_COLUMN``'s form)."""
+    return sql.SQL("ROW({})::text").format(sql.SQL(", ").join(
+        sql.SQL("{}.{}").format(sql.Identifier(a), sql.Identifier(c)) for c in target.names))
+
+
+def _rank_columns(a: str) -> sql.Composable:
+    """:func:`_rank`'s three parts as columns (a :data:`multiset.Rank`)."""
+    return sql.SQL("coalesce({a}._wb_lsn, -1), coalesce({a}._wb_op_index, -1), {a}._wb_snapshot_id IS NULL").format(
+        a=sql.Identifier(a))
 
 
 def _key_eq(target: ShapeTarget, a: str, b: str) -> sql.Composable:

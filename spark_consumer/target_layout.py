@@ -26,13 +26,16 @@ Layout in the target database
   key is ignored. Tombstones of a partition below a cut (TRUNCATE,
   ``snapshot_end``, ``backfill_end``; a scoped one: only in its scope) go with
   the cut; :func:`spark_consumer.statements.gc_tombstones` drops others.
-- The same table of a keyless shape holds its pending removals: ``_wb_row``
-  (the removed row as ``ROW(columns)::text``) and the removal's position,
-  partition and offset, primary key ``(_wb_lsn, _wb_op_index)``. A removal
-  that finds no equal target row older than itself waits there for its row
+- The same table of a keyless shape holds its removals: ``_wb_row`` (the
+  removed row as ``ROW(columns)::text``, hash-indexed), the removal's
+  position, partition and offset, primary key ``(_wb_lsn, _wb_op_index)``, and
+  the rank of the row it took (``wire.TOOK_COLUMNS``). A removal that finds no
+  equal target row older than itself waits there (took NULL) for its row
   (appended by an older change on another partition, in a later batch), which
-  it then cancels; unscoped cuts of its partition and a completed unscoped
-  backfill drop it (its row, below the cut, is gone too).
+  it then cancels. A removal that took a row stays to take a later re-read
+  copy of it instead (:mod:`spark_consumer.multiset`). Unscoped cuts of its
+  partition and a completed unscoped backfill drop both kinds (their rows,
+  below the cut, are gone too).
 
 Invariants:
 - :func:`ensure_table` creates what is missing and makes an existing table
@@ -124,7 +127,7 @@ def ensure_table(conn: psycopg.Connection, target: ShapeTarget, on_dropped_colum
             conn.execute(sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} (_wb_lsn, _wb_op_index) "
                                  "WHERE _wb_snapshot_id IS NULL").format(
                 sql.Identifier(_short_name(target.table, "__wb_pos")), table_ident(target)))
-            # Pending removals: the whole row, one per removal's position.
+            # Removals: the whole row, one per removal's position, and what it took.
             lead = [sql.SQL("{} text NOT NULL").format(sql.Identifier(wire.ROW_COLUMN))]
             pk = [sql.Identifier(wire.LSN_COLUMN), sql.Identifier(wire.OP_INDEX_COLUMN)]
         else:
@@ -135,6 +138,13 @@ def ensure_table(conn: psycopg.Connection, target: ShapeTarget, on_dropped_colum
         defs.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(pk)))
         conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
             tombstones_ident(target), sql.SQL(", ").join(defs)))
+        if target.keyless:  # tables of earlier versions lack what a removal took
+            for name, typ in zip(wire.TOOK_COLUMNS, ("bigint", "bigint", "boolean")):
+                conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
+                    tombstones_ident(target), sql.Identifier(name), sql.SQL(typ)))
+            conn.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} USING hash ({})").format(
+                sql.Identifier(_short_name(target.tombstone_table, "__wb_row")), tombstones_ident(target),
+                sql.Identifier(wire.ROW_COLUMN)))
 
 
 def _follow(conn: psycopg.Connection, target: ShapeTarget, types: list[str], on_dropped: OnDropped) -> bool:

@@ -127,12 +127,18 @@ def test_table_created_from_avro_schema(conn, items):
     assert conn.execute("SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = "
                         "'app.items'::regclass AND attname = 'extra'").fetchone()[0] == "bigint"
     # Undotted names go to public; keyless tables get the position index, and tombstones that hold rows
-    # (pending removals).
+    # (removals, with what they took); a table of an earlier version gains the took columns.
     ensure_table(conn, log_target())
     assert conn.execute("SELECT to_regclass('public.eventlog') IS NOT NULL").fetchone()[0]
-    assert conn.execute("SELECT array_agg(attname::text ORDER BY attnum) FROM pg_attribute WHERE attrelid = "
-                        "'public.eventlog__wb_tombstones'::regclass AND attnum > 0").fetchone()[0] == [
-        "_wb_row", "_wb_lsn", "_wb_op_index", "_wb_partition", "_wb_offset", "_wb_applied_at"]
+    tombstone_columns = lambda: conn.execute(
+        "SELECT array_agg(attname::text ORDER BY attnum) FROM pg_attribute WHERE attrelid = "
+        "'public.eventlog__wb_tombstones'::regclass AND attnum > 0 AND NOT attisdropped").fetchone()[0]
+    assert tombstone_columns() == ["_wb_row", "_wb_lsn", "_wb_op_index", "_wb_partition", "_wb_offset",
+                                   "_wb_applied_at", "_wb_took_lsn", "_wb_took_op_index", "_wb_took_streamed"]
+    conn.execute("ALTER TABLE eventlog__wb_tombstones DROP COLUMN _wb_took_lsn, DROP COLUMN _wb_took_op_index, "
+                 "DROP COLUMN _wb_took_streamed")
+    ensure_table(conn, log_target())
+    assert tombstone_columns()[-3:] == ["_wb_took_lsn", "_wb_took_op_index", "_wb_took_streamed"]
     assert conn.execute("SELECT indexdef FROM pg_indexes WHERE tablename = 'eventlog'").fetchone()[0].endswith(
         "(_wb_lsn, _wb_op_index) WHERE (_wb_snapshot_id IS NULL)")
 
@@ -504,7 +510,7 @@ def test_keyless_append_dedupe_and_removals(conn):
         lchange("d", 200, p=0, off=4, a=1, b="same"),
         lchange("u", 201, p=1, off=4, a=3, b="y", before={"a": 2, "b": "x"}),
         lchange("c", 202, p=0, off=5, a=4, b="z"), lchange("d", 203, p=1, off=5, a=4, b="z")]))
-    assert res.total("deleted") == 2 and res.total("appended") == 1
+    assert res.total("deleted") == 3 and res.total("appended") == 2  # 202 lands, 203 takes it
     assert count() == [(1, "same", 3), (2, "x", 1), (3, "y", 1)]
     # An older-positioned removal finds nothing older than itself: it waits for its row (see below).
     res = apply_batch(conn, GROUP, t, parts_from_rows([lchange("d", 90, p=0, off=6, a=2, b="x")]))
@@ -529,7 +535,7 @@ def test_a_keyless_removal_that_comes_before_its_row_waits_for_it(conn):
     ensure_table(conn, t)
     rows = lambda: conn.execute("SELECT a, b FROM eventlog ORDER BY a").fetchall()
     pending = lambda: conn.execute("SELECT _wb_row, _wb_lsn, _wb_partition FROM eventlog__wb_tombstones "
-                                   "ORDER BY _wb_lsn").fetchall()
+                                   "WHERE _wb_took_lsn IS NULL ORDER BY _wb_lsn").fetchall()
     res = apply_batch(conn, GROUP, t, parts_from_rows([
         lchange("u", 201, p=1, off=0, a=3, b="y", before={"a": 2, "b": "x"}),
         lchange("d", 300, p=1, off=1, a=5, b="z"),
@@ -546,9 +552,46 @@ def test_a_keyless_removal_that_comes_before_its_row_waits_for_it(conn):
     # Replayed at new offsets (the producer re-sent them): nothing twice.
     res = apply_batch(conn, GROUP, t, parts_from_rows([lchange("d", 310, p=1, off=3, a=6, b="w")]))
     assert res.total("tombstoned") == 0 and pending() == [("(6,w)", 310, 1)]
-    # A cut of its partition takes a pending removal below it (its row, below the cut, is gone too).
+    # The removals that cancelled their rows are kept with what they took.
+    assert conn.execute("SELECT _wb_lsn, _wb_took_lsn, _wb_took_streamed FROM eventlog__wb_tombstones "
+                        "WHERE _wb_took_lsn IS NOT NULL ORDER BY 1").fetchall() == [(201, 100, True), (300, 290, True)]
+    # A cut of its partition takes the removals below it (their rows, below the cut, are gone too).
     res = apply_batch(conn, GROUP, t, parts_from_rows([lchange("t", 400, p=1, off=4)]))
-    assert res.parts[("wb.eventlog", 1)].tombstones_dropped == 1 and pending() == []
+    assert res.parts[("wb.eventlog", 1)].tombstones_dropped == 3 and pending() == []
+
+
+def keyless_backfill_end(lsn, *, off, rows):
+    end = lchange(None, lsn, off=off)
+    end.update({"_wb_control": "backfill_end", "_wb_snapshot_id": "bf1", "_wb_control_info": json.dumps(
+        {"backfill_id": "bf1", "shape": "eventlog", "lsn": lsn, "partitions": 1, "rows": rows, "scope": None})})
+    return end
+
+
+@pytest.mark.parametrize("order", ["re-read copy first", "removal first", "removal in the append's batch"])
+def test_a_keyless_removal_after_a_backfill_start_takes_the_re_read_copy(conn, order):
+    # The source holds (1,v) twice and (2,w) once; a backfill re-reads them at
+    # 500; after 500 one (1,v) and the (2,w) are removed. However the re-read
+    # copies and the removals interleave, the backfill's end leaves one (1,v).
+    t = log_target()
+    ensure_table(conn, t)
+    before = [lchange("c", 100, off=0, a=1, b="v"), lchange("c", 110, off=1, a=1, b="v")]
+    old_w = [lchange("c", 120, off=2, a=2, b="w")]
+    reread = [lchange("r", 500, off=0, a=1, b="v", snap="bf1"), lchange("r", 500, off=0, a=1, b="v", snap="bf1"),
+              lchange("r", 500, off=0, a=2, b="w", snap="bf1")]
+    removals = [lchange("d", 600, off=0, a=1, b="v"), lchange("d", 610, off=0, a=2, b="w")]
+    if order == "re-read copy first":
+        batches = [before + old_w, reread, removals]
+    elif order == "removal first":
+        batches = [before + old_w, removals, reread]
+    else:
+        batches = [before, old_w + removals, reread]
+    off = 0
+    for batch in batches:
+        for r in batch:
+            r["_wb_offset"], off = off, off + 1
+        apply_batch(conn, GROUP, t, parts_from_rows(batch))
+    apply_batch(conn, GROUP, t, parts_from_rows([keyless_backfill_end(500, off=off, rows=3)]))
+    assert conn.execute("SELECT a, b, _wb_lsn FROM eventlog").fetchall() == [(1, "v", 500)]
 
 
 # ----------------------------------------------------------------- throughput

@@ -223,6 +223,13 @@ def test_keyless_appends_and_removals():
     assert total == 5
 
 
+def test_keyless_pairs_off_leaves_every_append_and_removal_to_the_target():
+    rows = [lrow("c", 10, a=1, b="x", off=0), lrow("d", 12, a=1, b="x", off=1)]
+    plan = plan_batch(keyless_target(), rows, keyless_pairs=False)
+    assert [(r.kind, r.values, r.position) for r in plan.rows] == [(APPEND, (1, "x"), (10, 0)),
+                                                                   (REMOVE, (1, "x"), (12, 0))]
+
+
 def test_a_keyless_update_without_an_old_row_only_appends():
     # Written while the table had a key (the producer re-reads a table that loses it): no row to remove.
     plan = plan_batch(keyless_target(), [lrow("u", 14, a=2, b="new")])
