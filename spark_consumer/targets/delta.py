@@ -9,8 +9,10 @@ Layout
   columns ``_wb_lsn``, ``_wb_op_index`` (the position of the change that wrote
   the row), ``_wb_partition``, ``_wb_offset`` (where that change was in Kafka)
   and ``_wb_snapshot_id``. It holds exactly the live rows. Column mapping (by
-  name) only where a column's name needs it (:func:`needs_mapping`): not every
-  Delta reader follows it.
+  name) only where a column's name needs it (:func:`needs_mapping`) or the
+  shape renames or drops a column: not every Delta reader follows it. A
+  widened column is rewritten (one commit), not type-widened: delta-rs
+  refuses Delta's type widening feature.
 - ``<target_path>/_walbridge/tombstones/<shape>``: the shape's tombstones, or
   (keyless) its pending removals.
 - The progress of the shape's topic: the ``userMetadata`` of the table's
@@ -32,6 +34,7 @@ from contextlib import AbstractContextManager
 from typing import Callable, Sequence
 
 from pyspark.sql import SparkSession
+from pyspark.sql.functions import expr
 from pyspark.sql.types import StructField
 
 from spark_consumer.shape_record import ShapeTarget
@@ -49,12 +52,19 @@ SKIP_EMPTY_COMMITS = "spark.databricks.delta.skipRecordingEmptyCommits"  # true 
 RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"  # refuses a VACUUM under 7 days
 DELTA_MIN_RETAIN_HOURS = 168
 TOMBSTONES_DIR = "_walbridge/tombstones"
+# Column mapping, turned on where a name needs it or the shape renames or drops a column.
+COLUMN_MAPPING = {"delta.columnMapping.mode": "name", "delta.minReaderVersion": "2", "delta.minWriterVersion": "5"}
 _MAPPED_CHARS = " ,;{}()\n\t="  # what Delta refuses in a column name without column mapping
 
 
 def ref(path: str) -> str:
     """The Spark SQL reference of the Delta table at ``path``."""
     return f"delta.{quote(path)}"
+
+
+def path_of(table: str) -> str:
+    """The path of the Delta table whose Spark SQL reference is ``table``."""
+    return table[len("delta.`"):-1].replace("``", "`")
 
 
 def needs_mapping(name: str) -> bool:
@@ -104,11 +114,29 @@ class DeltaTarget(LakeTarget):
     def _create(self, table: str, fields: Sequence[StructField], properties: dict[str, str]) -> None:
         props = dict(properties)
         if any(needs_mapping(f.name) for f in fields):
-            props.update({"delta.columnMapping.mode": "name", "delta.minReaderVersion": "2",
-                          "delta.minWriterVersion": "5"})
+            props.update(COLUMN_MAPPING)
         tblprops = " TBLPROPERTIES (" + ", ".join(f"{literal(k)} = {literal(v)}" for k, v in props.items()) + ")" \
             if props else ""
         self.spark.sql(f"CREATE TABLE IF NOT EXISTS {table} ({ddl_columns(fields)}) USING delta{tblprops}")
+
+    def _allow_renames(self, table: str) -> None:
+        have = {r.key: r.value for r in self.spark.sql(f"SHOW TBLPROPERTIES {table}").collect()}
+        wanted = {k: v for k, v in COLUMN_MAPPING.items()
+                  if have.get(k) != v and not (k.startswith("delta.min") and int(have.get(k, 0)) >= int(v))}
+        if wanted:
+            self.spark.sql(f"ALTER TABLE {table} SET TBLPROPERTIES ("
+                           + ", ".join(f"{literal(k)} = {literal(v)}" for k, v in wanted.items()) + ")")
+
+    def _retype(self, target: ShapeTarget, table: str, widened: Sequence[StructField],
+                retyped: Sequence[StructField]) -> None:
+        """Rewrite the table with the new types, in one commit (Delta's own
+        type widening is a reader feature delta-rs and others refuse); a value
+        that does not cast is NULL until the shape's re-read brings it."""
+        new = {f.name: f.dataType.simpleString() for f in (*widened, *retyped)}
+        rows = self.spark.table(table)
+        rows.select(*(expr(f"try_cast({quote(c)} AS {new[c]})").alias(c) if c in new else rows[c]
+                      for c in rows.columns)).write \
+            .format("delta").mode("overwrite").option("overwriteSchema", "true").save(path_of(table))
 
     def _history(self, table: str, limit: int | None) -> list[tuple[int, str | None]]:
         rows = self.spark.sql(f"DESCRIBE HISTORY {table}" + (f" LIMIT {limit}" if limit else "")).select(

@@ -18,14 +18,14 @@ The path of one keyed shape's batch, top to bottom:
    row, a cut removes its partition's rows below it; the commit carries the
    shape's new progress (:class:`spark_consumer.lake_progress.LakeProgress`).
 
-A keyless shape's batch (a multiset of rows, the PostgreSQL target's rules):
-the appends that pending removals cancel and the table rows the removals
-take are read first (:func:`~spark_consumer.targets.merge_sql.keyless_cancels`,
-:func:`~spark_consumer.targets.merge_sql.keyless_takes`: the k-th removal of
-a row value takes its k-th oldest equal row, if older), then one MERGE moves
-the pending removals (the shape's tombstones table holds them: consumed ones
-out, unmatched ones in), and one MERGE into the table appends (a streamed
-append once per position) and deletes the taken rows by their bookkeeping.
+A keyless shape's batch (a multiset of rows, the PostgreSQL target's rules,
+:mod:`spark_consumer.multiset`): which batch appends the kept removals take
+and which row (of the table, or an append of the batch) each removal takes
+are read first (:func:`~spark_consumer.targets.merge_sql.equal_rows`, paired
+on the driver); then one MERGE into the shape's tombstones table, which keeps
+every removal with the rank of what it took, and one MERGE into the table
+that appends (a streamed append once per position) and deletes the taken
+rows by their bookkeeping.
 
 Upkeep: every ``compact_interval`` seconds each followed table is compacted,
 every ``vacuum_interval`` seconds what no version of the last
@@ -40,10 +40,10 @@ Invariants:
 - The table and its progress move in one commit: a crash before it leaves
   neither (step 2 is idempotent: a replay plans the same tombstones), after
   it both; a replayed range is skipped by progress.
-- A keyless shape's pending removals are not idempotent (a cancelled append
-  consumes one), so their commit carries the record the table's commit will
-  carry, and a start rolls them back to before any commit that is ahead of
-  the table's record (a crash between the two).
+- A keyless shape's kept removals are not idempotent (taking an append
+  moves what one took), so their commit carries the record the table's
+  commit will carry, and a start rolls them back to before any commit that
+  is ahead of the table's record (a crash between the two).
 - What a target does not follow yet stops the shape loudly
   (:class:`~spark_consumer.target_layout.ShapeCannotFollow`), never a row
   applied wrong: scoped backfill cuts, a writer schema that renames or
@@ -66,6 +66,7 @@ from typing import Callable, Iterator, Sequence
 
 import pyarrow as pa
 from pyspark.sql import SparkSession
+from pyspark.sql.pandas.types import to_arrow_type
 from pyspark.sql.types import StructField
 
 from schemas import wire
@@ -79,24 +80,26 @@ from spark_consumer.batch import (
     unapplied_rows,
 )
 from spark_consumer.lake_progress import LakeProgress, backfill_ends_applied
+from spark_consumer.multiset import Candidate, Taker, pair
 from spark_consumer.progress import Progress
 from spark_consumer.shape_record import ShapeTarget
 from spark_consumer.target_layout import ShapeCannotFollow
 from spark_consumer.targets.base import ShapeBatch
 from spark_consumer.targets.merge_sql import (
     BOOKKEEPING,
-    CONSUME,
+    MOVE,
     TAKE,
     TOMBSTONE_BOOKKEEPING,
+    TOOK,
     Cuts,
     ddl_columns,
+    equal_rows,
     follow_changes,
-    keyless_cancels,
     keyless_table_merge,
-    keyless_takes,
     literal,
     marked_rows,
     pending_merge,
+    quote,
     shape_fields,
     stage_table,
     table_merge,
@@ -182,40 +185,74 @@ class LakeTarget:
 
     # -- shared
     def follow(self, topic: str, target: ShapeTarget) -> None:
-        """Create the shape's table and tombstones, or add the columns a new
-        writer schema brings; anything else this target cannot follow yet."""
+        """Create the shape's table and tombstones, or make them follow a new
+        writer schema (:func:`~spark_consumer.targets.merge_sql.follow_changes`);
+        what this target cannot follow stops the shape."""
         wanted = shape_fields(target)
         table = self.table_ref(target)
         have = self._columns(table)
         if have is None:
             self._create(table, wanted + list(BOOKKEEPING), {KEY_PROPERTY: json.dumps(list(target.key_columns))})
         else:
-            self._follow_columns(target, table, have, wanted)
+            key = self.spark.sql(f"SHOW TBLPROPERTIES {table} ({literal(KEY_PROPERTY)})").collect()
+            had_key = tuple(json.loads(key[0].value)) if key and key[0].value.startswith("[") else None
+            self._follow_columns(target, table, have, wanted, had_key)
         tomb = self.tombstones_ref(target)
-        # Keyed: the key of each deleted row. Keyless: each pending removal's row.
+        # Keyed: the key of each deleted row. Keyless: each removal's row, and what it took.
         held = [f for f in wanted if target.keyless or f.name in target.key_columns]
+        held += list(TOOK) if target.keyless else []
         have_tomb = self._columns(tomb)
         if have_tomb is None:
             self._create(tomb, held + list(TOMBSTONE_BOOKKEEPING), {})
         else:
-            if missing := [f for f in held if f.name not in {h.name for h in have_tomb}]:
-                self.spark.sql(f"ALTER TABLE {tomb} ADD COLUMNS ({ddl_columns(missing)})")
+            self._follow_columns(target, tomb, have_tomb, held)
             if self._has_rows(tomb):
                 self._has_tombstones.add(tomb)
         self._followed[topic] = target
 
-    def _follow_columns(self, target: ShapeTarget, table: str, have: list[StructField],
-                        wanted: list[StructField]) -> None:
-        key = self.spark.sql(f"SHOW TBLPROPERTIES {table} ({literal(KEY_PROPERTY)})").collect()
-        had_key = tuple(json.loads(key[0].value)) if key and key[0].value.startswith("[") else None
-        added, problems = follow_changes(target, have, wanted, had_key, self.on_dropped_column)
-        if problems:
+    def _follow_columns(self, target: ShapeTarget, ref: str, have: list[StructField], wanted: list[StructField],
+                        had_key: tuple[str, ...] | None = None) -> None:
+        steps = follow_changes(target, have, wanted, had_key, self.on_dropped_column)
+        if steps.problems:
             raise ShapeCannotFollow(f"shape {target.shape}: the {self.format_name} table cannot follow its writer "
-                                    "schema yet: " + "; ".join(problems))
-        if added:
-            self.spark.sql(f"ALTER TABLE {table} ADD COLUMNS ({ddl_columns(added)})")
-            log.info("shape %s: %s table %s gained columns %s", target.shape, self.format_name, table,
-                     ", ".join(f.name for f in added))
+                                    "schema yet: " + "; ".join(steps.problems))
+        if not steps:
+            return
+        if steps.renamed or steps.dropped:
+            self._allow_renames(ref)
+        for old, new in steps.renamed:
+            self.spark.sql(f"ALTER TABLE {ref} RENAME COLUMN {quote(old)} TO {quote(new)}")
+        if steps.dropped:
+            self.spark.sql(f"ALTER TABLE {ref} DROP COLUMNS ({', '.join(quote(c) for c in steps.dropped)})")
+        if steps.widened or steps.retyped:
+            self._retype(target, ref, steps.widened, steps.retyped)
+        if steps.added:
+            self.spark.sql(f"ALTER TABLE {ref} ADD COLUMNS ({ddl_columns(steps.added)})")
+        if had_key is not None and had_key != target.key_columns:  # a key column renamed
+            self.spark.sql(f"ALTER TABLE {ref} SET TBLPROPERTIES ({literal(KEY_PROPERTY)} = "
+                           f"{literal(json.dumps(list(target.key_columns)))})")
+        log.info("shape %s: %s table %s follows its writer schema: %s", target.shape, self.format_name, ref,
+                 "; ".join(filter(None, (
+                     ", ".join(f"{o} renamed to {n}" for o, n in steps.renamed),
+                     ", ".join(f"{c} dropped" for c in steps.dropped),
+                     ", ".join(f"{f.name} retyped to {f.dataType.simpleString()}"
+                               for f in steps.widened + steps.retyped),
+                     ", ".join(f"{f.name} added" for f in steps.added)))))
+
+    def _allow_renames(self, ref: str) -> None:
+        """Let the table's columns be renamed and dropped (a format whose
+        tables need a feature for it turns it on)."""
+
+    def _retype(self, target: ShapeTarget, ref: str, widened: Sequence[StructField],
+                retyped: Sequence[StructField]) -> None:
+        """Give columns their new types: ``widened`` keeping every value
+        (in place), ``retyped`` where the format can (this one cannot)."""
+        if retyped:
+            raise ShapeCannotFollow(f"shape {target.shape}: the {self.format_name} table cannot retype "
+                                    + ", ".join(f"column {f.name!r} to {f.dataType.simpleString()}" for f in retyped)
+                                    + " in place")
+        for f in widened:
+            self.spark.sql(f"ALTER TABLE {ref} ALTER COLUMN {quote(f.name)} TYPE {f.dataType.simpleString()}")
 
     def read_progress(self, group: str) -> dict[tuple[str, int], Progress]:
         """Each followed shape's progress: the newest commit of its table that
@@ -297,7 +334,8 @@ class LakeTarget:
         existed = {part.tp for part in parts if part.partition in committed}
         todo_rows, floors = unapplied_rows(parts, progress, existed, result, on_gap="raise",
                                            on_offset_reset=on_offset_reset)
-        plan = plan_batch(target, todo_rows, floors=floors, gc_controls=DEFAULT_GC_CONTROLS, fields=parts[0].fields)
+        plan = plan_batch(target, todo_rows, floors=floors, gc_controls=DEFAULT_GC_CONTROLS, fields=parts[0].fields,
+                          keyless_pairs=False)
         if plan.scoped_cuts:
             raise ShapeCannotFollow(f"shape {target.shape}: a scoped backfill reached the {self.format_name} "
                                     "target, which does not apply scoped backfills yet")
@@ -339,37 +377,64 @@ class LakeTarget:
 
     def _merge_keyless(self, target: ShapeTarget, plan: ApplyPlan, cuts: Cuts, collected: Sequence[int],
                        metadata: str) -> dict[str, Counter]:
-        """A keyless batch (module docstring): what pending removals cancel and
-        what removals take, read first; then the pending removals' commit and
-        the table's, both with the record. Counts per outcome and partition."""
+        """A keyless batch (module docstring): who takes what, read first; then
+        the kept removals' commit and the table's, both with the record.
+        Counts per outcome and partition."""
         stage = stage_table(target, plan)
         stage = stage.append_column(wire.SEQ_COLUMN, pa.array(range(stage.num_rows), pa.int64()))
         self.spark.createDataFrame(stage).createOrReplaceTempView(STAGE_VIEW)
         table, pending = self.table_ref(target), self.tombstones_ref(target)
         kinds = stage.column(wire.KIND_COLUMN).to_pylist()
-        parts = stage.column(wire.PARTITION_COLUMN).to_pylist()
-        cancels = [tuple(r) for r in self.spark.sql(keyless_cancels(target, pending, STAGE_VIEW)).collect()] \
-            if APPEND in kinds and pending in self._has_tombstones else []
-        takes = [tuple(r) for r in self.spark.sql(keyless_takes(target, table, STAGE_VIEW)).collect()] \
-            if REMOVE in kinds else []
-        if any(t[1] is None or t[2] is None for t in takes):
+        at = [wire.SEQ_COLUMN, wire.PARTITION_COLUMN, wire.OFFSET_COLUMN]
+
+        def rows(query: str) -> list[tuple]:
+            return [tuple(r) for r in self.spark.sql(query).collect()]
+
+        # Kept removals take the batch's appends: their row, late, or a re-read copy of what they took.
+        moved: dict[int, tuple] = {}  # an append's stage index -> (the removal's position, the append's rank)
+        if APPEND in kinds and pending in self._has_tombstones:
+            kept = [Taker((lsn, opi), c, (lsn, opi, True), None if tl is None else (tl, to, ts))
+                    for c, lsn, opi, _, tl, to, ts in rows(equal_rows(
+                        target, pending, None, STAGE_VIEW, APPEND, [f.name for f in TOOK], changes_only=True))]
+            appends = [Candidate(i, c, (lsn, opi, st), (p, off), not st) for c, lsn, opi, st, i, p, off
+                       in rows(equal_rows(target, STAGE_VIEW, APPEND, pending, None, at))]
+            moved = {c.id: (k, c.rank) for k, c in pair(kept, appends).items()}
+        # The batch's removals take the newest equal row older than each: the table's, or an append of the batch.
+        took: dict[int, Candidate] = {}  # a removal's stage index -> what it took
+        if REMOVE in kinds:
+            removals = [Taker(i, c, (lsn, opi, True)) for c, lsn, opi, _, i in rows(equal_rows(
+                target, STAGE_VIEW, REMOVE, None, None, [wire.SEQ_COLUMN], changes_only=True))]
+            marks = [f.name for f in BOOKKEEPING]
+            candidates = [Candidate(("table", tuple(m)), c, (lsn, opi, st), (m[2], m[3]), not st)
+                          for c, lsn, opi, st, *m in rows(equal_rows(target, table, None, STAGE_VIEW, REMOVE, marks))]
+            candidates += [Candidate(i, c, (lsn, opi, st), (p, off), not st) for c, lsn, opi, st, i, p, off
+                           in rows(equal_rows(target, STAGE_VIEW, APPEND, STAGE_VIEW, REMOVE, at)) if i not in moved]
+            took = pair(removals, candidates)
+        if any(isinstance(c.id, tuple) and c.id[1][0] is None for c in took.values()):
             raise ShapeCannotFollow(f"shape {target.shape}: a removed row equals a row of the {self.format_name} "
                                     "table that has no position (another writer added it): it cannot be told "
                                     "apart; reconcile the shape")
-        cancelled = {t[0] for t in cancels}
-        taken = {t[0] for t in takes}
+        taken_here = {c.id for c in took.values() if not isinstance(c.id, tuple)}
+        parts = stage.column(wire.PARTITION_COLUMN).to_pylist()
         out = {name: Counter() for name in ("appended", "cancelled", "deleted", "tombstoned")}
         for i, (kind, p) in enumerate(zip(kinds, parts)):
             if kind == APPEND:
-                out["cancelled" if i in cancelled else "appended"][p] += 1
+                out["cancelled" if i in moved or i in taken_here else "appended"][p] += 1
             else:
-                out["deleted" if i in taken else "tombstoned"][p] += 1
-        appends = pa.array([(k == APPEND and i not in cancelled) for i, k in enumerate(kinds)])
-        unmatched = pa.array([(k == REMOVE and i not in taken) for i, k in enumerate(kinds)])
-        pending_source = pa.concat_tables([stage.filter(unmatched), marked_rows(
-            stage.schema, CONSUME, [t[1:] for t in cancels], [wire.LSN_COLUMN, wire.OP_INDEX_COLUMN])])
-        table_source = pa.concat_tables([stage.filter(appends), marked_rows(
-            stage.schema, TAKE, [t[1:] for t in takes], [f.name for f in BOOKKEEPING])])
+                out["deleted" if i in took else "tombstoned"][p] += 1
+        ranks = [took[i].rank if i in took else (None, None, None) for i in range(stage.num_rows)]
+        kept_stage = stage
+        for f, values in zip(TOOK, zip(*ranks) if ranks else ((), (), ())):
+            kept_stage = kept_stage.append_column(f.name, pa.array(values, to_arrow_type(f.dataType)))
+        pending_source = pa.concat_tables([
+            kept_stage.filter(pa.array([k == REMOVE for k in kinds], pa.bool_())),
+            marked_rows(kept_stage.schema, MOVE, [(*k, *r) for k, r in moved.values()],
+                        [wire.LSN_COLUMN, wire.OP_INDEX_COLUMN, *(f.name for f in TOOK)])])
+        lands = pa.array([k == APPEND and i not in moved and i not in taken_here for i, k in enumerate(kinds)],
+                         pa.bool_())
+        table_source = pa.concat_tables([stage.filter(lands), marked_rows(
+            stage.schema, TAKE, [c.id[1] for c in took.values() if isinstance(c.id, tuple)],
+            [f.name for f in BOOKKEEPING])])
         with self._carrying(metadata):
             if pending_source.num_rows or ((cuts or collected) and pending in self._has_tombstones):
                 self._has_tombstones.add(pending)

@@ -16,16 +16,22 @@ Invariants:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import pyarrow as pa
 from pyspark.sql.pandas.types import to_arrow_type
 from pyspark.sql.types import (
     ArrayType,
+    BooleanType,
+    ByteType,
+    DataType,
+    DecimalType,
     DoubleType,
     FloatType,
     IntegerType,
     LongType,
+    ShortType,
     StringType,
     StructField,
 )
@@ -44,7 +50,11 @@ STAGE_HEAD = (StructField(wire.KIND_COLUMN, StringType()), StructField(wire.KEEP
 assert tuple(f.name for f in STAGE_HEAD + BOOKKEEPING) == STAGE_EXTRA
 TOMBSTONE_BOOKKEEPING = BOOKKEEPING[:4]
 TAKE = "r"  # a keyless table MERGE's source row that deletes the table row its bookkeeping names
-CONSUME = "c"  # a pending removals MERGE's source row that drops the pending removal at its position
+MOVE = "m"  # a kept removals MERGE's source row: the removal at its position took the row its took columns name
+# What a keyless shape's kept removal took (wire.TOOK_COLUMNS; NULL: it waits for its row).
+TOOK = (StructField(wire.TOOK_COLUMNS[0], LongType()), StructField(wire.TOOK_COLUMNS[1], LongType()),
+        StructField(wire.TOOK_COLUMNS[2], BooleanType()))
+MICROS = "'yyyy-MM-dd HH:mm:ss.SSSSSS'"  # a Spark SQL literal: a timestamp pattern to the microsecond
 FLOAT_SPECIALS = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
 
 
@@ -153,35 +163,29 @@ def row_columns(target: ShapeTarget, a: str) -> str:
     return ", ".join(f"{a}.{quote(c)}" for c in target.names)
 
 
-def keyless_takes(target: ShapeTarget, table: str, stage: str) -> str:
-    """The table rows a keyless batch's removals take: the k-th removal of a
-    row value (by position) takes the k-th oldest equal row, if that row is
-    older than the removal. One row per take: the removal's stage index and
-    the taken row's bookkeeping."""
-    marks = ", ".join(f"c.{quote(f.name)}" for f in BOOKKEEPING)
-    return (f"WITH r AS (SELECT s.*, row_number() OVER (PARTITION BY {row_columns(target, 's')} ORDER BY "
-            f"s.{wire.LSN_COLUMN}, s.{wire.OP_INDEX_COLUMN}, s.{wire.PARTITION_COLUMN}, s.{wire.OFFSET_COLUMN}) AS _rn"
-            f" FROM {stage} s WHERE s.{wire.KIND_COLUMN} = '{REMOVE}'), "
-            f"c AS (SELECT t.*, row_number() OVER (PARTITION BY {row_columns(target, 't')} ORDER BY {rank('t')}, "
-            f"t.{wire.PARTITION_COLUMN}, t.{wire.OFFSET_COLUMN}) AS _rn FROM {table} t "
-            f"LEFT SEMI JOIN r ON {same_row(target, 't', 'r')}) "
-            f"SELECT r.{wire.SEQ_COLUMN}, {marks} FROM r JOIN c ON {same_row(target, 'c', 'r')} AND c._rn = r._rn "
-            f"WHERE {rank('c')} < {rank('r', True)}")
+def content(target: ShapeTarget, a: str) -> str:
+    """A keyless row's whole content as text: equal rows, equal text. Each
+    column as the shape's type (a stage made from Arrow holds timestamps
+    with a time zone), timestamps to the microsecond (``to_json`` would stop
+    at the millisecond)."""
+    cols = ", ".join(f"CAST({a}.{quote(f.name)} AS {f.dataType.simpleString()}) AS {quote(f.name)}"
+                     for f in shape_fields(target))
+    return f"to_json(struct({cols}), map('timestampFormat', {MICROS}, 'timestampNTZFormat', {MICROS}))"
 
 
-def keyless_cancels(target: ShapeTarget, pending: str, stage: str) -> str:
-    """The appends of a keyless batch that pending removals cancel: the k-th
-    append of a row value (by rank) meets the k-th pending removal of it, if
-    the append is the older. One row per cancel: the append's stage index and
-    the removal's position."""
-    return (f"WITH a AS (SELECT s.*, row_number() OVER (PARTITION BY {row_columns(target, 's')} ORDER BY "
-            f"{rank('s')}, s.{wire.PARTITION_COLUMN}, s.{wire.OFFSET_COLUMN}) AS _rn FROM {stage} s "
-            f"WHERE s.{wire.KIND_COLUMN} = '{APPEND}'), "
-            f"d AS (SELECT d.*, row_number() OVER (PARTITION BY {row_columns(target, 'd')} ORDER BY "
-            f"d.{wire.LSN_COLUMN}, d.{wire.OP_INDEX_COLUMN}) AS _rn FROM {pending} d "
-            f"LEFT SEMI JOIN a ON {same_row(target, 'd', 'a')}) "
-            f"SELECT a.{wire.SEQ_COLUMN}, d.{wire.LSN_COLUMN}, d.{wire.OP_INDEX_COLUMN} FROM a JOIN d "
-            f"ON {same_row(target, 'a', 'd')} AND a._rn = d._rn WHERE {rank('a')} < {rank('d', True)}")
+def equal_rows(target: ShapeTarget, rows: str, kind: str | None, other: str | None, other_kind: str | None,
+               columns: Sequence[str], changes_only: bool = False) -> str:
+    """The rows of ``rows`` (of ``kind``, when a stage) equal to some row of
+    ``other`` (of ``other_kind``; None: every row): content, rank (lsn,
+    op_index, streamed), then ``columns``; what :mod:`spark_consumer.multiset`
+    pairs."""
+    def of(ref: str, k: str | None) -> str:
+        return ref if k is None else f"(SELECT * FROM {ref} WHERE {wire.KIND_COLUMN} = '{k}')"
+    streamed = "true" if changes_only else f"x.{wire.SNAPSHOT_ID_COLUMN} IS NULL"
+    extra = "".join(f", x.{quote(c)}" for c in columns)
+    join = "" if other is None else f" LEFT SEMI JOIN {of(other, other_kind)} y ON {same_row(target, 'x', 'y')}"
+    return (f"SELECT {content(target, 'x')}, coalesce(x.{wire.LSN_COLUMN}, -1L), "
+            f"coalesce(x.{wire.OP_INDEX_COLUMN}, -1L), {streamed}{extra} FROM {of(rows, kind)} x{join}")
 
 
 def keyless_table_merge(target: ShapeTarget, table: str, source: str, cuts: Cuts | None = None,
@@ -208,14 +212,17 @@ def keyless_table_merge(target: ShapeTarget, table: str, source: str, cuts: Cuts
 
 def pending_merge(target: ShapeTarget, pending: str, source: str, cuts: Cuts | None = None,
                   collected: Sequence[int] = ()) -> str:
-    """The MERGE of a keyless batch into its pending removals: consumed ones
-    (kind :data:`CONSUME`) out, unmatched removals (kind REMOVE) in once per
-    position, those below a cut or a completed backfill's start out."""
+    """The MERGE of a keyless batch into its kept removals: those that took a
+    newer row (kind :data:`MOVE`) get its rank, the batch's removals (kind
+    REMOVE) go in once per position with what they took, those below a cut or
+    a completed backfill's start out."""
     gc = gc_condition(cuts, collected, "d")
-    cols = [quote(c) for c in target.names] + [quote(f.name) for f in TOMBSTONE_BOOKKEEPING]
+    took = [quote(f.name) for f in TOOK]
+    cols = [quote(c) for c in target.names] + [quote(f.name) for f in TOMBSTONE_BOOKKEEPING] + took
     sql = [f"MERGE INTO {pending} d USING {source} s ON d.{wire.LSN_COLUMN} = s.{wire.LSN_COLUMN} "
            f"AND d.{wire.OP_INDEX_COLUMN} = s.{wire.OP_INDEX_COLUMN}",
-           f"WHEN MATCHED AND s.{wire.KIND_COLUMN} = '{CONSUME}' THEN DELETE"]
+           f"WHEN MATCHED AND s.{wire.KIND_COLUMN} = '{MOVE}' THEN UPDATE SET "
+           + ", ".join(f"{c} = s.{c}" for c in took)]
     return "\n".join(sql + inserts_and_gc(REMOVE, cols, gc, gc_matched=False))
 
 
@@ -260,27 +267,71 @@ def special_values(f: StructField, values: Sequence[Any]) -> Sequence[Any]:
                             "column cannot hold")
 
 
+@dataclass
+class SchemaSteps:
+    """What a shape's table does to follow a new writer schema, in this
+    order: renames (old, new), drops, retypes (the field with its new type;
+    widenings, every value kept, and others), additions; and what it cannot
+    follow (``problems``)."""
+
+    renamed: list[tuple[str, str]] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    widened: list[StructField] = field(default_factory=list)
+    retyped: list[StructField] = field(default_factory=list)  # not a widening: some values may not cast
+    added: list[StructField] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.renamed or self.dropped or self.widened or self.retyped or self.added)
+
+
+def widens(old: DataType, new: DataType) -> bool:
+    """A type change every value survives and both formats make in place
+    (Iceberg's promotions; Delta's type widening)."""
+    ints = (ByteType, ShortType, IntegerType, LongType)
+    if isinstance(old, ints) and isinstance(new, ints):
+        return ints.index(type(new)) > ints.index(type(old))
+    if isinstance(old, FloatType) and isinstance(new, DoubleType):
+        return True
+    return (isinstance(old, DecimalType) and isinstance(new, DecimalType) and new.scale == old.scale
+            and new.precision > old.precision)
+
+
 def follow_changes(target: ShapeTarget, have: Sequence[StructField], wanted: Sequence[StructField],
-                   had_key: tuple[str, ...] | None, on_dropped_column: str) -> tuple[list[StructField], list[str]]:
-    """What a table with columns ``have`` must gain to follow the shape's
-    ``wanted`` columns, and what it cannot follow (a rename, which would
-    otherwise read as a new empty column beside the old one; a retype; a
-    column to drop; a changed key). A column the shape lost is kept with
-    ``on_dropped_column = "keep"`` (later rows leave it NULL), as on PostgreSQL."""
+                   had_key: tuple[str, ...] | None, on_dropped_column: str) -> SchemaSteps:
+    """What a table with columns ``have`` does to follow the shape's
+    ``wanted`` columns: a renamed column (the shape's field names it among
+    its aliases) is renamed, a retyped one retyped (values that do not cast
+    are NULL until the producer's re-read of the shape brings them, as on
+    PostgreSQL), a new one added; a column the shape lost is kept (later rows
+    leave it NULL) or, with ``on_dropped_column = "drop"``, dropped. A key
+    column retyped but not widened, and a changed key, are problems."""
+    steps = SchemaSteps()
     have_types = {f.name: f.dataType for f in have}
     wanted_names = {f.name for f in wanted}
-    added = [f for f in wanted if f.name not in have_types]
-    problems = [f"column {f.name!r} is {have_types[f.name].simpleString()} in the table, "
-                f"{f.dataType.simpleString()} in the shape"
-                for f in wanted if f.name in have_types and have_types[f.name] != f.dataType]
-    problems += [f"column {old!r} was renamed to {c.name!r}" for c in target.columns if c.name not in have_types
-                 for old in c.aliases if old in have_types and old not in wanted_names]
+    for c in target.columns:
+        old = next((a for a in c.aliases if a in have_types and a not in wanted_names), None)
+        if c.name not in have_types and old is not None:
+            steps.renamed.append((old, c.name))
+            have_types[c.name] = have_types.pop(old)
+    for f in wanted:
+        was = have_types.get(f.name)
+        if was is None:
+            steps.added.append(f)
+        elif was != f.dataType and widens(was, f.dataType):
+            steps.widened.append(f)
+        elif was != f.dataType and f.name in target.key_columns:
+            steps.problems.append(f"key column {f.name!r} is {was.simpleString()} in the table, "
+                                  f"{f.dataType.simpleString()} in the shape")
+        elif was != f.dataType:
+            steps.retyped.append(f)
     gone = [n for n in have_types if n not in wanted_names and not n.startswith(wire.RESERVED_PREFIX)]
     if gone and on_dropped_column == "drop":
-        problems.append(f"columns {', '.join(gone)} left the shape (on_dropped_column = \"drop\")")
-    if had_key is not None and had_key != target.key_columns:
-        problems.append(f"the key changed from ({', '.join(had_key)}) to ({', '.join(target.key_columns)})")
-    return added, problems
+        steps.dropped.extend(gone)
+    renames = dict(steps.renamed)
+    if had_key is not None and tuple(renames.get(k, k) for k in had_key) != target.key_columns:
+        steps.problems.append(f"the key changed from ({', '.join(had_key)}) to ({', '.join(target.key_columns)})")
+    return steps
 
 
 def ddl_columns(fields: Sequence[StructField]) -> str:

@@ -1,14 +1,17 @@
-"""A keyless (REPLICA IDENTITY FULL, no primary key) shape on each lakehouse
-target (Delta Lake, Apache Iceberg in a Hadoop catalog), batch by batch on
-real Spark: the PostgreSQL target's multiset rules (duplicates, a removal
-taking one equal row, a removal that waits for its row from another
-partition, a replayed append landing once), a crash between a batch's
-pending-removals commit and its table commit, and upkeep between batches.
+"""Each lakehouse target (Delta Lake, Apache Iceberg in a Hadoop catalog),
+batch by batch on real Spark, no Kafka: a keyless (REPLICA IDENTITY FULL,
+no primary key) shape under the PostgreSQL target's multiset rules
+(duplicates, a removal taking one equal row, a removal that waits for its
+row from another partition, a replayed append landing once, a removal after
+a backfill's start taking the re-read copy), a crash between a batch's
+kept-removals commit and its table commit, upkeep between batches, and a
+keyed shape following renames, a drop, a widening and an added column.
 Tables are read back with each format's own reader (delta-rs, pyiceberg),
 not Spark."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -18,10 +21,13 @@ import pytest
 from deltalake import DeltaTable, QueryBuilder
 from pyiceberg.table import StaticTable
 
+from producer.envelope import ShapeCodec, ShapeColumn
+from producer.pgtypes import PgTypeInfo, column_codec
 from schemas import wire
 from schemas.config import IcebergConfig
 from spark_consumer.batch import Part
 from spark_consumer.session import spark_session
+from spark_consumer.shape_record import ShapeTarget
 from spark_consumer.targets import delta, iceberg, lake
 from spark_consumer.targets.base import ShapeBatch
 from spark_consumer.targets.delta import DeltaTarget
@@ -64,18 +70,30 @@ class Lake:
                                                        namespace=self.namespace), **kwargs)
 
     def rows(self, which: str = "table") -> Counter:
+        """The table's rows, or (``"pending"``) the removals that wait for their row."""
+        waiting = f"{wire.TOOK_COLUMNS[0]} IS NULL"
         if self.kind == "delta":
             path = f"{self.root}/log" if which == "table" else f"{self.root}/{delta.TOMBSTONES_DIR}/log"
-            data = pa.table(QueryBuilder().register("t", DeltaTable(path)).execute("SELECT a, b FROM t").read_all())
+            where = "" if which == "table" else f" WHERE {waiting}"
+            data = pa.table(QueryBuilder().register("t", DeltaTable(path)).execute(f"SELECT a, b FROM t{where}")
+                            .read_all())
         else:
-            data = self.iceberg_table(which).scan(selected_fields=("a", "b")).to_arrow()
+            data = self.iceberg_table(which).scan(row_filter="True" if which == "table" else waiting,
+                                                  selected_fields=("a", "b")).to_arrow()
         return Counter((r["a"], r["b"]) for r in data.to_pylist())
 
-    def iceberg_table(self, which: str = "table"):
+    def iceberg_table(self, which: str = "table", name: str = "log"):
         ns = self.namespace + ("" if which == "table" else iceberg.TOMBSTONES_SUFFIX)
         found = sorted((int(re.search(r"v(\d+)", f.name).group(1)), f)
-                       for f in (self.warehouse / ns / "log" / "metadata").glob("v*.metadata.json"))
+                       for f in (self.warehouse / ns / name / "metadata").glob("v*.metadata.json"))
         return StaticTable.from_metadata(str(found[-1][1]))
+
+    def read(self, name: str, which: str = "table") -> pa.Table:
+        """A table as the format's own reader reads it, every column."""
+        if self.kind == "delta":
+            path = f"{self.root}/{name}" if which == "table" else f"{self.root}/{delta.TOMBSTONES_DIR}/{name}"
+            return pa.table(QueryBuilder().register("t", DeltaTable(path)).execute("SELECT * FROM t").read_all())
+        return self.iceberg_table(which, name).scan().to_arrow()
 
     def newest(self) -> tuple[str, str | None]:
         """The table's newest commit: (operation, the record it carries)."""
@@ -157,6 +175,31 @@ def test_a_keyless_shape_is_a_multiset_of_rows(lakes):
     assert not feed.held and not again.held
 
 
+@pytest.mark.parametrize("order", ["re-read copy first", "removal first", "removal in the append's batch"])
+def test_a_removal_after_a_backfill_start_takes_the_re_read_copy(lakes, order):
+    """The source holds (1,x) twice and (2,y) once; a backfill re-reads them at
+    500; after 500 one (1,x) and the (2,y) are removed. However the re-read
+    copies and the removals interleave, the backfill's end leaves one (1,x)."""
+    _, feed = started(lakes)
+    before = lambda: [feed.row("c", 100, a=1, b="x"), feed.row("c", 110, a=1, b="x")]
+    old_y = lambda: [feed.row("c", 120, a=2, b="y")]
+    reread = lambda: [feed.row("r", 500, a=a, b=b, snap="bf1") for a, b in ((1, "x"), (1, "x"), (2, "y"))]
+    removals = lambda: [feed.row("d", 600, a=1, b="x"), feed.row("d", 610, a=2, b="y")]
+    if order == "re-read copy first":
+        batches = [lambda: before() + old_y(), reread, removals]
+    elif order == "removal first":
+        batches = [lambda: before() + old_y(), removals, reread]
+    else:
+        batches = [before, lambda: old_y() + removals(), reread]
+    for batch in batches:
+        feed.apply(batch())
+    end = feed.row(None, 500, snap="bf1")
+    end.update({"_wb_control": "backfill_end", "_wb_control_info": json.dumps(
+        {"backfill_id": "bf1", "shape": "log", "lsn": 500, "partitions": 1, "rows": 3, "scope": None})})
+    feed.apply([end])
+    assert lakes.rows() == Counter({(1, "x"): 1}) and not feed.held
+
+
 def test_a_crash_between_the_pending_and_the_table_commit_is_rolled_back(lakes, monkeypatch):
     """The append cancelled by a pending removal consumes it in the pending
     commit; the crash comes before the table commit. The next start rolls
@@ -212,3 +255,56 @@ def test_compaction_and_vacuum_between_batches_change_no_row(lakes):
     # The progress is still the newest commit's record.
     again, _ = started(lakes)
     assert again.read_progress(GROUP) == target.read_progress(GROUP)
+
+
+INT, INT8, TEXT = (PgTypeInfo(23, "integer", 23, "integer", -1, "b"), PgTypeInfo(20, "bigint", 20, "bigint", -1, "b"),
+                   PgTypeInfo(25, "text", 25, "text", -1, "b"))
+
+
+def items_shape(version: int) -> ShapeTarget:
+    """Version 1, then version 2: the key and a column renamed, a column
+    widened (integer to bigint), one dropped, one added."""
+    if version == 1:
+        cols = [ShapeColumn("id", column_codec(INT), True), ShapeColumn("label", column_codec(TEXT), False),
+                ShapeColumn("qty", column_codec(INT), False), ShapeColumn("gone", column_codec(TEXT), False)]
+    else:
+        cols = [ShapeColumn("ident", column_codec(INT), True, aliases=("id",)),
+                ShapeColumn("title", column_codec(TEXT), False, aliases=("label",)),
+                ShapeColumn("qty", column_codec(INT8), False), ShapeColumn("note", column_codec(TEXT), False)]
+    codec = ShapeCodec("items", "wb", "app", "public", "items", cols, list(range(len(cols))))
+    return ShapeTarget.from_avro("items", codec.value_schema, codec.key_schema)
+
+
+def test_a_keyed_shape_follows_renames_a_drop_a_widening_and_an_added_column(lakes):
+    topic, offsets = "wb.items", iter(range(100))
+
+    def apply(target, shape, rows):
+        rows = [{**values, "_wb_op": op, "_wb_lsn": lsn, "_wb_op_index": 0, "_wb_topic": topic, "_wb_partition": 0,
+                 "_wb_offset": next(offsets), "_wb_unchanged": None, "_wb_special": None, "_wb_control": None,
+                 "_wb_snapshot_id": None, "_wb_ts_ms": 0} for op, lsn, values in rows]
+        part = Part(topic, 0, rows[0]["_wb_offset"], rows[-1]["_wb_offset"] + 1, rows)
+        target.apply(GROUP, [ShapeBatch(topic, shape, [part], False)], on_offset_reset="raise",
+                     hold=lambda t, why: pytest.fail(why))
+
+    v1, v2 = items_shape(1), items_shape(2)
+    target = lakes.target(on_dropped_column="drop")
+    target.follow(topic, v1)
+    target.read_progress(GROUP)
+    apply(target, v1, [("c", 10, {"id": 1, "label": "one", "qty": 5, "gone": "x"}),
+                       ("c", 11, {"id": 2, "label": "two", "qty": 6, "gone": "y"}),
+                       ("d", 12, {"id": 2})])
+    target.follow(topic, v2)  # as the first batch of the new writer schema does
+    apply(target, v2, [("u", 20, {"ident": 1, "title": "uno", "qty": 2**40, "note": "big"}),
+                       ("c", 21, {"ident": 3, "title": "three", "qty": 7, "note": None}),
+                       ("c", 11, {"ident": 2, "title": "two", "qty": 6, "note": None})])  # older than its delete
+    again = lakes.target(on_dropped_column="drop")  # a restart follows the same schema: nothing to do
+    again.follow(topic, v2)
+    again.read_progress(GROUP)
+    apply(again, v2, [("d", 30, {"ident": 3})])
+    table = lakes.read("items")
+    assert [n for n in table.column_names if not n.startswith("_wb_")] == ["ident", "title", "qty", "note"]
+    assert pa.types.is_int64(table.schema.field("qty").type)
+    assert sorted((r["ident"], r["title"], r["qty"], r["note"]) for r in table.to_pylist()) == [
+        (1, "uno", 2**40, "big")]
+    tombstones = lakes.read("items", "tombstones")
+    assert sorted(r["ident"] for r in tombstones.to_pylist()) == [2, 3]

@@ -12,7 +12,16 @@ import struct
 from decimal import Decimal
 
 import pytest
-from pyspark.sql.types import DoubleType, StructField
+from pyspark.sql.types import (
+    DecimalType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    ShortType,
+    StringType,
+    StructField,
+)
 
 from schemas import wire
 from schemas.config import IcebergConfig
@@ -26,15 +35,18 @@ from spark_consumer.targets.merge_sql import (
     BOOKKEEPING,
     STAGE_HEAD,
     TAKE,
+    equal_rows,
     follow_changes,
     gc_condition,
     keyless_table_merge,
     marked_rows,
+    pending_merge,
     shape_fields,
     special_values,
     stage_table,
     table_merge,
     tombstones_merge,
+    widens,
 )
 from tests.unit.test_apply_plan import keyed_target, keyless_target, lrow, row
 from walbridge.check import FAILED, Checklist, _lake, render_checks
@@ -116,21 +128,38 @@ def test_lake_verify_compares_nan_lists_and_reals_as_delta_holds_them():
     assert as_float32((1, 0.1, None), [1, 2]) == (1, struct.unpack("f", struct.pack("f", 0.1))[0], None)
 
 
-def test_a_table_gains_added_columns_and_refuses_renames_retypes_and_key_changes():
+def test_a_table_follows_renames_drops_retypes_and_additions_and_refuses_key_retypes_and_key_changes():
     target = keyed_target()
     wanted = shape_fields(target)
     have = [f for f in wanted if f.name != "d"] + [StructField("gone", DoubleType())]
-    added, problems = follow_changes(target, have, wanted, ("id",), "keep")
-    assert [f.name for f in added] == ["d"] and problems == []  # "gone" is kept
-    assert follow_changes(target, have, wanted, ("id",), "drop")[1] == [
-        'columns gone left the shape (on_dropped_column = "drop")']
+    steps = follow_changes(target, have, wanted, ("id",), "keep")
+    assert [f.name for f in steps.added] == ["d"] and not steps.problems and not steps.dropped  # "gone" is kept
+    assert follow_changes(target, have, wanted, ("id",), "drop").dropped == ["gone"]
     renamed = dataclasses.replace(target, columns=tuple(
         dataclasses.replace(c, name="day", aliases=("d",)) if c.name == "d" else c for c in target.columns))
-    _, problems = follow_changes(renamed, wanted, shape_fields(renamed), ("id",), "keep")
-    assert problems == ["column 'd' was renamed to 'day'"]
+    steps = follow_changes(renamed, wanted, shape_fields(renamed), ("id",), "drop")
+    assert (steps.renamed, steps.dropped, steps.added, steps.problems) == ([("d", "day")], [], [], [])
+    rekeyed = dataclasses.replace(target, columns=tuple(
+        dataclasses.replace(c, name="ident", aliases=("id",)) if c.name == "id" else c for c in target.columns))
+    steps = follow_changes(rekeyed, wanted, shape_fields(rekeyed), ("id",), "keep")
+    assert steps.renamed == [("id", "ident")] and not steps.problems  # a renamed key is the same key
+    narrower = [StructField(f.name, DecimalType(8, 2)) if f.name == "n" else f for f in wanted]
+    assert [(f.name, f.dataType) for f in follow_changes(target, narrower, wanted, ("id",), "keep").widened] == [
+        ("n", DecimalType(10, 2))]
     retyped = [StructField(f.name, DoubleType()) if f.name == "n" else f for f in wanted]
-    assert "column 'n' is double in the table" in follow_changes(target, retyped, wanted, ("id",), "keep")[1][0]
-    assert follow_changes(target, wanted, wanted, ("n",), "keep")[1] == ["the key changed from (n) to (id)"]
+    steps = follow_changes(target, retyped, wanted, ("id",), "keep")
+    assert [f.name for f in steps.retyped] == ["n"] and not steps.widened and not steps.problems
+    rekeyed_type = [StructField(f.name, StringType()) if f.name == "id" else f for f in wanted]
+    assert follow_changes(target, rekeyed_type, wanted, ("id",), "keep").problems == [
+        "key column 'id' is string in the table, int in the shape"]
+    assert follow_changes(target, wanted, wanted, ("n",), "keep").problems == ["the key changed from (n) to (id)"]
+
+
+def test_only_widenings_every_value_survives_are_followed_in_place():
+    assert widens(IntegerType(), LongType()) and widens(ShortType(), IntegerType())
+    assert widens(FloatType(), DoubleType()) and widens(DecimalType(10, 2), DecimalType(12, 2))
+    assert not widens(LongType(), IntegerType()) and not widens(DecimalType(10, 2), DecimalType(12, 3))
+    assert not widens(IntegerType(), DoubleType()) and not widens(IntegerType(), StringType())
 
 
 def test_a_keyless_batchs_takes_are_stage_rows_that_carry_only_the_taken_rows_bookkeeping():
@@ -174,3 +203,16 @@ def test_an_iceberg_catalog_becomes_spark_settings_without_naming_its_password_e
     assert hadoop["spark.sql.catalog.walbridge.warehouse"] == "s3a://bucket/wh"
     assert "s3cret" not in repr(jdbc)
     assert sqlalchemy_url(jdbc.catalog_dsn) == "postgresql+psycopg://ice:s3cret@db:6432/cat"
+
+
+def test_keyless_pairing_reads_equal_rows_by_content_and_keeps_what_each_removal_took():
+    target = keyless_target()
+    q = equal_rows(target, "delta.`/lake/log`", None, "stage", "x", ["_wb_partition"])
+    assert q.startswith("SELECT to_json(struct(CAST(x.`a` AS int) AS `a`, CAST(x.`b` AS string) AS `b`), "
+                        "map('timestampFormat', 'yyyy-MM-dd HH:mm:ss.SSSSSS', ")
+    assert "LEFT SEMI JOIN (SELECT * FROM stage WHERE _wb_kind = 'x') y ON x.`a` <=> y.`a` AND x.`b` <=> y.`b`" in q
+    assert "JOIN" not in equal_rows(target, "stage", "x", None, None, ["_wb_seq"], changes_only=True)
+    merge = pending_merge(target, "delta.`/lake/log__wb_tombstones`", "src")
+    assert ("WHEN MATCHED AND s._wb_kind = 'm' THEN UPDATE SET `_wb_took_lsn` = s.`_wb_took_lsn`, "
+            "`_wb_took_op_index` = s.`_wb_took_op_index`, `_wb_took_streamed` = s.`_wb_took_streamed`") in merge
+    assert "`_wb_offset`, `_wb_took_lsn`, `_wb_took_op_index`, `_wb_took_streamed`) VALUES" in merge
