@@ -51,6 +51,7 @@ SNAPSHOT_PARTITIONS = "spark.databricks.delta.snapshotPartitions"
 SKIP_EMPTY_COMMITS = "spark.databricks.delta.skipRecordingEmptyCommits"  # true by default: no commit, no progress
 RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"  # refuses a VACUUM under 7 days
 DELTA_MIN_RETAIN_HOURS = 168
+LISTING_PARALLELISM = "spark.sql.sources.parallelPartitionDiscovery.parallelism"  # VACUUM's file listing tasks
 TOMBSTONES_DIR = "_walbridge/tombstones"
 # Column mapping, turned on where a name needs it or the shape renames or drops a column.
 COLUMN_MAPPING = {"delta.columnMapping.mode": "name", "delta.minReaderVersion": "2", "delta.minWriterVersion": "5"}
@@ -156,5 +157,6 @@ class DeltaTarget(LakeTarget):
     def _keep_up_table(self, table: str, command: str) -> None:
         if command == "compact":
             self.spark.sql(f"OPTIMIZE {table}").collect()
-        else:
-            self.spark.sql(f"VACUUM {table} RETAIN {self.upkeep.retain_hours:g} HOURS").collect()
+        else:  # listing the table's files in as many tasks as the cluster has cores, not Spark's 10,000
+            with session_setting(self.spark, LISTING_PARALLELISM, str(self.spark.sparkContext.defaultParallelism)):
+                self.spark.sql(f"VACUUM {table} RETAIN {self.upkeep.retain_hours:g} HOURS").collect()
