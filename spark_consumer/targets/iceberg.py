@@ -137,6 +137,21 @@ class IcebergTarget(LakeTarget):
     def _has_rows(self, table: str) -> bool:
         return bool(self.spark.sql(f"SELECT 1 FROM {table}.files LIMIT 1").collect())
 
+    def _retype(self, target: ShapeTarget, table: str, widened: Sequence[StructField],
+                retyped: Sequence[StructField]) -> None:
+        """Widenings are Iceberg's type promotions, in place. Another retype
+        replaces the table by its rows cast (NULL where a value does not cast,
+        until the shape's re-read brings it) in one atomic commit, which starts
+        a new line of snapshots: it carries the newest record."""
+        if not retyped:
+            return super()._retype(target, table, widened, retyped)
+        record = next((text for _, text in self._history(table, None) if text), None)
+        new = {f.name: f.dataType.simpleString() for f in (*widened, *retyped)}
+        columns = ", ".join(f"try_cast({quote(c)} AS {new[c]}) AS {quote(c)}" if c in new else quote(c)
+                            for c in (f.name for f in self._columns(table) or ()))
+        with self._carrying(record):
+            self.spark.sql(f"CREATE OR REPLACE TABLE {table} USING iceberg AS SELECT {columns} FROM {table}")
+
     def _roll_back(self, table: str, version: int) -> None:
         parent = next((p for sid, p, _ in self._snapshots(table) if sid == version), None)
         if parent is None:  # the table's first snapshot: before it, nothing

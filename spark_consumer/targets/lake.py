@@ -46,10 +46,10 @@ Invariants:
   is ahead of the table's record (a crash between the two).
 - What a target does not follow yet stops the shape loudly
   (:class:`~spark_consumer.target_layout.ShapeCannotFollow`), never a row
-  applied wrong: scoped backfill cuts, a writer schema that renames or
-  retypes a column, drops one with ``on_dropped_column = "drop"`` or changes
-  the key (:func:`~spark_consumer.targets.merge_sql.follow_changes`), a
-  special value (``infinity``) Spark's type cannot hold, a keyless removal
+  applied wrong: scoped backfill cuts, a writer schema that changes the key
+  or retypes a key column other than by widening it
+  (:func:`~spark_consumer.targets.merge_sql.follow_changes`; renames, drops,
+  retypes and added columns are followed), a special value (``infinity``) Spark's type cannot hold, a keyless removal
   that would take a row another writer added (it has no position to delete
   it by).
 """
