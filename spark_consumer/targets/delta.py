@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 from pyspark.sql import SparkSession
 from pyspark.sql.functions import expr
-from pyspark.sql.types import StructField
+from pyspark.sql.types import StructField, StructType
 
 from spark_consumer.shape_record import ShapeTarget
 from spark_consumer.targets.lake import LakeTarget, Upkeep, session_setting
@@ -119,6 +119,12 @@ class DeltaTarget(LakeTarget):
         tblprops = " TBLPROPERTIES (" + ", ".join(f"{literal(k)} = {literal(v)}" for k, v in props.items()) + ")" \
             if props else ""
         self.spark.sql(f"CREATE TABLE IF NOT EXISTS {table} ({ddl_columns(fields)}) USING delta{tblprops}")
+
+    def _replace_empty(self, table: str, fields: Sequence[StructField]) -> None:
+        if any(needs_mapping(f.name) for f in fields):
+            self._allow_renames(table)
+        self.spark.createDataFrame([], StructType(list(fields))).write.format("delta").mode("overwrite") \
+            .option("overwriteSchema", "true").save(path_of(table))
 
     def _allow_renames(self, table: str) -> None:
         have = {r.key: r.value for r in self.spark.sql(f"SHOW TBLPROPERTIES {table}").collect()}

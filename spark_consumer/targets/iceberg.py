@@ -137,6 +137,10 @@ class IcebergTarget(LakeTarget):
     def _has_rows(self, table: str) -> bool:
         return bool(self.spark.sql(f"SELECT 1 FROM {table}.files LIMIT 1").collect())
 
+    def _replace_empty(self, table: str, fields: Sequence[StructField]) -> None:
+        self.spark.sql(f"DROP TABLE IF EXISTS {table} PURGE")
+        self._create(table, fields, {})
+
     def _retype(self, target: ShapeTarget, table: str, widened: Sequence[StructField],
                 retyped: Sequence[StructField]) -> None:
         """Widenings are Iceberg's type promotions, in place. Another retype

@@ -46,10 +46,10 @@ Invariants:
   is ahead of the table's record (a crash between the two).
 - What a target does not follow yet stops the shape loudly
   (:class:`~spark_consumer.target_layout.ShapeCannotFollow`), never a row
-  applied wrong: scoped backfill cuts, a writer schema that changes the key
-  or retypes a key column other than by widening it
+  applied wrong: scoped backfill cuts, a writer schema that retypes a key
+  column other than by widening it
   (:func:`~spark_consumer.targets.merge_sql.follow_changes`; renames, drops,
-  retypes and added columns are followed), a special value (``infinity``) Spark's type cannot hold, a keyless removal
+  retypes, added columns and a changed key are followed), a special value (``infinity``) Spark's type cannot hold, a keyless removal
   that would take a row another writer added (it has no position to delete
   it by).
 """
@@ -143,6 +143,7 @@ class LakeTarget:
         # Tombstone tables that may hold a row (had files at follow, or took a
         # delete since): only they are merged into and anti-joined against.
         self._has_tombstones: set[str] = set()
+        self._rekeyed: dict[str, bool] = {}  # tables whose key changed, until their tombstones are made anew
         self._group: str | None = None  # the consumer group whose progress the tables carry
         start = clock()
         self._due = {"compact": start + upkeep.compact_interval, "vacuum": start + upkeep.vacuum_interval}
@@ -202,7 +203,13 @@ class LakeTarget:
         held = [f for f in wanted if target.keyless or f.name in target.key_columns]
         held += list(TOOK) if target.keyless else []
         have_tomb = self._columns(tomb)
-        if have_tomb is None:
+        if have_tomb is not None and self._rekeyed.pop(table, False):
+            # Made anew for the new key (as on PostgreSQL): the producer re-reads the shape.
+            self._replace_empty(tomb, held + list(TOMBSTONE_BOOKKEEPING))
+            self._has_tombstones.discard(tomb)
+            self.spark.sql(f"ALTER TABLE {table} SET TBLPROPERTIES ({literal(KEY_PROPERTY)} = "
+                           f"{literal(json.dumps(list(target.key_columns)))})")
+        elif have_tomb is None:
             self._create(tomb, held + list(TOMBSTONE_BOOKKEEPING), {})
         else:
             self._follow_columns(target, tomb, have_tomb, held)
@@ -228,7 +235,12 @@ class LakeTarget:
             self._retype(target, ref, steps.widened, steps.retyped)
         if steps.added:
             self.spark.sql(f"ALTER TABLE {ref} ADD COLUMNS ({ddl_columns(steps.added)})")
-        if had_key is not None and had_key != target.key_columns:  # a key column renamed
+        if steps.rekeyed:  # follow() makes the tombstones anew, then records the key
+            self._rekeyed[ref] = True
+            log.warning("shape %s: the key of %s table %s changed from (%s) to (%s): %s", target.shape,
+                        self.format_name, ref, ", ".join(had_key or ()), ", ".join(target.key_columns),
+                        "it follows the rules of keyless shapes" if target.keyless else "its tombstones are made anew")
+        elif had_key is not None and had_key != target.key_columns:  # a key column renamed
             self.spark.sql(f"ALTER TABLE {ref} SET TBLPROPERTIES ({literal(KEY_PROPERTY)} = "
                            f"{literal(json.dumps(list(target.key_columns)))})")
         log.info("shape %s: %s table %s follows its writer schema: %s", target.shape, self.format_name, ref,
@@ -238,6 +250,10 @@ class LakeTarget:
                      ", ".join(f"{f.name} retyped to {f.dataType.simpleString()}"
                                for f in steps.widened + steps.retyped),
                      ", ".join(f"{f.name} added" for f in steps.added)))))
+
+    def _replace_empty(self, ref: str, fields: Sequence[StructField]) -> None:
+        """Make the table ``ref`` anew, empty, with columns ``fields``."""
+        raise NotImplementedError
 
     def _allow_renames(self, ref: str) -> None:
         """Let the table's columns be renamed and dropped (a format whose

@@ -279,10 +279,11 @@ class SchemaSteps:
     widened: list[StructField] = field(default_factory=list)
     retyped: list[StructField] = field(default_factory=list)  # not a widening: some values may not cast
     added: list[StructField] = field(default_factory=list)
+    rekeyed: bool = False  # the key changed (a renamed key column is the same key)
     problems: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.renamed or self.dropped or self.widened or self.retyped or self.added)
+        return bool(self.renamed or self.dropped or self.widened or self.retyped or self.added or self.rekeyed)
 
 
 def widens(old: DataType, new: DataType) -> bool:
@@ -304,8 +305,9 @@ def follow_changes(target: ShapeTarget, have: Sequence[StructField], wanted: Seq
     its aliases) is renamed, a retyped one retyped (values that do not cast
     are NULL until the producer's re-read of the shape brings them, as on
     PostgreSQL), a new one added; a column the shape lost is kept (later rows
-    leave it NULL) or, with ``on_dropped_column = "drop"``, dropped. A key
-    column retyped but not widened, and a changed key, are problems."""
+    leave it NULL) or, with ``on_dropped_column = "drop"``, dropped; a
+    changed key is noted (``rekeyed``). A key column retyped but not widened
+    is a problem."""
     steps = SchemaSteps()
     have_types = {f.name: f.dataType for f in have}
     wanted_names = {f.name for f in wanted}
@@ -329,8 +331,7 @@ def follow_changes(target: ShapeTarget, have: Sequence[StructField], wanted: Seq
     if gone and on_dropped_column == "drop":
         steps.dropped.extend(gone)
     renames = dict(steps.renamed)
-    if had_key is not None and tuple(renames.get(k, k) for k in had_key) != target.key_columns:
-        steps.problems.append(f"the key changed from ({', '.join(had_key)}) to ({', '.join(target.key_columns)})")
+    steps.rekeyed = had_key is not None and tuple(renames.get(k, k) for k in had_key) != target.key_columns
     return steps
 
 

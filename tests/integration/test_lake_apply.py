@@ -263,19 +263,19 @@ INT, INT8, TEXT = (PgTypeInfo(23, "integer", 23, "integer", -1, "b"), PgTypeInfo
 
 def items_shape(version: int) -> ShapeTarget:
     """Version 1, then version 2: the key and a column renamed, a column
-    widened (integer to bigint), one dropped, one added."""
+    widened (integer to bigint), one dropped, one added; version 3: no key."""
     if version == 1:
         cols = [ShapeColumn("id", column_codec(INT), True), ShapeColumn("label", column_codec(TEXT), False),
                 ShapeColumn("qty", column_codec(INT), False), ShapeColumn("gone", column_codec(TEXT), False)]
     else:
-        cols = [ShapeColumn("ident", column_codec(INT), True, aliases=("id",)),
+        cols = [ShapeColumn("ident", column_codec(INT), version == 2, aliases=("id",)),
                 ShapeColumn("title", column_codec(TEXT), False, aliases=("label",)),
                 ShapeColumn("qty", column_codec(INT8), False), ShapeColumn("note", column_codec(TEXT), False)]
     codec = ShapeCodec("items", "wb", "app", "public", "items", cols, list(range(len(cols))))
     return ShapeTarget.from_avro("items", codec.value_schema, codec.key_schema)
 
 
-def test_a_keyed_shape_follows_renames_a_drop_a_widening_and_an_added_column(lakes):
+def test_a_keyed_shape_follows_renames_a_drop_a_widening_an_added_column_and_a_lost_key(lakes):
     topic, offsets = "wb.items", iter(range(100))
 
     def apply(target, shape, rows):
@@ -308,3 +308,11 @@ def test_a_keyed_shape_follows_renames_a_drop_a_widening_and_an_added_column(lak
         (1, "uno", 2**40, "big")]
     tombstones = lakes.read("items", "tombstones")
     assert sorted(r["ident"] for r in tombstones.to_pylist()) == [2, 3]
+    # The table loses its key: it follows the keyless rules, its tombstones made anew for them.
+    v3 = items_shape(3)
+    again.follow(topic, v3)
+    apply(again, v3, [("c", 40, {"ident": 1, "title": "uno", "qty": 2**40, "note": "big"}),
+                      ("d", 41, {"ident": 1, "title": "uno", "qty": 2**40, "note": "big"})])
+    assert sorted((r["ident"], r["title"]) for r in lakes.read("items").to_pylist()) == [(1, "uno")]
+    tombstones = lakes.read("items", "tombstones")
+    assert tombstones.num_rows == 1 and wire.TOOK_COLUMNS[0] in tombstones.column_names
