@@ -49,9 +49,9 @@ Invariants:
   applied wrong: scoped backfill cuts, a writer schema that retypes a key
   column other than by widening it
   (:func:`~spark_consumer.targets.merge_sql.follow_changes`; renames, drops,
-  retypes, added columns and a changed key are followed), a special value (``infinity``) Spark's type cannot hold, a keyless removal
-  that would take a row another writer added (it has no position to delete
-  it by).
+  retypes, added columns and a changed key are followed), a special value
+  (``infinity``) Spark's type cannot hold, a keyless removal that would take
+  a row another writer added (it has no position to delete it by).
 """
 
 from __future__ import annotations
