@@ -237,11 +237,15 @@ def _apply_keyless(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifi
     out: dict[str, Counter] = {"cancelled": Counter(), "deleted": Counter(), "tombstoned": Counter()}
 
     # Staged appends that a kept removal takes: its row, which arrived after
-    # it (waiting removal), or a re-read copy of the row it took.
-    appends = [Candidate(ctid, c, tuple(rank), (p, off), not streamed) for ctid, c, *rank, streamed, p, off in cur.execute(
-        sql.SQL("SELECT s.ctid, {sc}, {rank}, s._wb_snapshot_id IS NULL, s._wb_partition, s._wb_offset FROM {s} AS s "
-                "WHERE s._wb_kind = 'a' AND {sc} IN (SELECT tb._wb_row FROM {tb} AS tb)").format(
-            sc=sc, rank=_rank_columns("s"), s=stage, tb=tb)).fetchall()]
+    # it (waiting removal), or a re-read copy of the row it took. The gate
+    # spares an append-only table (no removal kept) the content of each row.
+    appends = []
+    if cur.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {tb})").format(tb=tb)).fetchone()[0]:
+        appends = [Candidate(ctid, c, tuple(rank), (p, off), not streamed)
+                   for ctid, c, *rank, streamed, p, off in cur.execute(sql.SQL(
+                       "SELECT s.ctid, {sc}, {rank}, s._wb_snapshot_id IS NULL, s._wb_partition, s._wb_offset "
+                       "FROM {s} AS s WHERE s._wb_kind = 'a' AND {sc} IN (SELECT tb._wb_row FROM {tb} AS tb)").format(
+                           sc=sc, rank=_rank_columns("s"), s=stage, tb=tb)).fetchall()]
     if appends:
         kept = [Taker((lsn, opi), c, (lsn, opi, True), None if tl is None else (tl, to, ts))
                 for c, lsn, opi, tl, to, ts in cur.execute(sql.SQL(
