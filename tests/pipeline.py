@@ -1,11 +1,13 @@
 """The end-to-end set-up the integration modules share: the pgbench source
-and its five shapes, the pipeline's config, and the checks of a run (target
-equals source, the slot released, each change applied once)."""
+and its five shapes, the pipeline's config, the checks of a run (target
+equals source, the slot released, each change applied once) and the moments
+a kill test waits for."""
 
 from __future__ import annotations
 
 import subprocess
 import threading
+from pathlib import Path
 
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
@@ -227,3 +229,21 @@ def assert_applied_once(target_db, bootstrap: str, topic_prefix: str) -> None:
                                      timeout=180)):
         newest[r.key["aid"]] = (r.position, r.partition, r.offset)  # partition order = position order per key
     assert applied == newest
+
+
+def newest_commit(table: Path) -> float:
+    """When the Delta table's newest commit was written (0: none yet)."""
+    try:
+        return max((f.stat().st_mtime for f in (table / "_delta_log").glob("*.json")), default=0.0)
+    except OSError:  # a file replaced while listed
+        return 0.0
+
+
+def writing_uncommitted(table: Path) -> bool:
+    """Is a MERGE into the Delta table between writing its data files and
+    committing them?"""
+    newest = newest_commit(table)
+    try:
+        return newest > 0 and any(f.stat().st_mtime > newest for f in table.glob("*.parquet"))
+    except OSError:
+        return False

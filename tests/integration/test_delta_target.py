@@ -10,7 +10,6 @@ import json
 import threading
 from collections import Counter
 from decimal import Decimal
-from pathlib import Path
 
 import psycopg
 import pyarrow as pa
@@ -24,9 +23,11 @@ from tests.pipeline import (
     change_items,
     create_items,
     delete_rows,
+    newest_commit,
     pgbench,
     prepare_source,
     topic_ends,
+    writing_uncommitted,
 )
 from walbridge.reconcile import reconcile
 from walbridge.verify import verify
@@ -176,23 +177,6 @@ def test_types_and_a_restart_apply_each_change_once(source_db, kafka_broker, top
     row = delta_rows(f"{tmp_path}/lake/public.items", ["id", "body text", "n", "d", "at", "raw", "tags"], "id")[-1]
     assert row == (100, "new", Decimal("1.25"), datetime.date(2026, 2, 3),
                    datetime.datetime(2026, 2, 3, 4, 5, 6, tzinfo=datetime.timezone.utc), b"x", [7])
-
-
-def newest_commit(table: Path) -> float:
-    """When the table's newest commit was written (0: none yet)."""
-    try:
-        return max((f.stat().st_mtime for f in (table / "_delta_log").glob("*.json")), default=0.0)
-    except OSError:  # a file replaced while listed
-        return 0.0
-
-
-def writing_uncommitted(table: Path) -> bool:
-    """Is a MERGE between writing its data files and committing them?"""
-    newest = newest_commit(table)
-    try:
-        return newest > 0 and any(f.stat().st_mtime > newest for f in table.glob("*.parquet"))
-    except OSError:
-        return False
 
 
 def test_consumer_kill9_mid_merge_and_between_commits_applies_each_change_once(source_db, kafka_broker, topic_prefix,
