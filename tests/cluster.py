@@ -40,7 +40,7 @@ from walbridge.embedded import free_port
 SPARK_HOME = Path(pyspark.__file__).parent
 ROOT = Path(__file__).resolve().parent.parent
 _PREFIX = "10.213"
-_README_BLOCK = re.compile(r"<!-- cluster-test: (\w+) -->\s*```bash\n(.*?)```", re.S)
+_README_BLOCK = re.compile(r"<!-- cluster-test: ([\w-]+) -->\s*```bash\n(.*?)```", re.S)
 
 
 def readme_commands() -> dict[str, str]:

@@ -10,7 +10,9 @@ executors only as the README ships it: ``walbridge pack``, then
 the worker's own environment names no Python of ours.
 
 Servers, cluster and archive are shared by the module's tests; each test has
-its own databases, topics and consumer application.
+its own databases, topics and consumer application. A Delta target's folder
+is in the test's run dir: the namespace shares this host's file system, as a
+cluster shares an object store.
 """
 
 from __future__ import annotations
@@ -39,7 +41,16 @@ from tests.cluster import (
     user_env,
 )
 from tests.helpers import ProducerThread, wait_for, write_toml
-from tests.pipeline import applying, caught_up, e2e_config, pgbench, prepare_source, verify_ok
+from tests.pipeline import (
+    applying,
+    caught_up,
+    e2e_config,
+    newest_commit,
+    pgbench,
+    prepare_source,
+    verify_ok,
+    writing_uncommitted,
+)
 from walbridge.embedded import KafkaBroker, PostgresCluster
 
 
@@ -95,8 +106,20 @@ class Cluster:
         for name in ("env", "walbridge-env.tar.gz"):  # what the pack block left where spark-submit runs
             (run_dir / name).symlink_to(packed / name)
         self.cfg = e2e_config(self.source, self.target, broker.bootstrap, f"c{tag}", run_dir)
+        self.command = "standalone"
+        self.lake: Path | None = None
         self.log = run_dir / "spark-submit.log"
         self.proc: subprocess.Popen | None = None
+
+    def into_delta(self) -> Path:
+        """Apply into Delta tables under the run dir (one file system for the
+        driver and the worker's executors), with the README's Delta command."""
+        self.lake = self.run_dir / "lake"
+        consumer = self.cfg["consumer"]
+        del consumer["target_dsn"]
+        consumer.update(target="delta", target_path=str(self.lake))
+        self.command = "standalone-delta"
+        return self.lake
 
     def submit(self) -> None:
         """The README's standalone command, as written, from the run dir."""
@@ -104,15 +127,21 @@ class Cluster:
         env = user_env(SPARK_MASTER=self.spark.url, DRIVER_HOST=self.spark.netns.host_ip,
                         SPARK_CONF_DIR=str(self.spark.conf_dir))
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(["bash", "-c", readme_commands()["standalone"]], cwd=self.run_dir, env=env,
+            self.proc = subprocess.Popen(["bash", "-c", readme_commands()[self.command]], cwd=self.run_dir, env=env,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
+    def applied(self) -> bool:
+        """Has the consumer applied a first thousand rows (into Delta: a first
+        commit of the accounts table)?"""
+        if self.lake is not None:
+            return newest_commit(self.lake / "public.pgbench_accounts") > 0
+        return _applied_offsets(self.target) > 1000
+
     def submit_and_wait_applying(self) -> None:
-        """Submit, then wait until the consumer has applied a first thousand rows."""
+        """Submit, then wait until the consumer has applied a first batch."""
         self.submit()
-        wait_for(lambda: _applied_offsets(self.target) > 1000 or not self.alive(), timeout=240, interval=1,
-                 what="the consumer applying")
+        wait_for(lambda: self.applied() or not self.alive(), timeout=240, interval=1, what="the consumer applying")
         assert self.alive(), self.tail()
 
     def alive(self) -> bool:
@@ -243,3 +272,34 @@ def test_kill9_of_the_executor_mid_apply_is_rescheduled_and_loses_nothing(cluste
         history = conn.execute("SELECT count(*), count(DISTINCT (_wb_lsn, _wb_op_index)) FROM public.pgbench_history"
                                " WHERE _wb_snapshot_id IS NULL").fetchone()
     assert history[0] == history[1] > 0  # no streamed insert applied twice
+
+
+def test_kill9_of_the_executor_mid_merge_into_delta_is_rescheduled_and_loses_nothing(cluster):
+    """Into a Delta target the MERGE runs on the worker: its executor dies
+    while it writes a batch's data files, before the driver commits them. The
+    tables, read back with delta-rs, end equal to the source."""
+    c = cluster
+    accounts = c.into_delta() / "public.pgbench_accounts"
+    prepare_source(c.source)
+    with ProducerThread(c.cfg):
+        c.submit_and_wait_applying()
+        # At a rate the MERGEs keep up with while the worker shares 2 cores with everything else.
+        load = threading.Thread(target=pgbench, args=(c.source, "-n", "-c", "2", "-R", "40", "-T", "20"),
+                                daemon=True)
+        load.start()
+        wait_for(lambda: writing_uncommitted(accounts), timeout=120, interval=0.01,
+                 what="a MERGE's files written, not committed, under load")
+        killed = c.spark.executor_pids()
+        assert killed, "no executor JVM in the namespace"
+        committed = newest_commit(accounts)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: set(c.spark.executor_pids()) - set(killed), timeout=120, what="a new executor")
+        load.join(120)
+        _wait_converged(c)
+        assert newest_commit(accounts) > committed
+        executors = [e for e in c.spark.app_rest("/allexecutors") if e["id"] != "driver"]
+    assert len(executors) >= 2, executors
+    replacement = [e for e in executors if e["isActive"]]
+    assert replacement and sum(e["completedTasks"] for e in replacement) > 0, executors
+    assert c.alive(), c.tail()  # the lost tasks were rerun; the query went on
