@@ -25,7 +25,10 @@ Invariants:
   then ends it.
 - The query is stopped only while its foreachBatch is outside Spark
   (:mod:`spark_consumer.pipelined`), and at shutdown the batch in hand gets
-  :data:`SETTLE_S` to be handed over.
+  :data:`SETTLE_S` to be handed over. A signal to the whole process group
+  (Ctrl-C, a service manager) reaches Spark's JVM too, whose shutdown hook may
+  stop Spark first: the query is then stopped already, and the shutdown is a
+  clean one (the target's progress is whole; nothing was committed after it).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import threading
 import time
 
 import psycopg
+from py4j.protocol import Py4JError, Py4JNetworkError
 from pyspark.errors import StreamingQueryException
 
 from schemas.config import Config, ConfigError
@@ -223,6 +227,16 @@ def _stop_query(query, applier: BatchApplier | None, timeout: float) -> None:
     if applier is not None:
         applier.settle(timeout)
     if query is not None:
-        query.stop()
+        try:
+            query.stop()
+        except Py4JError as e:
+            if not spark_stopped(e):
+                raise
+            log.info("Spark was stopped already (its JVM had the signal too)")
     if applier is not None:
         applier.close()
+
+
+def spark_stopped(error: Py4JError) -> bool:
+    """Did a call fail because Spark's JVM stopped its context, or is gone?"""
+    return isinstance(error, Py4JNetworkError) or "stopped SparkContext" in str(error)

@@ -11,6 +11,7 @@ import threading
 import psycopg
 import pyarrow as pa
 import pytest
+from py4j.protocol import Py4JError, Py4JNetworkError
 
 from schemas import wire
 from schemas.config import parse_config
@@ -161,3 +162,33 @@ def test_local_tasks_are_retried_as_on_a_cluster():
 ])
 def test_a_failed_query_is_logged_by_what_went_wrong(text, expected):
     assert headline(RuntimeError(text)) == expected
+
+
+class _StoppedQuery:
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def stop(self):
+        raise self.error
+
+
+class _Applier:
+    closed = False
+
+    def settle(self, timeout):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_query_whose_spark_the_signal_stopped_first_is_a_clean_stop():
+    """Ctrl-C reaches Spark's JVM too: its shutdown hook may stop Spark before
+    the supervisor stops the query."""
+    for gone in (Py4JError("An error occurred while calling o390.stop.\n: java.lang.IllegalStateException: "
+                           "Cannot call methods on a stopped SparkContext."), Py4JNetworkError("Answer from Java side is empty")):
+        applier = _Applier()
+        supervisor._stop_query(_StoppedQuery(gone), applier, 0)
+        assert applier.closed
+    with pytest.raises(Py4JError, match="something else"):
+        supervisor._stop_query(_StoppedQuery(Py4JError("something else")), _Applier(), 0)
