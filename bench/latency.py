@@ -2,6 +2,7 @@
 as a user of the default config gets it.
 
     flock /tmp/wb-tests.lock .venv/bin/python bench/latency.py [--rate 1000] [--warmup 20] [--duration 60]
+        [--target postgresql|delta|iceberg]
 
 - What ``walbridge up`` runs, on the pgbench shapes: a durable local
   PostgreSQL, an Apache Kafka broker, 4 partitions, WAL released on the
@@ -16,17 +17,25 @@ as a user of the default config gets it.
   one tick every ``--tick-every`` s (autocommit: its commit follows ``at`` by
   well under a millisecond). Ticks inserted during the first ``--warmup`` s
   are not counted; then ``--duration`` s are measured.
+- ``--target``: the PostgreSQL target (a ``warehouse`` database on the same
+  server), or a Delta folder / an Iceberg Hadoop catalog in the run's scratch
+  directory, read back with delta-rs / pyiceberg.
 - Visibility: a thread polls the target's ``public.tick`` every
-  ``--poll-ms`` for ids it has not seen yet (below the highest seen too: ticks
-  of different partitions can become visible out of order); a row's latency
-  is the wall clock when the poll returned it minus its ``at`` (same host
-  clock). The poll adds up to ``--poll-ms`` to each figure.
+  ``--poll-ms`` (5 on PostgreSQL, 50 on a lake: each poll reads the table's
+  newest version) for ids it has not seen yet (below the highest seen too:
+  ticks of different partitions can become visible out of order); a row's
+  latency is the wall clock when the poll returned it minus its ``at`` (same
+  host clock). The poll adds up to ``--poll-ms`` (and a lake read) to each
+  figure.
 - Breakdown per tick: commit → produced to Kafka (the message's CreateTime,
   read by a side consumer) and Kafka → visible. Per micro-batch (every
   batch with rows that started in the window, from a StreamingQueryListener):
   Spark's ``durationMs`` (latestOffset, queryPlanning, getBatch, addBatch,
   walCommit, commitOffsets, triggerExecution), the gap between batch starts,
   rows per batch, and the apply thread's read/apply split (its log lines).
+  On a lake, per shape table and its commits in the window: Delta's MERGE
+  ``executionTimeMs`` and files added (the commit's ``operationMetrics``),
+  Iceberg's data files added per snapshot.
 - CPU per process over the measured window, in cores: PostgreSQL (every
   backend), the broker, the producer, the Spark JVM, Spark's Python workers,
   the driver's Python (this process: the bench's own pollers are in it too),
@@ -62,6 +71,7 @@ from schemas.reader import SchemaResolver  # noqa: E402
 from tests.helpers import write_toml  # noqa: E402
 from walbridge.embedded import KafkaBroker, PostgresCluster, find_pg_bin  # noqa: E402
 from walbridge.runtime import consumer_service  # noqa: E402
+from walbridge.verify_lake import MissingTable, lake_reader  # noqa: E402
 
 PREFIX = "lat"
 GROUP = "walbridge-spark"
@@ -107,31 +117,96 @@ class Ticks(threading.Thread):
 
 
 class Visible(threading.Thread):
-    """Polls the target's tick table; ``seen[id] = (at epoch s, visible epoch s)``."""
+    """Polls the target's tick table; ``seen[id] = (at epoch s, visible epoch s)``.
+    ``fetch(last, gaps)``: the (id, at epoch s) of ticks above ``last`` or in ``gaps``."""
 
-    def __init__(self, dsn: str, poll: float, stop: threading.Event):
+    def __init__(self, fetch, poll: float, stop: threading.Event):
         super().__init__(daemon=True)
-        self.dsn, self.poll, self.stop = dsn, poll, stop
+        self.fetch, self.poll, self.stop = fetch, poll, stop
         self.seen: dict[int, tuple[float, float]] = {}
 
     def run(self) -> None:
         last = 0
         gaps: set[int] = set()  # ids below ``last`` not visible yet: ticks of other partitions may come later
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            while not self.stop.is_set():
+        while not self.stop.is_set():
+            rows = self.fetch(last, gaps)
+            now = time.time()
+            for i, at in rows:
+                self.seen[i] = (at, now)
+                gaps.discard(i)
+                if i > last:
+                    gaps.update(range(last + 1, i))
+                    last = i
+            time.sleep(self.poll)
+
+
+class Target:
+    """The bench's target: its ``[consumer]`` settings and how to read it."""
+
+    def __init__(self, kind: str, pg: PostgresCluster, base: Path):
+        self.kind = kind
+        self.dsn = pg.dsn("warehouse")
+        self.settings = ({"target_dsn": self.dsn} if kind == "postgresql" else
+                         {"target": "delta", "target_path": str(base / "lake")} if kind == "delta" else
+                         {"target": "iceberg", "iceberg": {"warehouse": str(base / "warehouse")}})
+        self.config = None  # the parsed config, for the lake reader
+        self._conn = None
+
+    def shape(self, name: str):
+        return next(s for s in self.config.shapes if s.shape_name == name)
+
+    def count(self, shape: str, column: str) -> int:
+        """Rows in the shape's table (0 while there is none)."""
+        if self.kind == "postgresql":
+            with psycopg.connect(self.dsn) as conn:
                 try:
-                    rows = conn.execute("SELECT id, extract(epoch FROM at)::float8 FROM public.tick"
-                                        " WHERE id > %s OR id = ANY(%s) ORDER BY id", (last, list(gaps))).fetchall()
+                    return conn.execute(f"SELECT count(*) FROM {shape}").fetchone()[0]
                 except psycopg.errors.UndefinedTable:
-                    rows = []
-                now = time.time()
-                for i, at in rows:
-                    self.seen[i] = (at, now)
-                    gaps.discard(i)
-                    if i > last:
-                        gaps.update(range(last + 1, i))
-                        last = i
-                time.sleep(self.poll)
+                    return 0
+        try:
+            return lake_reader(self.config).read(self.shape(shape), [column]).num_rows
+        except MissingTable:
+            return 0
+
+    def ticks(self, last: int, gaps: set[int]) -> list[tuple[int, float]]:
+        if self.kind == "postgresql":
+            if self._conn is None:
+                self._conn = psycopg.connect(self.dsn, autocommit=True)
+            try:
+                return self._conn.execute("SELECT id, extract(epoch FROM at)::float8 FROM public.tick"
+                                          " WHERE id > %s OR id = ANY(%s) ORDER BY id", (last, list(gaps))).fetchall()
+            except psycopg.errors.UndefinedTable:
+                return []
+        try:
+            table = lake_reader(self.config).read(self.shape("public.tick"), ["id", "at"])
+        except MissingTable:
+            return []
+        return sorted((i, at.timestamp()) for i, at in zip(table.column("id").to_pylist(),
+                                                           table.column("at").to_pylist()) if i > last or i in gaps)
+
+    def commits(self, since: float, until: float) -> dict:
+        """Per shape: the table's commits in the window, what they wrote and took."""
+        if self.kind == "postgresql":
+            return {}
+        reader, out = lake_reader(self.config), {}
+        for name in SHAPES:
+            if self.kind == "delta":
+                history = [c for c in reader.table(self.shape(name)).history()
+                           if since * 1000 <= c["timestamp"] <= until * 1000 and c.get("operation") == "MERGE"]
+                metrics = [c.get("operationMetrics") or {} for c in history]
+                out[name] = {"commits": len(history),
+                             "merge_execution": summary([int(m.get("executionTimeMs", 0)) / 1000 for m in metrics]),
+                             "files_added_mean": _mean([int(m.get("numTargetFilesAdded", 0)) for m in metrics])}
+            else:
+                table = reader.table(self.shape(name))
+                snaps = [sn for sn in table.snapshots() if since * 1000 <= sn.timestamp_ms <= until * 1000]
+                out[name] = {"commits": len(snaps), "files_added_mean": _mean(
+                    [int((sn.summary or {}).get("added-data-files", 0)) for sn in snaps])}
+        return out
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(statistics.fmean(values), 2) if values else None
 
 
 class Stamps(threading.Thread):
@@ -246,9 +321,9 @@ def cpu_by_part(pg_postmaster: int, broker: int, producer: int) -> dict[str, flo
     }
 
 
-def config_data(pg: PostgresCluster, bootstrap: str, base: Path, trigger: float | None,
+def config_data(pg: PostgresCluster, bootstrap: str, base: Path, target: Target, trigger: float | None,
                 max_offsets: int | None) -> dict:
-    consumer: dict = {"group": GROUP, "target_dsn": pg.dsn("warehouse"), "checkpoint_dir": str(base / "checkpoints")}
+    consumer: dict = {"group": GROUP, "checkpoint_dir": str(base / "checkpoints"), **target.settings}
     if trigger is not None:
         consumer["trigger_interval"] = trigger
     if max_offsets is not None:
@@ -270,11 +345,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=20)
     ap.add_argument("--duration", type=float, default=60)
     ap.add_argument("--tick-every", type=float, default=0.02)
-    ap.add_argument("--poll-ms", type=float, default=5)
+    ap.add_argument("--poll-ms", type=float, default=None, help="5 on PostgreSQL, 50 on a lake")
+    ap.add_argument("--target", choices=("postgresql", "delta", "iceberg"), default="postgresql")
     ap.add_argument("--trigger-interval", type=float, default=None, help="override [consumer] trigger_interval")
     ap.add_argument("--max-offsets", type=int, default=None, help="override [consumer] max_offsets_per_trigger")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "latency.json")
     args = ap.parse_args()
+    if args.poll_ms is None:
+        args.poll_ms = 5 if args.target == "postgresql" else 50
     base = Path(tempfile.mkdtemp(prefix="wb-bench-latency-"))
     logging.basicConfig(level=logging.INFO, filename=str(base / "walbridge.log"),
                         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
@@ -298,8 +376,9 @@ def main() -> None:
         with psycopg.connect(pg.dsn("app"), autocommit=True) as conn:
             conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
             conn.execute("CREATE TABLE tick (id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT clock_timestamp())")
-        data = config_data(pg, broker.bootstrap, base, args.trigger_interval, args.max_offsets)
-        config = parse_config(data)
+        target = Target(args.target, pg, base)
+        data = config_data(pg, broker.bootstrap, base, target, args.trigger_interval, args.max_offsets)
+        config = target.config = parse_config(data)
         results["trigger_interval"] = config.consumer.trigger_interval
         results["max_offsets_per_trigger"] = config.consumer.max_offsets_per_trigger
         failed: list = []
@@ -320,23 +399,17 @@ def main() -> None:
         t0 = time.monotonic()
         consumer.start()
         accounts = args.scale * 100_000
-        with psycopg.connect(pg.dsn("warehouse"), autocommit=True) as conn:
-            while True:
-                try:
-                    if conn.execute("SELECT count(*) FROM public.pgbench_accounts").fetchone()[0] >= accounts:
-                        break
-                except psycopg.errors.UndefinedTable:
-                    pass
-                if failed or producer.poll() is not None:
-                    raise RuntimeError(f"pipeline failed: {failed or producer.returncode}")
-                time.sleep(0.5)
+        while target.count("public.pgbench_accounts", "aid") < accounts:
+            if failed or producer.poll() is not None:
+                raise RuntimeError(f"pipeline failed: {failed or producer.returncode}")
+            time.sleep(0.5 if args.target == "postgresql" else 2)
         results["snapshot_applied_s"] = round(time.monotonic() - t0, 1)
         print(json.dumps(results), flush=True)
         from pyspark.sql import SparkSession  # optional Spark extra: the consumer's own session
 
         SparkSession.builder.getOrCreate().streams.addListener(progress_listener(progress))
 
-        visible = Visible(pg.dsn("warehouse"), args.poll_ms / 1000, measuring_stop)
+        visible = Visible(target.ticks, args.poll_ms / 1000, measuring_stop)
         stamps = Stamps(broker.bootstrap, measuring_stop)
         ticks = Ticks(pg.dsn("app"), args.tick_every, measuring_stop)
         for t in (visible, stamps):
@@ -369,6 +442,7 @@ def main() -> None:
         while (last_tick not in visible.seen or last_tick not in stamps.stamps) and time.monotonic() < deadline:
             time.sleep(0.1)
         measuring_stop.set()
+        results["lake_commits"] = target.commits(measure_from, measure_to)
         stop.set()
         consumer.join(120)
         producer.terminate()
