@@ -144,7 +144,11 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
         return
     finally:
         _stop_query(query, applier, SETTLE_S)
-        spark.stop()
+        try:
+            spark.stop()
+        except Py4JError as e:
+            if not _spark_stopped(e):
+                raise
 
 
 def _watch(config: Config, query, applier: BatchApplier, stop: threading.Event | None, policy: RetryPolicy,
@@ -230,13 +234,13 @@ def _stop_query(query, applier: BatchApplier | None, timeout: float) -> None:
         try:
             query.stop()
         except Py4JError as e:
-            if not spark_stopped(e):
+            if not _spark_stopped(e):
                 raise
             log.info("Spark was stopped already (its JVM had the signal too)")
     if applier is not None:
         applier.close()
 
 
-def spark_stopped(error: Py4JError) -> bool:
+def _spark_stopped(error: Py4JError) -> bool:
     """Did a call fail because Spark's JVM stopped its context, or is gone?"""
     return isinstance(error, Py4JNetworkError) or "stopped SparkContext" in str(error)
