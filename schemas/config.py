@@ -29,7 +29,16 @@ from typing import Annotated, Any, Literal, Mapping
 
 from confluent_kafka import KafkaException, Producer
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from schemas.java_client import JavaClientError, java_client_options
 from schemas.shape_filter import FilterError, compile_filter
@@ -37,6 +46,17 @@ from schemas.shape_filter import FilterError, compile_filter
 _IDENT = r'(?:[A-Za-z_][A-Za-z0-9_$]*|"(?:[^"]|"")+")'
 _QUALIFIED_TABLE = re.compile(rf"^{_IDENT}\.{_IDENT}$|^{_IDENT}$")
 _TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def _check_dsn(dsn: str) -> str:
+    try:
+        conninfo_to_dict(dsn)
+    except Exception as e:  # psycopg raises ProgrammingError with libpq's text
+        raise ValueError(f"is not a valid PostgreSQL connection string ({str(e).strip()})") from None
+    return dsn
+
+
+Dsn = Annotated[str, AfterValidator(_check_dsn)]  # a libpq connection string (URI or key=value)
 
 
 class ConfigError(ValueError):
@@ -71,7 +91,7 @@ class _Reconnecting(_Section):
 
 
 class SourceConfig(_Reconnecting):
-    dsn: str = Field(repr=False)  # may hold a password: shown only through redact_dsn
+    dsn: Dsn = Field(repr=False)  # may hold a password: shown only through redact_dsn
     # Joined into the DSN (keeps a secret out of it: password_file, ${VAR}).
     password: str | None = Field(default=None, repr=False)
     slot: str = "walbridge"
@@ -96,12 +116,6 @@ class SourceConfig(_Reconnecting):
         if not re.fullmatch(r"[a-z0-9_]{1,63}", v):
             raise ValueError("must be 1-63 characters of lower-case letters, digits and '_' "
                              "(PostgreSQL slot naming rules)")
-        return v
-
-    @field_validator("dsn")
-    @classmethod
-    def _dsn(cls, v: str) -> str:
-        _check_dsn(v)
         return v
 
 
@@ -239,16 +253,9 @@ class IcebergConfig(_Section):
 
     catalog: Literal["hadoop", "jdbc"] = "hadoop"
     warehouse: str  # the folder (or URI) the catalog keeps table files in
-    catalog_dsn: str | None = Field(default=None, repr=False)  # jdbc: the PostgreSQL database of the catalog
+    catalog_dsn: Dsn | None = Field(default=None, repr=False)  # jdbc: the PostgreSQL database of the catalog
     namespace: str = "cdc"
     name: str = "walbridge"  # the catalog's name (Spark's and pyiceberg's; a JDBC catalog's rows carry it)
-
-    @field_validator("catalog_dsn")
-    @classmethod
-    def _dsn(cls, v: str | None) -> str | None:
-        if v is not None:
-            _check_dsn(v)
-        return v
 
     @property
     def warehouse_uri(self) -> str:
@@ -270,7 +277,7 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
     # it is set), "delta" (a Delta Lake table per shape under target_path) or
     # "iceberg" (an Apache Iceberg table per shape in [consumer.iceberg]'s catalog).
     target: Literal["postgresql", "delta", "iceberg"] | None = None
-    target_dsn: str | None = Field(default=None, repr=False)
+    target_dsn: Dsn | None = Field(default=None, repr=False)
     target_path: str | None = None  # delta: the folder (or URI) holding <target_path>/<shape name>
     target_password: str | None = Field(default=None, repr=False)  # joined into target_dsn
     # Spark's checkpoint of the running query: scratch, emptied at every start
@@ -301,13 +308,6 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
     @classmethod
     def _password(cls, data: Any) -> Any:
         return _join_password(data, "target_dsn", "target_password")
-
-    @field_validator("target_dsn")
-    @classmethod
-    def _dsn(cls, v: str | None) -> str | None:
-        if v is not None:
-            _check_dsn(v)
-        return v
 
     @model_validator(mode="after")
     def _target_kind(self) -> ConsumerConfig:
@@ -402,13 +402,6 @@ def _split_table(qualified: str) -> tuple[str, str]:
     parts = re.findall(rf"{_IDENT}", qualified)
     names = [p[1:-1].replace('""', '"') if p.startswith('"') else p.lower() for p in parts]
     return (names[0], names[1]) if len(names) == 2 else ("public", names[0])
-
-
-def _check_dsn(dsn: str) -> None:
-    try:
-        conninfo_to_dict(dsn)
-    except Exception as e:  # psycopg raises ProgrammingError with libpq's text
-        raise ValueError(f"is not a valid PostgreSQL connection string ({str(e).strip()})") from None
 
 
 def _check_client(client: dict[str, Any]) -> None:
