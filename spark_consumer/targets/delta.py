@@ -160,7 +160,7 @@ class DeltaTarget(LakeTarget):
     def _roll_back(self, table: str, version: int) -> None:
         self.spark.sql(f"RESTORE TABLE {table} TO VERSION AS OF {version - 1}").collect()
 
-    def _keep_up_table(self, table: str, command: str) -> None:
+    def _keep_up_table(self, table: str, command: str, record: str | None) -> None:
         if command == "compact":
             self.spark.sql(f"OPTIMIZE {table}").collect()
         else:  # listing the table's files in as many tasks as the cluster has cores, not Spark's 10,000

@@ -164,11 +164,10 @@ class IcebergTarget(LakeTarget):
             self.spark.sql(f"CALL {self.catalog}.system.rollback_to_snapshot(table => {literal(table)}, "
                            f"snapshot_id => {int(parent)})").collect()
 
-    def _keep_up_table(self, table: str, command: str) -> None:
+    def _keep_up_table(self, table: str, command: str, record: str | None) -> None:
         name = literal(table)  # the whole reference: a name without the catalog is first tried as one
         if command == "compact":
             self.spark.sql(f"CALL {self.catalog}.system.rewrite_data_files(table => {name})").collect()
-            record = self.spark.conf.get(SESSION_PROPERTY, None)
             line = self._snapshots(table)
             if record and line and line[0][2] != record:  # commit the record again (module docstring)
                 self.spark.sql(f"MERGE INTO {table} t USING (SELECT * FROM {table} WHERE false) s ON false "

@@ -180,8 +180,9 @@ class LakeTarget:
         """Undo the commit ``version`` and every later one."""
         raise NotImplementedError
 
-    def _keep_up_table(self, ref: str, command: str) -> None:
-        """Run ``command`` ("compact" or "vacuum") on one table."""
+    def _keep_up_table(self, ref: str, command: str, record: str | None) -> None:
+        """Run ``command`` ("compact" or "vacuum") on one table, whose
+        commits carry ``record`` (the shape's newest, as JSON)."""
         raise NotImplementedError
 
     # -- shared
@@ -334,9 +335,10 @@ class LakeTarget:
             started = time.monotonic()
             for topic, target in self._followed.items():
                 record = self._records.get(topic)
-                with self._carrying(record.to_json(self._group) if record and self._group else None):
+                carried = record.to_json(self._group) if record and self._group else None
+                with self._carrying(carried):
                     for ref in (self.table_ref(target), self.tombstones_ref(target)):
-                        self._keep_up_table(ref, command)
+                        self._keep_up_table(ref, command, carried)
             log.info("%s: %s of %d shapes' tables took %.1fs", self.format_name, command, len(self._followed),
                      time.monotonic() - started)
             self._due[command] = self.clock() + interval
