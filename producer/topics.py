@@ -33,6 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from typing import Iterable
 
 from confluent_kafka import KafkaError, KafkaException
@@ -41,7 +42,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from schemas import wire
 from schemas.config import Config
 from schemas.failures import KAFKA, Failure
-from schemas.kafka import METADATA_TIMEOUT, ensure_topics
+from schemas.kafka import METADATA_TIMEOUT, ensure_topics, metadata_with, timed_out
 
 log = logging.getLogger("walbridge.producer")
 
@@ -155,6 +156,20 @@ def describe(admin: AdminClient, topics: Iterable[str], timeout: float = 30.0) -
     return out
 
 
+def described(admin: AdminClient, topics: list[str], optional: list[str]) -> dict[str, dict[str, str]]:
+    """:func:`describe` of ``topics`` and ``optional``, asked again while the
+    broker answering does not know one of ``topics`` yet (just created)."""
+    deadline = time.monotonic() + METADATA_TIMEOUT
+    while True:
+        settings = describe(admin, topics + optional)
+        absent = [t for t in topics if t not in settings]
+        if not absent:
+            return settings
+        if time.monotonic() > deadline:
+            raise timed_out(f"no settings reported for topics {', '.join(absent)}")
+        time.sleep(0.2)
+
+
 def prepare_topics(admin: AdminClient, config: Config, with_schemas_topic: bool,
                    keyless_topics: set[str]) -> dict[str, int]:
     """Create what is missing and check the settings of every topic of the
@@ -168,9 +183,10 @@ def prepare_topics(admin: AdminClient, config: Config, with_schemas_topic: bool,
     internal = [t for t in wire.internal_topics(k.topic_prefix)
                 if with_schemas_topic or t != wire.schemas_topic(k.topic_prefix)]
     ensure_topics(admin, internal, 1, replication, wire.INTERNAL_TOPIC_CONFIG)
-    cluster = admin.list_topics(timeout=METADATA_TIMEOUT)
+    # Asked again, possibly of another broker: wait until it knows them too.
+    cluster = metadata_with(admin, data + internal, METADATA_TIMEOUT)
     dlqs = [wire.dlq_topic(t) for t in data if wire.dlq_topic(t) in cluster.topics]
-    settings = describe(admin, data + internal + dlqs)
+    settings = described(admin, data + internal, dlqs)
     refused = []
     for topic in data + internal + dlqs:
         replicas = min((len(p.replicas) for p in cluster.topics[topic].partitions.values()), default=0)

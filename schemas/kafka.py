@@ -198,17 +198,25 @@ def ensure_topics(admin: AdminClient, topics: Iterable[str], partitions: int, re
             except KafkaException as e:
                 if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                     raise
+    meta = metadata_with(admin, topics, timeout).topics
+    return {t: len(meta[t].partitions) for t in topics}
+
+
+def metadata_with(admin: AdminClient, topics: Iterable[str], timeout: float = 30.0) -> Any:
+    """The cluster's metadata once it lists every one of ``topics`` with its
+    partitions. A topic just created reaches the brokers one by one, and each
+    request may be answered by another broker: one answer that lists it says
+    nothing of the next. Raises a timed-out (transient) error after ``timeout``."""
+    topics = list(dict.fromkeys(topics))
     deadline = time.monotonic() + timeout
     while True:
-        meta = admin.list_topics(timeout=timeout).topics
-        counts = {t: len(meta[t].partitions) for t in topics if t in meta and meta[t].partitions}
-        if len(counts) == len(topics) or time.monotonic() > deadline:
-            break
+        meta = admin.list_topics(timeout=min(timeout, METADATA_TIMEOUT))
+        absent = [t for t in topics if t not in meta.topics or not meta.topics[t].partitions]
+        if not absent:
+            return meta
+        if time.monotonic() > deadline:
+            raise timed_out(f"topics not visible after creation: {', '.join(absent)}")
         time.sleep(0.2)
-    absent = [t for t in topics if t not in counts]
-    if absent:
-        raise timed_out(f"topics not visible after creation: {', '.join(absent)}")
-    return counts
 
 
 def scan_consumer(conf: dict[str, Any], purpose: str) -> Consumer:
