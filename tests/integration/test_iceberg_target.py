@@ -201,7 +201,9 @@ def test_a_renamed_widened_retyped_added_and_dropped_column_is_followed_while_st
         snapshot = table.snapshot_by_id(snapshot.parent_snapshot_id)
     assert snapshot.summary.operation.value == "overwrite" and '"walbridge"' in snapshot.summary.get(
         wire.ICEBERG_PROGRESS_PROPERTY, "")
-    # A restart reads the progress and applies nothing again.
-    with ConsumerThread(cfg) as consumer:
+    # A restart reads the progress and applies nothing again. (The slot is
+    # confirmed by a producer: without one, WAL the server writes meanwhile
+    # is never confirmed.)
+    with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
         wait_for(lambda: caught_up(cfg) or consumer.errors, timeout=120, what="caught up after a restart")
         assert followed() and not consumer.errors
