@@ -144,11 +144,7 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
         return
     finally:
         _stop_query(query, applier, SETTLE_S)
-        try:
-            spark.stop()
-        except Py4JError as e:
-            if not _spark_stopped(e):
-                raise
+        _stop_unless_stopped(spark)
 
 
 def _watch(config: Config, query, applier: BatchApplier, stop: threading.Event | None, policy: RetryPolicy,
@@ -230,17 +226,19 @@ def _stop_query(query, applier: BatchApplier | None, timeout: float) -> None:
     ``timeout``), then finish the batch being applied and release its clients."""
     if applier is not None:
         applier.settle(timeout)
-    if query is not None:
-        try:
-            query.stop()
-        except Py4JError as e:
-            if not _spark_stopped(e):
-                raise
-            log.info("Spark was stopped already (its JVM had the signal too)")
+    if query is not None and not _stop_unless_stopped(query):
+        log.info("Spark was stopped already (its JVM had the signal too)")
     if applier is not None:
         applier.close()
 
 
-def _spark_stopped(error: Py4JError) -> bool:
-    """Did a call fail because Spark's JVM stopped its context, or is gone?"""
-    return isinstance(error, Py4JNetworkError) or "stopped SparkContext" in str(error)
+def _stop_unless_stopped(spark_object) -> bool:
+    """``spark_object.stop()`` (a query, the session); False when Spark's JVM
+    had stopped its context already, or is gone (module docstring)."""
+    try:
+        spark_object.stop()
+    except Py4JError as e:
+        if isinstance(e, Py4JNetworkError) or "stopped SparkContext" in str(e):
+            return False
+        raise
+    return True
