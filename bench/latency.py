@@ -69,6 +69,7 @@ sys.path.insert(0, str(ROOT))
 from schemas.config import parse_config  # noqa: E402
 from schemas.reader import SchemaResolver  # noqa: E402
 from tests.helpers import write_toml  # noqa: E402
+from tests.pipeline import target_settings  # noqa: E402
 from walbridge.embedded import KafkaBroker, PostgresCluster, find_pg_bin  # noqa: E402
 from walbridge.runtime import consumer_service  # noqa: E402
 from walbridge.verify_lake import MissingTable, lake_reader  # noqa: E402
@@ -146,9 +147,7 @@ class Target:
     def __init__(self, kind: str, pg: PostgresCluster, base: Path):
         self.kind = kind
         self.dsn = pg.dsn("warehouse")
-        self.settings = ({"target_dsn": self.dsn} if kind == "postgresql" else
-                         {"target": "delta", "target_path": str(base / "lake")} if kind == "delta" else
-                         {"target": "iceberg", "iceberg": {"warehouse": str(base / "warehouse")}})
+        self.settings = target_settings(kind, self.dsn, base)
         self.config = None  # the parsed config, for the lake reader
         self._conn = None
 

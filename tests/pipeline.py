@@ -90,6 +90,17 @@ def e2e_config(source_db, target_db, bootstrap, prefix, tmp_path):
                        ack={"consumer_groups": [group], "interval": 0.5})
 
 
+def target_settings(kind: str, target_db: str, scratch: Path) -> dict:
+    """The ``[consumer]`` settings that apply to ``kind``: the PostgreSQL
+    database ``target_db``, or a Delta folder / an Iceberg Hadoop catalog's
+    warehouse under ``scratch``."""
+    if kind == "postgresql":
+        return {"target_dsn": str(target_db)}
+    if kind == "delta":
+        return {"target": "delta", "target_path": str(scratch / "lake")}
+    return {"target": "iceberg", "iceberg": {"warehouse": str(scratch / "warehouse")}}
+
+
 def prepare_source(source_db):
     """pgbench's tables at scale 1, history and accounts with REPLICA IDENTITY FULL."""
     pgbench(source_db, "-i", "-q", "-s", "1")

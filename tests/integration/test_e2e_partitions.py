@@ -18,7 +18,7 @@ from producer.backfill_requests import request_backfill
 from schemas.config import parse_config
 from spark_consumer.progress import read_backfills
 from tests.helpers import ConsumerThread, ProducerThread, make_config, wait_for
-from tests.pipeline import caught_up
+from tests.pipeline import caught_up, target_settings
 from walbridge.verify_lake import lake_reader
 
 COLUMNS = "id, at, sensor, value"
@@ -76,9 +76,7 @@ class Target:
 
     def __init__(self, kind: str, target_db, tmp_path):
         self.kind = kind
-        self.consumer = ({"target_dsn": str(target_db)} if kind == "postgresql" else
-                         {"target": "delta", "target_path": str(tmp_path / "lake")} if kind == "delta" else
-                         {"target": "iceberg", "iceberg": {"warehouse": str(tmp_path / "warehouse")}})
+        self.consumer = target_settings(kind, target_db, tmp_path)
         self.target_db = target_db
         self.config = None
 
