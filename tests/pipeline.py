@@ -243,18 +243,21 @@ def assert_applied_once(target_db, bootstrap: str, topic_prefix: str) -> None:
 
 
 def newest_commit(table: Path) -> float:
-    """When the Delta table's newest commit was written (0: none yet)."""
+    """When the table's newest commit was written (0: none yet): a Delta
+    table's log entry, or an Iceberg table's metadata file (Hadoop catalog)."""
+    commits = "metadata/v*.metadata.json" if (table / "metadata").is_dir() else "_delta_log/*.json"
     try:
-        return max((f.stat().st_mtime for f in (table / "_delta_log").glob("*.json")), default=0.0)
+        return max((f.stat().st_mtime for f in table.glob(commits)), default=0.0)
     except OSError:  # a file replaced while listed
         return 0.0
 
 
 def writing_uncommitted(table: Path) -> bool:
-    """Is a MERGE into the Delta table between writing its data files and
-    committing them?"""
+    """Is a MERGE into the Delta or Iceberg table between writing its data
+    files and committing them?"""
     newest = newest_commit(table)
     try:
-        return newest > 0 and any(f.stat().st_mtime > newest for f in table.glob("*.parquet"))
+        return newest > 0 and any(f.stat().st_mtime > newest
+                                  for pattern in ("*.parquet", "data/*.parquet") for f in table.glob(pattern))
     except OSError:
         return False

@@ -11,8 +11,8 @@ the worker's own environment names no Python of ours.
 
 Servers, cluster and archive are shared by the module's tests; each test has
 its own databases, topics and consumer application. A Delta target's folder
-is in the test's run dir: the namespace shares this host's file system, as a
-cluster shares an object store.
+or an Iceberg warehouse is in the test's run dir: the namespace shares this
+host's file system, as a cluster shares an object store.
 """
 
 from __future__ import annotations
@@ -107,35 +107,43 @@ class Cluster:
             (run_dir / name).symlink_to(packed / name)
         self.cfg = e2e_config(self.source, self.target, broker.bootstrap, f"c{tag}", run_dir)
         self.command = "standalone"
-        self.lake: Path | None = None
+        self.accounts: Path | None = None  # a lake target's accounts table
+        self.env = {"SPARK_MASTER": spark.url, "DRIVER_HOST": spark.netns.host_ip,
+                    "SPARK_CONF_DIR": str(spark.conf_dir)}
         self.log = run_dir / "spark-submit.log"
         self.proc: subprocess.Popen | None = None
 
-    def into_delta(self) -> Path:
-        """Apply into Delta tables under the run dir (one file system for the
-        driver and the worker's executors), with the README's Delta command."""
-        self.lake = self.run_dir / "lake"
+    def into_lake(self, kind: str) -> Path:
+        """Apply into Delta tables or an Iceberg Hadoop catalog under the run
+        dir (one file system for the driver and the worker's executors), with
+        the README's command for that format; the accounts table's folder."""
         consumer = self.cfg["consumer"]
         del consumer["target_dsn"]
-        consumer.update(target="delta", target_path=str(self.lake))
-        self.command = "standalone-delta"
-        return self.lake
+        self.command = f"standalone-{kind}"
+        if kind == "delta":
+            consumer.update(target="delta", target_path=str(self.run_dir / "lake"))
+            self.accounts = self.run_dir / "lake" / "public.pgbench_accounts"
+        else:
+            warehouse = self.run_dir / "warehouse"
+            consumer.update(target="iceberg", iceberg={"warehouse": warehouse.as_uri()})
+            self.env["WAREHOUSE"] = warehouse.as_uri()
+            self.accounts = warehouse / "cdc" / "public.pgbench_accounts"
+        return self.accounts
 
     def submit(self) -> None:
         """The README's standalone command, as written, from the run dir."""
         write_toml(self.cfg, self.run_dir / "walbridge.toml")
-        env = user_env(SPARK_MASTER=self.spark.url, DRIVER_HOST=self.spark.netns.host_ip,
-                        SPARK_CONF_DIR=str(self.spark.conf_dir))
+        env = user_env(**self.env)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(["bash", "-c", readme_commands()[self.command]], cwd=self.run_dir, env=env,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
     def applied(self) -> bool:
-        """Has the consumer applied a first thousand rows (into Delta: a first
+        """Has the consumer applied a first thousand rows (into a lake: a first
         commit of the accounts table)?"""
-        if self.lake is not None:
-            return newest_commit(self.lake / "public.pgbench_accounts") > 0
+        if self.accounts is not None:
+            return newest_commit(self.accounts) > 0
         return _applied_offsets(self.target) > 1000
 
     def submit_and_wait_applying(self) -> None:
@@ -274,12 +282,14 @@ def test_kill9_of_the_executor_mid_apply_is_rescheduled_and_loses_nothing(cluste
     assert history[0] == history[1] > 0  # no streamed insert applied twice
 
 
-def test_kill9_of_the_executor_mid_merge_into_delta_is_rescheduled_and_loses_nothing(cluster):
-    """Into a Delta target the MERGE runs on the worker: its executor dies
-    while it writes a batch's data files, before the driver commits them. The
-    tables, read back with delta-rs, end equal to the source."""
+@pytest.mark.parametrize("lake", ["delta", "iceberg"])
+def test_kill9_of_the_executor_mid_merge_into_a_lake_is_rescheduled_and_loses_nothing(cluster, lake):
+    """Into a Delta or Iceberg target the MERGE runs on the worker: its
+    executor dies while it writes a batch's data files, before the driver
+    commits them. The tables, read back with delta-rs or pyiceberg, end equal
+    to the source."""
     c = cluster
-    accounts = c.into_delta() / "public.pgbench_accounts"
+    accounts = c.into_lake(lake)
     prepare_source(c.source)
     with ProducerThread(c.cfg):
         c.submit_and_wait_applying()

@@ -69,15 +69,18 @@ def test_own_driver_gets_the_kafka_source_jars_and_a_ui_only_when_asked():
 def test_one_spark_version_everywhere_it_is_named():
     """The pyspark pin, jvm/pom.xml's spark.version (the Kafka source's jars)
     and the README's --packages for spark-submit users name the same Spark
-    (and, where they add Delta, jvm/pom.xml's Delta)."""
+    (and, where they add Delta or Iceberg, jvm/pom.xml's)."""
     root = Path(__file__).resolve().parents[2]
     version = pyspark.__version__
     pom = (root / "jvm" / "pom.xml").read_text()
     assert f'"pyspark=={version}"' in (root / "pyproject.toml").read_text()
     assert f"<spark.version>{version}</spark.version>" in pom
     delta = re.search(r"<delta.version>([^<]+)</delta.version>", pom)[1]
+    iceberg = re.search(r"<iceberg.version>([^<]+)</iceberg.version>", pom)[1]
+    spark_minor = ".".join(version.split(".")[:2])
     readme = (root / "README.md").read_text()
     packages = re.findall(r"--packages (org\.[^\s`]+)", readme)
     assert packages and all(p.startswith(session.SPARK_PACKAGES) for p in packages)
     extra = {c for p in packages for c in p[len(session.SPARK_PACKAGES):].split(",") if c}
-    assert extra <= {f"io.delta:delta-spark_2.13:{delta}"}, extra
+    assert extra <= {f"io.delta:delta-spark_2.13:{delta}",
+                     f"org.apache.iceberg:iceberg-spark-runtime-{spark_minor}_2.13:{iceberg}"}, extra
