@@ -210,10 +210,12 @@ def _wait_converged(c: Cluster, timeout: float = 300) -> None:
     assert ok, diffs
 
 
-def test_consumer_on_a_standalone_cluster_applies_pgbench_with_tasks_on_the_worker(cluster):
+def test_consumer_on_a_standalone_cluster_runs_on_the_worker_and_survives_a_kill9_of_its_executor(cluster):
     """spark-submit to the master as the README says; the executors on the
     other host read (Spark's Kafka source) and decode every shape with the
-    packed Python, the driver applies."""
+    packed Python, the driver applies. The executor dies while the driver
+    applies a batch and the executor reads and decodes the next one: Spark
+    reruns its tasks on a new one and nothing is lost or applied twice."""
     c = cluster
     prepare_source(c.source)
     with ProducerThread(c.cfg):
@@ -222,16 +224,30 @@ def test_consumer_on_a_standalone_cluster_applies_pgbench_with_tasks_on_the_work
         pythons = wait_for(lambda: {p: m for p, m in _executor_pythons(c.spark).items()
                                     if any("_fastdecode" in f for f in m)},
                            timeout=60, what="an executor Python worker with walbridge loaded")
-        pgbench(c.source, "-n", "-c", "2", "-T", "10")
-        _wait_converged(c)
-        executors = c.spark.app_rest("/allexecutors")
         environment = c.spark.app_rest("/environment")
+        load = threading.Thread(target=pgbench, args=(c.source, "-n", "-c", "2", "-T", "20"), daemon=True)
+        load.start()
+        wait_for(lambda: applying(c.target), timeout=120, interval=0.01,
+                 what="an apply written and not committed, under load")
+        killed = c.spark.executor_pids()
+        assert killed, "no executor JVM in the namespace"
+        before = _applied_offsets(c.target)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        # The worker starts a new executor; Spark reruns the lost tasks on it.
+        wait_for(lambda: set(c.spark.executor_pids()) - set(killed), timeout=120, what="a new executor")
+        load.join(120)
+        _wait_converged(c)
+        assert _applied_offsets(c.target) > before
+        executors = c.spark.app_rest("/allexecutors")
 
     # Tasks ran on the worker in the namespace, none on the driver.
     workers = [e for e in executors if e["id"] != "driver"]
     assert workers and all(e["hostPort"].split(":")[0] == c.spark.netns.peer_ip for e in workers), executors
-    assert sum(e["completedTasks"] for e in workers) > 0, workers
     assert all(e["totalTasks"] == 0 for e in executors if e["id"] == "driver"), executors
+    assert len(workers) >= 2, executors
+    replacement = [e for e in workers if e["isActive"]]
+    assert replacement and sum(e["completedTasks"] for e in replacement) > 0, executors
     # The settings came from spark-submit and spark-defaults.conf, not from walbridge.
     props = dict(environment["sparkProperties"])
     assert props["spark.master"] == c.spark.url
@@ -249,33 +265,6 @@ def test_consumer_on_a_standalone_cluster_applies_pgbench_with_tasks_on_the_work
             found = [f for f in files if needle in f]
             assert found and all(f.startswith(str(c.spark.work_dir)) and "/env/lib/" in f for f in found), \
                 (pid, needle, found)
-
-
-def test_kill9_of_the_executor_mid_apply_is_rescheduled_and_loses_nothing(cluster):
-    """The executor dies while the driver applies a batch and the executor
-    reads and decodes the next one."""
-    c = cluster
-    prepare_source(c.source)
-    with ProducerThread(c.cfg):
-        c.submit_and_wait_applying()
-        load = threading.Thread(target=pgbench, args=(c.source, "-n", "-c", "2", "-T", "20"), daemon=True)
-        load.start()
-        wait_for(lambda: applying(c.target), timeout=120, interval=0.01,
-                 what="an apply written and not committed, under load")
-        killed = c.spark.executor_pids()
-        assert killed, "no executor JVM in the namespace"
-        before = _applied_offsets(c.target)
-        for pid in killed:
-            os.kill(pid, signal.SIGKILL)
-        # The worker starts a new executor; Spark reruns the lost tasks on it.
-        wait_for(lambda: set(c.spark.executor_pids()) - set(killed), timeout=120, what="a new executor")
-        load.join(120)
-        _wait_converged(c)
-        assert _applied_offsets(c.target) > before
-        executors = [e for e in c.spark.app_rest("/allexecutors") if e["id"] != "driver"]
-    assert len(executors) >= 2, executors
-    replacement = [e for e in executors if e["isActive"]]
-    assert replacement and sum(e["completedTasks"] for e in replacement) > 0, executors
     with psycopg.connect(c.target) as conn:
         history = conn.execute("SELECT count(*), count(DISTINCT (_wb_lsn, _wb_op_index)) FROM public.pgbench_history"
                                " WHERE _wb_snapshot_id IS NULL").fetchone()
