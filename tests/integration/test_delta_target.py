@@ -228,12 +228,13 @@ def test_consumer_kill9_mid_merge_and_between_commits_applies_each_change_once(s
     assert log.read_text().count("from the target's progress") >= 3
 
 
-def test_a_renamed_widened_retyped_and_added_column_is_followed_while_streaming(source_db, kafka_broker,
-                                                                                 topic_prefix, tmp_path):
+def test_renamed_widened_retyped_added_columns_and_a_new_key_are_followed_while_streaming(
+        source_db, kafka_broker, topic_prefix, tmp_path):
     """Columns renamed, widened (integer to bigint), retyped (text to integer:
     the producer re-reads the shape) and added at the source while the stream
     runs: the Delta table follows each (column mapping, a rewrite with the new
-    type) and delta-rs reads it equal to the source; the other shape goes on."""
+    type); then a new primary key, its rows re-read and re-keyed. delta-rs
+    reads it equal to the source; the other shape goes on."""
     with psycopg.connect(source_db, autocommit=True) as conn:
         for t in ("changed", "free"):
             conn.execute(f"CREATE TABLE {t} (id int PRIMARY KEY, v int, s text)")
@@ -257,7 +258,18 @@ def test_a_renamed_widened_retyped_and_added_column_is_followed_while_streaming(
             "public.free": tables["public.free"]}}
         wait_for(lambda: not lake_differences(cfg, tables) or consumer.errors, timeout=240, interval=2,
                  what="the changed shape followed", explain=lambda: "\n".join(lake_differences(cfg, tables)))
+        # A new primary key (the producer re-reads the shape, re-keyed), then
+        # a row whose key changes and a delete under the new key.
+        with psycopg.connect(source_db, autocommit=True) as conn:
+            conn.execute("ALTER TABLE changed DROP CONSTRAINT changed_pkey, ADD PRIMARY KEY (id, s)")
+            conn.execute("UPDATE changed SET s = 99 WHERE id = 2")
+            conn.execute("DELETE FROM changed WHERE id = 3")
+            conn.execute("INSERT INTO changed VALUES (23, 23, 23)")
+        wait_for(lambda: not lake_differences(cfg, tables) or consumer.errors, timeout=240, interval=2,
+                 what="the re-keyed shape followed", explain=lambda: "\n".join(lake_differences(cfg, tables)))
         assert not consumer.errors, consumer.errors
-    schema = {f.name: f.type for f in DeltaTable(f"{tmp_path}/lake/public.changed").schema().fields}
+    changed = DeltaTable(f"{tmp_path}/lake/public.changed")
+    assert json.loads(changed.metadata().configuration["walbridge.key"]) == ["id", "s"]
+    schema = {f.name: f.type for f in changed.schema().fields}
     assert "v" not in schema and str(schema["w"]) == 'PrimitiveType("long")' and str(schema["s"]) == \
         'PrimitiveType("integer")'

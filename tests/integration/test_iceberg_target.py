@@ -7,6 +7,7 @@ row by row."""
 from __future__ import annotations
 
 import datetime
+import json
 import re
 import threading
 from decimal import Decimal
@@ -152,13 +153,14 @@ def test_a_jdbc_catalog_on_postgresql_holds_typed_rows_across_a_restart(source_d
     assert table.current_snapshot().summary.get(wire.ICEBERG_PROGRESS_PROPERTY)
 
 
-def test_a_renamed_widened_retyped_added_and_dropped_column_is_followed_while_streaming(source_db, kafka_broker,
-                                                                                topic_prefix, tmp_path):
+def test_renamed_widened_retyped_added_dropped_columns_and_a_new_key_are_followed_while_streaming(
+        source_db, kafka_broker, topic_prefix, tmp_path):
     """Columns renamed, widened (integer to bigint), retyped (text to
     integer: the producer re-reads the shape), added and dropped at the source
     while the stream runs: the Iceberg table follows by its own schema
     evolution (the retype by a replace of the table, the dropped column kept,
-    later rows leaving it NULL), and pyiceberg reads it equal to the source."""
+    later rows leaving it NULL); then a new primary key, its rows re-read and
+    re-keyed. pyiceberg reads it equal to the source."""
     with psycopg.connect(source_db, autocommit=True) as conn:
         conn.execute("CREATE TABLE changed (id int PRIMARY KEY, v int, gone text, s text)")
         conn.execute("INSERT INTO changed SELECT g, g, g::text, g::text FROM generate_series(1, 20) g")
@@ -190,8 +192,17 @@ def test_a_renamed_widened_retyped_added_and_dropped_column_is_followed_while_st
             return rows == wanted
 
         wait_for(lambda: followed() or consumer.errors, timeout=240, interval=2, what="the changed shape followed")
+        # A new primary key (the producer re-reads the shape, re-keyed), then
+        # a row whose key changes and a delete under the new key.
+        with psycopg.connect(source_db, autocommit=True) as conn:
+            conn.execute("ALTER TABLE changed DROP CONSTRAINT changed_pkey, ADD PRIMARY KEY (id, s)")
+            conn.execute("UPDATE changed SET s = 99 WHERE id = 2")
+            conn.execute("DELETE FROM changed WHERE id = 3")
+            conn.execute("INSERT INTO changed VALUES (24, 24, 24)")
+        wait_for(lambda: followed() or consumer.errors, timeout=240, interval=2, what="the re-keyed shape followed")
         assert not consumer.errors, consumer.errors
     config = parse_config(cfg)
+    assert json.loads(lake_reader(config).table(config.shapes[0]).properties["walbridge.key"]) == ["id", "s"]
     schema = {f.name: str(f.field_type) for f in lake_reader(config).table(config.shapes[0]).schema().fields}
     assert "v" not in schema and schema["w"] == "long" and schema["s"] == "int" and {"note", "gone"} <= set(schema)
     # The replace began a new line of snapshots, and its first one carries the record.
