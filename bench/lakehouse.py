@@ -15,8 +15,13 @@ in one run on one Spark session.
   the clock starts: the same Arrow the stage is built from) and ``MERGE INTO t USING s ON key WHEN
   MATCHED THEN UPDATE SET * WHEN NOT MATCHED THEN INSERT *`` into a fresh
   table of the format: what a hand-written Debezium → Spark → lakehouse job runs.
+- statement: walbridge's own ``MERGE`` statement (``merge_sql.table_merge``:
+  the rank conditions, the bookkeeping columns) on the staged rows made
+  before the clock starts, into a fresh table of the format: the apply less
+  its driver-side work (planning, staging, the progress). walbridge − statement
+  is that driver-side share; statement − reference what the statement adds.
 - Ratio = reference time / walbridge time (1.0: as fast as the plain MERGE).
-  Both run twice in alternation; the faster run of each counts.
+  The three run ``--repeats`` times in alternation; the fastest run of each counts.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from spark_consumer.targets import iceberg  # noqa: E402
 from spark_consumer.targets.base import ShapeBatch  # noqa: E402
 from spark_consumer.targets.delta import SNAPSHOT_PARTITIONS, SPARK_SETTINGS, DeltaTarget  # noqa: E402
 from spark_consumer.targets.iceberg import IcebergTarget  # noqa: E402
-from spark_consumer.targets.merge_sql import ddl_columns, shape_fields, stage_table  # noqa: E402
+from spark_consumer.targets.merge_sql import BOOKKEEPING, ddl_columns, shape_fields, stage_table, table_merge  # noqa: E402
 from tests.unit.test_apply_plan import as_tuples, keyed_target, row  # noqa: E402
 
 TOPIC = "wb.public.items"
@@ -66,6 +71,7 @@ def batches(keys: int, rounds: int, size: int):
 
 
 CATALOG = "bench"
+PLAIN, STATEMENT, WALBRIDGE = "plain Spark MERGE", "walbridge's MERGE statement", "walbridge"
 _runs = iter(range(1_000_000))  # each run's own Iceberg namespace: fresh tables
 
 
@@ -87,28 +93,40 @@ def run_walbridge(spark, fmt: str, work: str, target, data) -> float:
     return time.monotonic() - t0
 
 
-def run_plain(spark, fmt: str, work: str, target, tables) -> float:
+def fresh_table(spark, fmt: str, work: str, name: str, fields) -> str:
+    """A new empty table of the format with ``fields``: its name in SQL."""
     if fmt == "delta":
-        shutil.rmtree(f"{work}/plain", ignore_errors=True)
-        table = f"delta.`{work}/plain/plain`"
+        shutil.rmtree(f"{work}/{name}", ignore_errors=True)
+        table = f"delta.`{work}/{name}/{name}`"
         # column mapping: the bench's shape has a column named "body text", as the target makes it
         create = "USING delta TBLPROPERTIES ('delta.columnMapping.mode' = 'name')"
     else:
-        ns = f"{CATALOG}.plain{next(_runs)}"
+        ns = f"{CATALOG}.{name}{next(_runs)}"
         spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {ns}")
-        table, create = f"{ns}.plain", "USING iceberg TBLPROPERTIES ('format-version' = '2')"
-    cols = ", ".join(f"`{c}`" for c in target.names)
+        table, create = f"{ns}.{name}", "USING iceberg TBLPROPERTIES ('format-version' = '2')"
+    spark.sql(f"CREATE TABLE {table} ({ddl_columns(fields)}) {create}")
+    return table
+
+
+def run_merges(spark, table: str, tables, merge: str) -> float:
+    """Each Arrow table as the view ``stage``, then ``merge``; the time of all."""
     t0 = time.monotonic()
-    first = True
     for arrow in tables:
-        df = spark.createDataFrame(arrow)
-        if first:
-            spark.sql(f"CREATE TABLE {table} ({ddl_columns(shape_fields(target))}) {create}")
-            first = False
-        df.createOrReplaceTempView("plain_stage")
-        spark.sql(f"MERGE INTO {table} t USING (SELECT {cols} FROM plain_stage) s ON t.id = s.id "
-                  "WHEN MATCHED THEN UPDATE SET * WHEN NOT MATCHED THEN INSERT *").collect()
+        spark.createDataFrame(arrow).createOrReplaceTempView("stage")
+        spark.sql(merge).collect()
     return time.monotonic() - t0
+
+
+def run_plain(spark, fmt: str, work: str, target, tables) -> float:
+    table = fresh_table(spark, fmt, work, "plain", shape_fields(target))
+    cols = ", ".join(f"`{c}`" for c in target.names)
+    return run_merges(spark, table, tables, f"MERGE INTO {table} t USING (SELECT {cols} FROM stage) s ON t.id = s.id "
+                                            "WHEN MATCHED THEN UPDATE SET * WHEN NOT MATCHED THEN INSERT *")
+
+
+def run_statement(spark, fmt: str, work: str, target, stages) -> float:
+    table = fresh_table(spark, fmt, work, "statement", shape_fields(target) + list(BOOKKEEPING))
+    return run_merges(spark, table, stages, table_merge(target, table, None, "stage", []))
 
 
 def main() -> None:
@@ -117,6 +135,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=50_000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--formats", default="delta,iceberg")
+    ap.add_argument("--repeats", type=int, default=2, help="alternations of the three; the fastest run of each counts")
     args = ap.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = (SparkSession.builder.master("local[2]").config("spark.jars", ",".join(map(str, jvm_jars("spark"))))
@@ -134,20 +153,22 @@ def main() -> None:
     spark.conf.set(SNAPSHOT_PARTITIONS, str(spark.sparkContext.defaultParallelism))
     target, data = batches(args.keys, args.rounds, args.batch)
     rows = sum(len(r) for _, r in data)
-    # The reference's input, made before it is timed: the rows as Arrow, one per
-    # key (the same Arrow the walbridge stage is built from, less the bookkeeping).
-    tables = [stage_table(target, plan_batch(target, r, fields=f)).select(list(target.names)) for f, r in data]
+    # The inputs made before the clock starts: the walbridge stage as Arrow (the
+    # statement's), and the same less the bookkeeping, one row per key (the reference's).
+    stages = [stage_table(target, plan_batch(target, r, fields=f)) for f, r in data]
+    tables = [stage.select(list(target.names)) for stage in stages]
     try:
         print(f"rows {rows} in {len(data)} micro-batches of {args.batch}")
         for fmt in args.formats.split(","):
-            wb, plain = [], []
-            for _ in range(2):
-                plain.append(run_plain(spark, fmt, work, target, tables))
-                wb.append(run_walbridge(spark, fmt, work, target, data))
-            best_wb, best_plain = min(wb), min(plain)
-            print(f"{fmt}: plain Spark MERGE {rows / best_plain:,.0f} rows/s (runs "
-                  f"{', '.join(f'{t:.1f}s' for t in plain)}); walbridge {rows / best_wb:,.0f} rows/s (runs "
-                  f"{', '.join(f'{t:.1f}s' for t in wb)}); ratio {best_plain / best_wb:.2f}")
+            runs = {PLAIN: [], STATEMENT: [], WALBRIDGE: []}
+            for _ in range(args.repeats):
+                runs[PLAIN].append(run_plain(spark, fmt, work, target, tables))
+                runs[STATEMENT].append(run_statement(spark, fmt, work, target, stages))
+                runs[WALBRIDGE].append(run_walbridge(spark, fmt, work, target, data))
+            best = {name: min(times) for name, times in runs.items()}
+            print(f"{fmt}: " + "; ".join(f"{name} {rows / best[name]:,.0f} rows/s (runs "
+                                         f"{', '.join(f'{t:.1f}s' for t in times)})" for name, times in runs.items())
+                  + f"; ratio {best[PLAIN] / best[WALBRIDGE]:.2f} (the statement alone {best[PLAIN] / best[STATEMENT]:.2f})")
     finally:
         spark.stop()
         shutil.rmtree(work, ignore_errors=True)
