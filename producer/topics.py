@@ -33,7 +33,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import time
 from typing import Iterable
 
 from confluent_kafka import KafkaError, KafkaException
@@ -42,7 +41,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from schemas import wire
 from schemas.config import Config
 from schemas.failures import KAFKA, Failure
-from schemas.kafka import METADATA_TIMEOUT, ensure_topics, metadata_with, timed_out
+from schemas.kafka import METADATA_TIMEOUT, asked_until_complete, ensure_topics, metadata_with
 
 log = logging.getLogger("walbridge.producer")
 
@@ -159,15 +158,9 @@ def describe(admin: AdminClient, topics: Iterable[str], timeout: float = 30.0) -
 def described(admin: AdminClient, topics: list[str], optional: list[str]) -> dict[str, dict[str, str]]:
     """:func:`describe` of ``topics`` and ``optional``, asked again while the
     broker answering does not know one of ``topics`` yet (just created)."""
-    deadline = time.monotonic() + METADATA_TIMEOUT
-    while True:
-        settings = describe(admin, topics + optional)
-        absent = [t for t in topics if t not in settings]
-        if not absent:
-            return settings
-        if time.monotonic() > deadline:
-            raise timed_out(f"no settings reported for topics {', '.join(absent)}")
-        time.sleep(0.2)
+    return asked_until_complete(lambda: describe(admin, topics + optional),
+                                lambda settings: [t for t in topics if t not in settings],
+                                METADATA_TIMEOUT, "no settings reported for topics")
 
 
 def prepare_topics(admin: AdminClient, config: Config, with_schemas_topic: bool,

@@ -35,8 +35,9 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
+import tenacity
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -53,6 +54,7 @@ from schemas import wire
 from schemas.wire import commit_topic_id
 
 log = logging.getLogger("walbridge.kafka")
+T = TypeVar("T")
 
 Writer = tuple[str, int]
 """A topic-partition: the unit the FlushTracker calls a writer."""
@@ -202,21 +204,29 @@ def ensure_topics(admin: AdminClient, topics: Iterable[str], partitions: int, re
     return {t: len(meta[t].partitions) for t in topics}
 
 
+def asked_until_complete(ask: Callable[[], T], absent: Callable[[T], list[str]], timeout: float, what: str) -> T:
+    """``ask()``'s answer once ``absent(answer)`` is empty, asked again every
+    0.2 s: a topic just created reaches the brokers one by one, and each
+    request may be answered by another broker, so one answer that knows it
+    says nothing of the next. Raises a timed-out (transient) error naming
+    ``what`` and what is still absent after ``timeout``; an error of ``ask``
+    is raised at once."""
+    def give_up(state: tenacity.RetryCallState) -> T:
+        raise timed_out(f"{what}: {', '.join(absent(state.outcome.result()))}")
+
+    return tenacity.Retrying(retry=tenacity.retry_if_result(lambda answer: bool(absent(answer))),
+                             wait=tenacity.wait_fixed(0.2), stop=tenacity.stop_after_delay(timeout),
+                             retry_error_callback=give_up)(ask)
+
+
 def metadata_with(admin: AdminClient, topics: Iterable[str], timeout: float = 30.0) -> Any:
     """The cluster's metadata once it lists every one of ``topics`` with its
-    partitions. A topic just created reaches the brokers one by one, and each
-    request may be answered by another broker: one answer that lists it says
-    nothing of the next. Raises a timed-out (transient) error after ``timeout``."""
+    partitions (see :func:`asked_until_complete`)."""
     topics = list(dict.fromkeys(topics))
-    deadline = time.monotonic() + timeout
-    while True:
-        meta = admin.list_topics(timeout=min(timeout, METADATA_TIMEOUT))
-        absent = [t for t in topics if t not in meta.topics or not meta.topics[t].partitions]
-        if not absent:
-            return meta
-        if time.monotonic() > deadline:
-            raise timed_out(f"topics not visible after creation: {', '.join(absent)}")
-        time.sleep(0.2)
+    return asked_until_complete(
+        lambda: admin.list_topics(timeout=min(timeout, METADATA_TIMEOUT)),
+        lambda meta: [t for t in topics if t not in meta.topics or not meta.topics[t].partitions],
+        timeout, "topics not visible after creation")
 
 
 def scan_consumer(conf: dict[str, Any], purpose: str) -> Consumer:

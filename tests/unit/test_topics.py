@@ -3,9 +3,11 @@ that may lose records, a data topic that may delete changes before every
 group read them (producer.topics, pure)."""
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from producer.topics import data_findings, fix_command, internal_findings, replication_findings
 from schemas import wire
+from schemas.kafka import asked_until_complete
 
 BOOT = "kafka:9092"
 
@@ -82,3 +84,27 @@ def test_weak_replication_is_warned_not_refused():
     assert _replication(3, min_isr=1)[0] == []
     assert "set min.insync.replicas=2" in _replication(3, min_isr=1)[1][0]
     assert "one replica on a cluster of 3 brokers" in _replication(1, min_isr=1)[1][0]
+
+
+def test_a_topic_another_broker_does_not_know_yet_is_asked_for_again_then_named_in_a_timed_out_error():
+    """A topic just created reaches the brokers one by one: an answer that
+    lacks it is asked again; one that never has it ends in a transient
+    (timed-out) error naming it, not a KeyError."""
+    answers = iter([{"a": 1}, {"a": 1}, {"a": 1, "b": 2}])
+    asked = []
+
+    def ask():
+        asked.append(1)
+        return next(answers)
+
+    def absent(answer):
+        return [t for t in ("a", "b") if t not in answer]
+
+    assert asked_until_complete(ask, absent, 5.0, "topics not visible") == {"a": 1, "b": 2}
+    assert len(asked) == 3
+    with pytest.raises(KafkaException) as raised:
+        asked_until_complete(lambda: {"a": 1}, absent, 0.3, "topics not visible after creation")
+    assert raised.value.args[0].code() == KafkaError._TIMED_OUT
+    assert raised.value.args[0].str() == "topics not visible after creation: b"
+    with pytest.raises(ZeroDivisionError):  # an error of the request itself is not waited out
+        asked_until_complete(lambda: 1 / 0, absent, 5.0, "x")
