@@ -21,6 +21,10 @@ Apache Kafka broker (4 partitions):
   catalog lookups, ~4 ms a table).
 - ``insert_again_visible_s``: the median of ``--inserts`` more such
   transactions, 2 s apart (tables known; where a 1 s trigger falls varies).
+- ``--master``: the consumer's master (default ``local[*]``, as ``walbridge
+  up``). Every count runs in this one process and its one Spark JVM, whose
+  Kafka consumer pool keeps the size the first count's topic-partitions gave
+  it: run a large count alone to measure it as a user would.
 - ``--verbose``: the consumer's log (a line per micro-batch, with its read
   and apply times) on stderr.
 Results go to bench/out/shapes.json and are printed; ratios against the
@@ -99,7 +103,7 @@ def counts(conn, n: int) -> list[int]:
         return [0] * n
 
 
-def run_one(n: int, rows: int, settle: float, idle: float, inserts: int) -> dict:
+def run_one(n: int, rows: int, settle: float, idle: float, inserts: int, master: str = "local[*]") -> dict:
     base = Path(tempfile.mkdtemp(prefix=f"wb-bench-shapes-{n}-"))
     out: dict = {"shapes": n}
     stop = threading.Event()
@@ -128,7 +132,7 @@ def run_one(n: int, rows: int, settle: float, idle: float, inserts: int) -> dict
 
         def consume():
             try:
-                consumer_service(config, "local[*]", stop, [])
+                consumer_service(config, master, stop, [])
             except BaseException as e:  # noqa: BLE001 - reported below
                 failed.append(e)
 
@@ -184,11 +188,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "shapes.json")
     ap.add_argument("--inserts", type=int, default=5)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--master", default="local[*]", help="the consumer's Spark master (local[N]: N task slots)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     if args.verbose:
         logging.getLogger("walbridge.consumer").setLevel(logging.INFO)
-    results = [run_one(n, args.rows, args.settle, args.idle, args.inserts) for n in map(int, args.counts.split(","))]
+    results = [run_one(n, args.rows, args.settle, args.idle, args.inserts, args.master) for n in map(int, args.counts.split(","))]
     ref = next((r for r in results if r["shapes"] == 5), None)
     for r in results:
         if ref is not None:

@@ -9,14 +9,16 @@ spark-submit for the Python driver it launches):
   Kafka source and spark-avro from ``.jvm/spark`` (:mod:`schemas.jvm`), no
   console progress bar, Spark's log quiet (:data:`QUIET_LOG4J`) and, in local
   mode (one machine), a loopback driver, no UI unless asked for
-  (``walbridge up`` shows its address), few shuffle partitions, a C1-only JIT
-  and task retries (:func:`local_master`).
+  (``walbridge up`` shows its address), few shuffle partitions, a C1-only JIT,
+  task retries (:func:`local_master`) and a Kafka consumer pool that holds a
+  consumer for every topic-partition the query reads (:func:`consumer_pool_size`).
 - **spark-submit started it** (:mod:`walbridge.spark_submit`, on a cluster or
   not): master, driver host and bind address, UI, shuffle, memory, Python,
   jars (``--packages``) — everything comes from spark-submit's flags and
   ``spark-defaults.conf``; walbridge sets only :data:`DEFAULTS` keys those
   left unset, and fails at once, naming the ``--packages`` to add, when
-  Spark's Kafka source is not on the classpath.
+  Spark's Kafka source is not on the classpath; a consumer pool smaller than
+  the topic-partitions read is a warning naming the ``--conf`` to add.
 
 Invariants:
 - Under spark-submit no setting given by spark-submit or spark-defaults.conf is
@@ -68,6 +70,11 @@ KAFKA_SOURCE_CLASS = "org.apache.spark.sql.kafka010.KafkaSourceProvider"
 SPARK_PACKAGES = ("org.apache.spark:spark-sql-kafka-0-10_2.13:{v},org.apache.spark:spark-avro_2.13:{v}"
                   .format(v=pyspark.__version__))
 _LOCAL = re.compile(r"local(?:\[(\d+|\*)\])?")
+# Spark's Kafka source keeps one cached consumer per (group, topic-partition)
+# in each executor, 64 by default; past that every read closes one and opens
+# another (a connection, metadata, a "Pool exceeds its soft max size" line).
+CONSUMER_POOL = "spark.kafka.consumer.cache.capacity"
+CONSUMER_POOL_DEFAULT = 64
 
 
 def launched_by_spark_submit() -> bool:
@@ -82,11 +89,19 @@ def local_master(master: str) -> str:
     return f"local[{m.group(1) or 1},{LOCAL_TASK_ATTEMPTS}]" if m else master
 
 
-def own_driver_settings(master: str, quiet_log4j_uri: str | None, jars: list[str] = (), ui: bool = False
-                        ) -> dict[str, str]:
+def consumer_pool_size(topic_partitions: int) -> int:
+    """Spark's Kafka consumer pool for a query over ``topic_partitions``: one
+    each, twice over (a restarted query reads under a new group id while the
+    old one's consumers wait out their idle timeout)."""
+    return max(CONSUMER_POOL_DEFAULT, 2 * topic_partitions)
+
+
+def own_driver_settings(master: str, quiet_log4j_uri: str | None, jars: list[str] = (), ui: bool = False,
+                        topic_partitions: int = 0) -> dict[str, str]:
     """Settings where walbridge starts the driver JVM; with ``quiet_log4j_uri``,
     Spark logs through that log4j2 file from its first line; ``jars``: what
-    Spark lacks (the Kafka source); ``ui``: a local driver keeps its web UI.
+    Spark lacks (the Kafka source); ``ui``: a local driver keeps its web UI;
+    ``topic_partitions``: what the query reads (a local executor's consumer pool).
     User ``extraJavaOptions`` come after the default ones and win. A master
     that is not local gets no host, UI or shuffle setting (Spark's and
     spark-defaults.conf's apply, as under spark-submit)."""
@@ -105,6 +120,7 @@ def own_driver_settings(master: str, quiet_log4j_uri: str | None, jars: list[str
             "spark.driver.bindAddress": "127.0.0.1",
             "spark.ui.enabled": "true" if ui else "false",
             "spark.sql.shuffle.partitions": "2",
+            CONSUMER_POOL: str(consumer_pool_size(topic_partitions)),
         })
     return settings
 
@@ -135,11 +151,12 @@ def _verbose() -> bool:
     return logging.getLogger("walbridge").isEnabledFor(logging.DEBUG)
 
 
-def spark_session(master: str | None = None, ui: bool = False, target_settings: Mapping[str, str] | None = None
-                  ) -> SparkSession:
+def spark_session(master: str | None = None, ui: bool = False, target_settings: Mapping[str, str] | None = None,
+                  topic_partitions: int = 0) -> SparkSession:
     """The session (see the module's docstring for whose settings apply);
     ``target_settings``: what the target needs (Delta's SQL extension), set
-    where walbridge starts the driver and checked under spark-submit."""
+    where walbridge starts the driver and checked under spark-submit;
+    ``topic_partitions``: how many the query reads."""
     # Python workers run this interpreter unless spark.pyspark.python names
     # another (spark-submit exports that as PYSPARK_PYTHON).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -172,12 +189,17 @@ def spark_session(master: str | None = None, ui: bool = False, target_settings: 
             raise MissingJars("the target needs " + " ".join(
                 f"--conf {k}={'<password>' if k.endswith('password') else v}" for k, v in missing.items())
                 + " on spark-submit's command line")
+        pool = int(conf.get(CONSUMER_POOL, str(CONSUMER_POOL_DEFAULT)))
+        if pool < topic_partitions:
+            log.warning("Spark's Kafka consumer pool holds %d consumers and the query reads %d topic-partitions: "
+                        "each batch reopens consumers; add --conf %s=%d to spark-submit", pool, topic_partitions,
+                        CONSUMER_POOL, consumer_pool_size(topic_partitions))
     else:
         quiet = quiet_spark_logs(_verbose(), user_log4j=_conf_dir_has_log4j())
         master = local_master(master or "local[*]")
         jars = [str(j) for j in jvm_jars("spark")]
         builder = SparkSession.builder.appName(APP_NAME).master(master)
-        settings = {**own_driver_settings(master, quiet_log4j_uri() if quiet else None, jars, ui),
+        settings = {**own_driver_settings(master, quiet_log4j_uri() if quiet else None, jars, ui, topic_partitions),
                     **(target_settings or {})}
         for key, value in settings.items():
             builder = builder.config(key, value)

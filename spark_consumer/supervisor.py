@@ -119,7 +119,8 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
     if stop is not None and stop.is_set():
         return
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
-    spark = spark_session(master, ui, target_spark_settings(config))
+    spark = spark_session(master, ui, target_spark_settings(config),
+                          topic_partitions=len(config.shapes) * config.kafka.partitions)
     policy = RetryPolicy.of(config.consumer)
     held: dict[str, str] = {}
     failures: list[float] = []  # when each failure that was not an outage happened

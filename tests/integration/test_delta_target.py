@@ -26,6 +26,7 @@ from tests.pipeline import (
     newest_commit,
     pgbench,
     prepare_source,
+    target_settings,
     topic_ends,
     writing_uncommitted,
 )
@@ -95,7 +96,7 @@ def lake_differences(cfg: dict, shapes: dict = SOURCE) -> list[str]:
 def lake_config(source_db, bootstrap, prefix, tmp_path, shapes=SHAPES) -> dict:
     group = f"{prefix}-delta"
     return make_config(source_db, bootstrap, prefix, shapes,
-                       consumer={"group": group, "target": "delta", "target_path": str(tmp_path / "lake"),
+                       consumer={"group": group, **target_settings("delta", "", tmp_path),
                                  "checkpoint_dir": str(tmp_path / "checkpoints")},
                        ack={"consumer_groups": [group], "interval": 0.5})
 

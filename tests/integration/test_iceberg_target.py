@@ -27,6 +27,7 @@ from tests.pipeline import (
     delete_rows,
     pgbench,
     prepare_source,
+    target_settings,
     topic_ends,
 )
 from walbridge.verify import verify
@@ -35,9 +36,10 @@ from walbridge.verify_lake import lake_reader, sqlalchemy_url
 
 def iceberg_config(source_db, bootstrap, prefix, tmp_path, iceberg: dict, shapes=SHAPES) -> dict:
     group = f"{prefix}-iceberg"
+    settings = target_settings("iceberg", "", tmp_path)
+    settings["iceberg"].update(iceberg)
     return make_config(source_db, bootstrap, prefix, shapes,
-                       consumer={"group": group, "target": "iceberg", "checkpoint_dir": str(tmp_path / "checkpoints"),
-                                 "iceberg": {"warehouse": str(tmp_path / "warehouse"), **iceberg}},
+                       consumer={"group": group, "checkpoint_dir": str(tmp_path / "checkpoints"), **settings},
                        ack={"consumer_groups": [group], "interval": 0.5})
 
 

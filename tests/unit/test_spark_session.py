@@ -84,3 +84,11 @@ def test_one_spark_version_everywhere_it_is_named():
     extra = {c for p in packages for c in p[len(session.SPARK_PACKAGES):].split(",") if c}
     assert extra <= {f"io.delta:delta-spark_2.13:{delta}",
                      f"org.apache.iceberg:iceberg-spark-runtime-{spark_minor}_2.13:{iceberg}"}, extra
+
+
+def test_a_local_executor_pools_a_kafka_consumer_for_every_topic_partition_read():
+    """Spark's pool holds 64 by default: 200 shapes of 4 partitions would
+    reopen consumers every batch."""
+    assert session.own_driver_settings("local[2]", None, topic_partitions=800)[session.CONSUMER_POOL] == "1600"
+    assert session.own_driver_settings("local[2]", None, topic_partitions=5)[session.CONSUMER_POOL] == "64"
+    assert session.CONSUMER_POOL not in session.own_driver_settings("spark://h:7077", None, topic_partitions=800)
