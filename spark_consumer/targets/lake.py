@@ -44,9 +44,13 @@ Invariants:
   moves what one took), so their commit carries the record the table's
   commit will carry, and a start rolls them back to before any commit that
   is ahead of the table's record (a crash between the two).
+- A scoped backfill (some key buckets) never collects anything here: its
+  rows are applied as changes and the rest of the table is kept (which
+  rows a bucket holds only PostgreSQL can say); on a keyless shape, where
+  that would keep two copies of a re-read row, it holds the shape.
 - What a target does not follow yet stops the shape loudly
   (:class:`~spark_consumer.target_layout.ShapeCannotFollow`), never a row
-  applied wrong: scoped backfill cuts, a writer schema that retypes a key
+  applied wrong: a scoped backfill of a keyless shape, a writer schema that retypes a key
   column other than by widening it
   (:func:`~spark_consumer.targets.merge_sql.follow_changes`; renames, drops,
   retypes, added columns and a changed key are followed), a special value
@@ -70,7 +74,16 @@ from pyspark.sql.pandas.types import to_arrow_type
 from pyspark.sql.types import StructField
 
 from schemas import wire
-from spark_consumer.apply_plan import APPEND, DEFAULT_GC_CONTROLS, DELETE, REMOVE, UPSERT, ApplyPlan, plan_batch
+from spark_consumer.apply_plan import (
+    APPEND,
+    DEFAULT_GC_CONTROLS,
+    DELETE,
+    REMOVE,
+    UPSERT,
+    ApplyPlan,
+    Cut,
+    plan_batch,
+)
 from spark_consumer.batch import (
     BatchResult,
     fill_results,
@@ -144,6 +157,7 @@ class LakeTarget:
         # delete since): only they are merged into and anti-joined against.
         self._has_tombstones: set[str] = set()
         self._rekeyed: dict[str, bool] = {}  # tables whose key changed, until their tombstones are made anew
+        self._scoped_seen: set[str] = set()  # scoped backfills already logged
         self._group: str | None = None  # the consumer group whose progress the tables carry
         start = clock()
         self._due = {"compact": start + upkeep.compact_interval, "vacuum": start + upkeep.vacuum_interval}
@@ -355,11 +369,10 @@ class LakeTarget:
         plan = plan_batch(target, todo_rows, floors=floors, gc_controls=DEFAULT_GC_CONTROLS, fields=parts[0].fields,
                           keyless_pairs=False)
         if plan.scoped_cuts:
-            raise ShapeCannotFollow(f"shape {target.shape}: a scoped backfill reached the {self.format_name} "
-                                    "target, which does not apply scoped backfills yet")
+            self._skip_scoped_collection(target, plan.scoped_cuts)
         merge_plan_stats(result, plan)
         result.controls.extend(plan.controls)
-        backfills, collected = backfill_ends_applied(record.backfills, plan.backfill_ends)
+        backfills, collected = backfill_ends_applied(record.backfills, [c for c in plan.backfill_ends if not c.scope])
         cuts = {p: c.position for p, c in plan.cuts.items()}
         staged = staged_kinds(plan)
         updates = {}
@@ -378,6 +391,26 @@ class LakeTarget:
                               "tombstoned": Counter({p: c[DELETE] for p, c in staged.items()})}
         fill_results(result.parts, b.topic, staged, applied_counts)
         self._records[b.topic] = new_record
+
+    def _skip_scoped_collection(self, target: ShapeTarget, cuts: Sequence[Cut]) -> None:
+        """A backfill of some key buckets (another consumer group's
+        ``reconcile`` against a PostgreSQL target: a lake's is unscoped) is
+        applied as changes; what it did not re-read is kept, because which
+        rows its buckets hold only PostgreSQL can say. Re-read rows converge by
+        key, so a keyed table loses nothing; a keyless one would keep both
+        copies of every re-read row, so it is held."""
+        ids = sorted({str((c.info or {}).get("backfill_id")) for c in cuts})
+        if target.keyless:
+            raise ShapeCannotFollow(f"shape {target.shape}: backfill {', '.join(ids)} of some key buckets reached "
+                                    f"the {self.format_name} target, which cannot collect a keyless shape's old "
+                                    "copies by bucket; backfill the whole shape (walbridge reconcile against this "
+                                    "target does)")
+        if not set(ids) <= self._scoped_seen:  # once per backfill, not per batch
+            self._scoped_seen.update(ids)
+            log.warning("shape %s: backfill %s re-reads some key buckets (another consumer group's reconcile): "
+                        "its rows are applied to the %s table; rows of those buckets it did not re-read are kept "
+                        "(walbridge reconcile against this target backfills the whole shape)", target.shape,
+                        ", ".join(ids), self.format_name)
 
     def _merge(self, target: ShapeTarget, plan: ApplyPlan, cuts: Cuts, collected: Sequence[int], metadata: str
                ) -> None:

@@ -5,7 +5,8 @@ no primary key) shape under the PostgreSQL target's multiset rules
 row from another partition, a replayed append landing once, a removal after
 a backfill's start taking the re-read copy), a crash between a batch's
 kept-removals commit and its table commit, upkeep between batches, and a
-keyed shape following renames, a drop, a widening and an added column.
+keyed shape following renames, a drop, a widening and an added column, and
+a backfill of some key buckets applied as changes, collecting nothing.
 Tables are read back with each format's own reader (delta-rs, pyiceberg),
 not Spark."""
 
@@ -275,16 +276,75 @@ def items_shape(version: int) -> ShapeTarget:
     return ShapeTarget.from_avro("items", codec.value_schema, codec.key_schema)
 
 
+class KeyedFeed:
+    """Batches of one keyed shape's topic (one partition): rows as
+    ``(op, lsn, values)``; values may set bookkeeping (``_wb_snapshot_id``,
+    ``_wb_control``, ``_wb_control_info``)."""
+
+    def __init__(self, topic: str = "wb.items"):
+        self.topic, self.offsets = topic, iter(range(1000))
+        self.held: list[str] = []
+
+    def apply(self, target, shape, rows, hold=None):
+        rows = [{"_wb_op": op, "_wb_lsn": lsn, "_wb_op_index": 0, "_wb_topic": self.topic, "_wb_partition": 0,
+                 "_wb_offset": next(self.offsets), "_wb_unchanged": None, "_wb_special": None, "_wb_control": None,
+                 "_wb_snapshot_id": None, "_wb_ts_ms": 0, **values} for op, lsn, values in rows]
+        part = Part(self.topic, 0, rows[0]["_wb_offset"], rows[-1]["_wb_offset"] + 1, rows)
+        target.apply(GROUP, [ShapeBatch(self.topic, shape, [part], False)], on_offset_reset="raise",
+                     hold=lambda t, why: pytest.fail(why) if hold is None else hold(why))
+
+
+def backfill_end(backfill_id: str, lsn: int, scope: dict | None) -> tuple:
+    """A one-partition backfill's end, as the producer writes it."""
+    return (None, lsn, {"_wb_snapshot_id": backfill_id, "_wb_control": "backfill_end",
+                        "_wb_control_info": json.dumps({"backfill_id": backfill_id, "shape": "items", "lsn": lsn,
+                                                        "partitions": 1, "rows": 0, "scope": scope})})
+
+
+def test_a_backfill_of_some_buckets_is_applied_as_changes_and_collects_nothing(lakes):
+    """Another consumer group's reconcile re-reads some key buckets at 500:
+    its rows converge by key (a newer change stays), and its end collects
+    nothing, since only PostgreSQL can say which rows its buckets hold; a
+    later whole-shape backfill collects what it did not re-read. On a keyless
+    shape (both copies would stay) the same backfill holds the shape."""
+    shape, feed = items_shape(1), KeyedFeed()
+    target = lakes.target()
+    target.follow(feed.topic, shape)
+    target.read_progress(GROUP)
+    feed.apply(target, shape, [("c", 100 + i, {"id": i, "label": f"v{i}", "qty": i, "gone": None})
+                               for i in (1, 2, 3)])
+    scope = {"columns": ["id"], "bucket_count": 4, "buckets": [0, 1, 2, 3]}
+    feed.apply(target, shape, [("u", 600, {"id": 2, "label": "newer", "qty": 2, "gone": None}),
+                               ("r", 500, {"id": 1, "label": "re-read", "qty": 1, "gone": None,
+                                           "_wb_snapshot_id": "bf1"}),
+                               ("r", 500, {"id": 2, "label": "re-read", "qty": 2, "gone": None,
+                                           "_wb_snapshot_id": "bf1"}),
+                               backfill_end("bf1", 500, scope)])
+
+    def rows():
+        return sorted((r["id"], r["label"]) for r in lakes.read("items").to_pylist())
+
+    assert rows() == [(1, "re-read"), (2, "newer"), (3, "v3")]  # 3, not re-read, is kept
+    feed.apply(target, shape, [("r", 700, {"id": i, "label": "whole", "qty": i, "gone": None,
+                                           "_wb_snapshot_id": "bf2"}) for i in (1, 2)]
+               + [backfill_end("bf2", 700, None)])
+    assert rows() == [(1, "whole"), (2, "whole")]
+
+    _, keyless = started(lakes)
+    append = keyless.row("c", 100, a=1, b="x")
+    end = keyless.row(None, 500, snap="bf3")
+    end.update({"_wb_control": "backfill_end", "_wb_control_info": json.dumps(
+        {"backfill_id": "bf3", "shape": "log", "lsn": 500, "partitions": 1, "rows": 0,
+         "scope": {**scope, "columns": ["a", "b"]}})})
+    keyless.apply([append, end])
+    assert keyless.held and "bf3" in keyless.held[0]
+
+
 def test_a_keyed_shape_follows_renames_a_drop_a_widening_an_added_column_and_a_lost_key(lakes):
-    topic, offsets = "wb.items", iter(range(100))
+    topic, feed = "wb.items", KeyedFeed()
 
     def apply(target, shape, rows):
-        rows = [{**values, "_wb_op": op, "_wb_lsn": lsn, "_wb_op_index": 0, "_wb_topic": topic, "_wb_partition": 0,
-                 "_wb_offset": next(offsets), "_wb_unchanged": None, "_wb_special": None, "_wb_control": None,
-                 "_wb_snapshot_id": None, "_wb_ts_ms": 0} for op, lsn, values in rows]
-        part = Part(topic, 0, rows[0]["_wb_offset"], rows[-1]["_wb_offset"] + 1, rows)
-        target.apply(GROUP, [ShapeBatch(topic, shape, [part], False)], on_offset_reset="raise",
-                     hold=lambda t, why: pytest.fail(why))
+        feed.apply(target, shape, rows)
 
     v1, v2 = items_shape(1), items_shape(2)
     target = lakes.target(on_dropped_column="drop")
