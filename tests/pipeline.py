@@ -101,6 +101,17 @@ def target_settings(kind: str, target_db: str, scratch: Path) -> dict:
     return {"target": "iceberg", "iceberg": {"warehouse": str(scratch / "warehouse")}}
 
 
+def rekey_changed(source_db, new_row: tuple) -> None:
+    """The schema-change tests' table ``changed`` gets a new primary key
+    (id, s), so the producer re-reads it re-keyed; then a row whose key
+    changes, a delete under the new key and ``new_row`` inserted."""
+    with psycopg.connect(source_db, autocommit=True) as conn:
+        conn.execute("ALTER TABLE changed DROP CONSTRAINT changed_pkey, ADD PRIMARY KEY (id, s)")
+        conn.execute("UPDATE changed SET s = 99 WHERE id = 2")
+        conn.execute("DELETE FROM changed WHERE id = 3")
+        conn.execute("INSERT INTO changed VALUES (%s, %s, %s)", new_row)
+
+
 def prepare_source(source_db):
     """pgbench's tables at scale 1, history and accounts with REPLICA IDENTITY FULL."""
     pgbench(source_db, "-i", "-q", "-s", "1")

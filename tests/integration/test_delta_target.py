@@ -26,6 +26,7 @@ from tests.pipeline import (
     newest_commit,
     pgbench,
     prepare_source,
+    rekey_changed,
     target_settings,
     topic_ends,
     writing_uncommitted,
@@ -259,13 +260,7 @@ def test_renamed_widened_retyped_added_columns_and_a_new_key_are_followed_while_
             "public.free": tables["public.free"]}}
         wait_for(lambda: not lake_differences(cfg, tables) or consumer.errors, timeout=240, interval=2,
                  what="the changed shape followed", explain=lambda: "\n".join(lake_differences(cfg, tables)))
-        # A new primary key (the producer re-reads the shape, re-keyed), then
-        # a row whose key changes and a delete under the new key.
-        with psycopg.connect(source_db, autocommit=True) as conn:
-            conn.execute("ALTER TABLE changed DROP CONSTRAINT changed_pkey, ADD PRIMARY KEY (id, s)")
-            conn.execute("UPDATE changed SET s = 99 WHERE id = 2")
-            conn.execute("DELETE FROM changed WHERE id = 3")
-            conn.execute("INSERT INTO changed VALUES (23, 23, 23)")
+        rekey_changed(source_db, (23, 23, 23))
         wait_for(lambda: not lake_differences(cfg, tables) or consumer.errors, timeout=240, interval=2,
                  what="the re-keyed shape followed", explain=lambda: "\n".join(lake_differences(cfg, tables)))
         assert not consumer.errors, consumer.errors

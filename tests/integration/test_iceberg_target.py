@@ -27,6 +27,7 @@ from tests.pipeline import (
     delete_rows,
     pgbench,
     prepare_source,
+    rekey_changed,
     target_settings,
     topic_ends,
 )
@@ -194,21 +195,15 @@ def test_renamed_widened_retyped_added_dropped_columns_and_a_new_key_are_followe
             return rows == wanted
 
         wait_for(lambda: followed() or consumer.errors, timeout=240, interval=2, what="the changed shape followed")
-        # A new primary key (the producer re-reads the shape, re-keyed), then
-        # a row whose key changes and a delete under the new key.
-        with psycopg.connect(source_db, autocommit=True) as conn:
-            conn.execute("ALTER TABLE changed DROP CONSTRAINT changed_pkey, ADD PRIMARY KEY (id, s)")
-            conn.execute("UPDATE changed SET s = 99 WHERE id = 2")
-            conn.execute("DELETE FROM changed WHERE id = 3")
-            conn.execute("INSERT INTO changed VALUES (24, 24, 24)")
+        rekey_changed(source_db, (24, 24, 24))
         wait_for(lambda: followed() or consumer.errors, timeout=240, interval=2, what="the re-keyed shape followed")
         assert not consumer.errors, consumer.errors
     config = parse_config(cfg)
-    assert json.loads(lake_reader(config).table(config.shapes[0]).properties["walbridge.key"]) == ["id", "s"]
-    schema = {f.name: str(f.field_type) for f in lake_reader(config).table(config.shapes[0]).schema().fields}
+    table = lake_reader(config).table(config.shapes[0])
+    assert json.loads(table.properties["walbridge.key"]) == ["id", "s"]
+    schema = {f.name: str(f.field_type) for f in table.schema().fields}
     assert "v" not in schema and schema["w"] == "long" and schema["s"] == "int" and {"note", "gone"} <= set(schema)
     # The replace began a new line of snapshots, and its first one carries the record.
-    table = lake_reader(config).table(config.shapes[0])
     snapshot = table.current_snapshot()
     while snapshot.parent_snapshot_id is not None:
         snapshot = table.snapshot_by_id(snapshot.parent_snapshot_id)

@@ -129,6 +129,13 @@ class Feed:
         self.next[p] += 1
         return r
 
+    def backfill_end(self, backfill_id: str, lsn: int, scope: dict | None = None) -> dict:
+        """A one-partition backfill's end on partition 0, as the producer writes it."""
+        end = self.row(None, lsn, snap=backfill_id)
+        end.update({"_wb_control": "backfill_end", "_wb_control_info": json.dumps(
+            {"backfill_id": backfill_id, "shape": "log", "lsn": lsn, "partitions": 1, "rows": 0, "scope": scope})})
+        return end
+
     def apply(self, rows, start=None, follow=False):
         parts = []
         for p in (0, 1):
@@ -194,10 +201,7 @@ def test_a_removal_after_a_backfill_start_takes_the_re_read_copy(lakes, order):
         batches = [before, lambda: old_y() + removals(), reread]
     for batch in batches:
         feed.apply(batch())
-    end = feed.row(None, 500, snap="bf1")
-    end.update({"_wb_control": "backfill_end", "_wb_control_info": json.dumps(
-        {"backfill_id": "bf1", "shape": "log", "lsn": 500, "partitions": 1, "rows": 3, "scope": None})})
-    feed.apply([end])
+    feed.apply([feed.backfill_end("bf1", 500)])
     assert lakes.rows() == Counter({(1, "x"): 1}) and not feed.held
 
 
@@ -285,13 +289,13 @@ class KeyedFeed:
         self.topic, self.offsets = topic, iter(range(1000))
         self.held: list[str] = []
 
-    def apply(self, target, shape, rows, hold=None):
+    def apply(self, target, shape, rows):
         rows = [{"_wb_op": op, "_wb_lsn": lsn, "_wb_op_index": 0, "_wb_topic": self.topic, "_wb_partition": 0,
                  "_wb_offset": next(self.offsets), "_wb_unchanged": None, "_wb_special": None, "_wb_control": None,
                  "_wb_snapshot_id": None, "_wb_ts_ms": 0, **values} for op, lsn, values in rows]
         part = Part(self.topic, 0, rows[0]["_wb_offset"], rows[-1]["_wb_offset"] + 1, rows)
         target.apply(GROUP, [ShapeBatch(self.topic, shape, [part], False)], on_offset_reset="raise",
-                     hold=lambda t, why: pytest.fail(why) if hold is None else hold(why))
+                     hold=lambda t, why: pytest.fail(why))
 
 
 def backfill_end(backfill_id: str, lsn: int, scope: dict | None) -> tuple:
@@ -332,19 +336,13 @@ def test_a_backfill_of_some_buckets_is_applied_as_changes_and_collects_nothing(l
 
     _, keyless = started(lakes)
     append = keyless.row("c", 100, a=1, b="x")
-    end = keyless.row(None, 500, snap="bf3")
-    end.update({"_wb_control": "backfill_end", "_wb_control_info": json.dumps(
-        {"backfill_id": "bf3", "shape": "log", "lsn": 500, "partitions": 1, "rows": 0,
-         "scope": {**scope, "columns": ["a", "b"]}})})
-    keyless.apply([append, end])
+    keyless.apply([append, keyless.backfill_end("bf3", 500, {**scope, "columns": ["a", "b"]})])
     assert keyless.held and "bf3" in keyless.held[0]
 
 
 def test_a_keyed_shape_follows_renames_a_drop_a_widening_an_added_column_and_a_lost_key(lakes):
-    topic, feed = "wb.items", KeyedFeed()
-
-    def apply(target, shape, rows):
-        feed.apply(target, shape, rows)
+    feed = KeyedFeed()
+    topic, apply = feed.topic, feed.apply
 
     v1, v2 = items_shape(1), items_shape(2)
     target = lakes.target(on_dropped_column="drop")
