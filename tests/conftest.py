@@ -24,6 +24,10 @@ Fixtures (use these in every test that needs servers):
   since the broker is shared by the whole session.
 
 Tests under ``tests/integration`` are marked ``integration`` automatically.
+Each module is an ``xdist_group`` of its own (a few share one): under
+``pytest -n 2 --dist loadgroup`` (``.ci/run``) a module's tests and its
+module-scoped servers stay on one worker; each worker has its own session
+servers.
 
 With ``WALBRIDGE_USE_TESTCONTAINERS=1`` the session fixtures use Docker
 containers (testcontainers) instead; when no Docker engine answers (as on this
@@ -45,7 +49,11 @@ import pytest
 
 from walbridge.embedded import KafkaBroker, PostgresCluster
 
-_INTEGRATION_DIR = Path(__file__).parent / "integration"
+_TESTS_DIR = Path(__file__).parent
+_INTEGRATION_DIR = _TESTS_DIR / "integration"
+# Modules whose tests start spark-submit with --packages: Ivy's cache
+# (~/.ivy2) takes one resolution at a time, so they share a worker.
+_SHARED_GROUPS = {"integration/test_e2e.py": "spark-submit", "integration/test_spark_cluster.py": "spark-submit"}
 
 
 class TestDatabase(str):
@@ -106,6 +114,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _INTEGRATION_DIR in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.integration)
+        # Under pytest-xdist (``-n 2 --dist loadgroup``, as .ci/run) a module
+        # runs on one worker, so its module-scoped pipeline starts once.
+        module = item.path.relative_to(_TESTS_DIR).as_posix()
+        item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(module, module)))
 
 
 # -- testcontainers adapters (only used with WALBRIDGE_USE_TESTCONTAINERS=1) --

@@ -376,7 +376,7 @@ TYPED = [
     ("r4 IN ('0.1', '0.2')", {"r4": 0.1}, True),
     ("id = '6f1c1c5e-1d2b-4c1e-9a55-5c2b1f7c0a01'", {"id": U1}, True),
     ("id = '{6f1c1c5e1d2b4c1e9a555c2b1f7c0a01}'", {"id": U1}, True),
-    ("id IN ('6f1c1c5e-1d2b-4c1e-9a55-5c2b1f7c0a01')", {"id": uuid.uuid4()}, False),
+    ("id IN ('6f1c1c5e-1d2b-4c1e-9a55-5c2b1f7c0a01')", {"id": uuid.UUID("5583edb9-f44b-4237-8d05-2c5735ad85e2")}, False),
     ("ts >= '2024-01-01 10:00:00+02'", {"ts": dt.datetime(2024, 1, 1, 8, 0, tzinfo=UTC)}, True),
     ("ts >= '2024-01-01 10:00:00+02'", {"ts": dt.datetime(2024, 1, 1, 7, 59, tzinfo=UTC)}, False),
     ("ts >= '2024-01-01'", {"ts": dt.datetime(2024, 1, 1, 0, 0, tzinfo=UTC)}, True),  # no offset: UTC
