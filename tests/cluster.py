@@ -34,6 +34,7 @@ import uuid
 from pathlib import Path
 
 import pyspark
+from tenacity import retry, retry_if_exception, stop_after_attempt
 
 from walbridge.embedded import free_port
 
@@ -144,7 +145,15 @@ def mapped_files(pid: int) -> set[str]:
             and line.split(None, 5)[5].startswith("/")}
 
 
-def get_json(url: str, timeout: float = 5.0):
+def _timed_out(error: BaseException) -> bool:
+    return isinstance(error, TimeoutError) or isinstance(getattr(error, "reason", None), TimeoutError)
+
+
+@retry(retry=retry_if_exception(_timed_out), stop=stop_after_attempt(6), reraise=True)
+def get_json(url: str, timeout: float = 10.0):
+    """A Spark UI's JSON answer. A UI that is up but slow to answer (its JVM
+    busy on a loaded machine) is asked again, up to a minute in all; a
+    refused connection is raised at once (callers wait for a UI to start)."""
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.load(r)
 
