@@ -51,7 +51,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.latency import _proc_table, pct  # noqa: E402
+from bench.latency import cpu_by_part, pct  # noqa: E402
 from spark_consumer.session import spark_session  # noqa: E402
 from walbridge.embedded import KafkaBroker  # noqa: E402
 
@@ -80,12 +80,10 @@ class SeenWriter:
 
 
 def cpu_seconds(broker_pid: int) -> dict[str, float]:
-    procs = _proc_table()
-    me = os.getpid()
-    jvm = [p for p, v in procs.items() if v[0] == me and v[1] == "java"]
-    workers = [p for p, v in procs.items() if v[0] in jvm or procs.get(v[0], (0,))[0] in jvm]
-    return {"broker": procs[broker_pid][3], "spark_jvm": sum(procs[p][3] for p in jvm),
-            "spark_python_workers": sum(procs[p][3] for p in workers if p not in jvm)}
+    """The broker's, the Spark JVM's and its Python workers' CPU seconds so
+    far (latency.py's split; this bench runs no PostgreSQL and no producer)."""
+    parts = cpu_by_part(pg_postmaster=0, broker=broker_pid, producer=0)
+    return {k: parts[k] for k in ("broker", "spark_jvm", "spark_python_workers")}
 
 
 def send(bootstrap: str, rate: int, seconds: float, per_topic: int) -> tuple[float, int]:

@@ -115,6 +115,12 @@ def lakes(request, spark, tmp_path, warehouse) -> Lake:
     return Lake(request.param, spark, tmp_path, warehouse)
 
 
+def backfill_end_control(backfill_id: str, shape: str, lsn: int, scope: dict | None) -> dict:
+    """The control columns of a one-partition backfill's end."""
+    return {"_wb_control": "backfill_end", "_wb_control_info": json.dumps(
+        {"backfill_id": backfill_id, "shape": shape, "lsn": lsn, "partitions": 1, "rows": 0, "scope": scope})}
+
+
 class Feed:
     """Batches of one keyless shape's topic (two partitions), offsets counted per partition."""
 
@@ -131,10 +137,7 @@ class Feed:
 
     def backfill_end(self, backfill_id: str, lsn: int, scope: dict | None = None) -> dict:
         """A one-partition backfill's end on partition 0, as the producer writes it."""
-        end = self.row(None, lsn, snap=backfill_id)
-        end.update({"_wb_control": "backfill_end", "_wb_control_info": json.dumps(
-            {"backfill_id": backfill_id, "shape": "log", "lsn": lsn, "partitions": 1, "rows": 0, "scope": scope})})
-        return end
+        return {**self.row(None, lsn, snap=backfill_id), **backfill_end_control(backfill_id, "log", lsn, scope)}
 
     def apply(self, rows, start=None, follow=False):
         parts = []
@@ -299,10 +302,8 @@ class KeyedFeed:
 
 
 def backfill_end(backfill_id: str, lsn: int, scope: dict | None) -> tuple:
-    """A one-partition backfill's end, as the producer writes it."""
-    return (None, lsn, {"_wb_snapshot_id": backfill_id, "_wb_control": "backfill_end",
-                        "_wb_control_info": json.dumps({"backfill_id": backfill_id, "shape": "items", "lsn": lsn,
-                                                        "partitions": 1, "rows": 0, "scope": scope})})
+    """A one-partition backfill's end of ``items``, as the producer writes it."""
+    return (None, lsn, {"_wb_snapshot_id": backfill_id, **backfill_end_control(backfill_id, "items", lsn, scope)})
 
 
 def test_a_backfill_of_some_buckets_is_applied_as_changes_and_collects_nothing(lakes):
