@@ -54,6 +54,22 @@ _INTEGRATION_DIR = _TESTS_DIR / "integration"
 # Modules whose tests start spark-submit with --packages: Ivy's cache
 # (~/.ivy2) takes one resolution at a time, so they share a worker.
 _SHARED_GROUPS = {"integration/test_e2e.py": "spark-submit", "integration/test_spark_cluster.py": "spark-submit"}
+# xdist hands a worker the next group from the front of one queue (``.ci/run``
+# turns off its own reordering, which puts modules with the most tests first):
+# the longest groups go first, longest to shortest, and the unit tests last,
+# where they fill the gap while the other worker ends its last module. In xdist's
+# order, the run ended with one worker alone on single-test modules of 4-5 minutes.
+_LONGEST_FIRST = (
+    "spark-submit",
+    "integration/test_delta_target.py",
+    "integration/test_iceberg_target.py",
+    "integration/test_lake_apply.py",
+    "integration/test_kafka_cluster.py",
+    "integration/test_chaos.py",
+    "integration/test_consumer_outages.py",
+    "integration/test_e2e_backfill.py",
+    "integration/test_bad_inputs.py",
+)
 
 
 class TestDatabase(str):
@@ -111,13 +127,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    groups = {}
     for item in items:
-        if _INTEGRATION_DIR in Path(str(item.path)).parents:
+        integration = _INTEGRATION_DIR in Path(str(item.path)).parents
+        if integration:
             item.add_marker(pytest.mark.integration)
         # Under pytest-xdist (``-n 2 --dist loadgroup``, as .ci/run) a module
         # runs on one worker, so its module-scoped pipeline starts once.
         module = item.path.relative_to(_TESTS_DIR).as_posix()
-        item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(module, module)))
+        group = _SHARED_GROUPS.get(module, module)
+        item.add_marker(pytest.mark.xdist_group(group))
+        rank = _LONGEST_FIRST.index(group) if group in _LONGEST_FIRST else len(_LONGEST_FIRST)
+        groups[item] = (rank, not integration)
+    items.sort(key=groups.__getitem__)  # stable: a module's tests keep their order
 
 
 # -- testcontainers adapters (only used with WALBRIDGE_USE_TESTCONTAINERS=1) --
