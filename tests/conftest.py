@@ -24,10 +24,9 @@ Fixtures (use these in every test that needs servers):
   since the broker is shared by the whole session.
 
 Tests under ``tests/integration`` are marked ``integration`` automatically.
-Each module is an ``xdist_group`` of its own (a few share one): under
-``pytest -n 2 --dist loadgroup`` (``.ci/run``) a module's tests and its
-module-scoped servers stay on one worker; each worker has its own session
-servers.
+Under ``pytest -n 2 --dist loadscope`` (``.ci/run``) a module's tests (a few
+modules' together) and its module-scoped servers stay on one worker, the
+longest modules handed out first; each worker has its own session servers.
 
 With ``WALBRIDGE_USE_TESTCONTAINERS=1`` the session fixtures use Docker
 containers (testcontainers) instead; when no Docker engine answers (as on this
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 from walbridge.embedded import KafkaBroker, PostgresCluster
 
@@ -126,20 +126,35 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+def _group(path: Path) -> str:
+    """The xdist work unit a test module belongs to."""
+    module = path.relative_to(_TESTS_DIR).as_posix()
+    return _SHARED_GROUPS.get(module, module)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    groups = {}
+    order = {}
     for item in items:
         integration = _INTEGRATION_DIR in Path(str(item.path)).parents
         if integration:
             item.add_marker(pytest.mark.integration)
-        # Under pytest-xdist (``-n 2 --dist loadgroup``, as .ci/run) a module
-        # runs on one worker, so its module-scoped pipeline starts once.
-        module = item.path.relative_to(_TESTS_DIR).as_posix()
-        group = _SHARED_GROUPS.get(module, module)
-        item.add_marker(pytest.mark.xdist_group(group))
+        group = _group(Path(str(item.path)))
         rank = _LONGEST_FIRST.index(group) if group in _LONGEST_FIRST else len(_LONGEST_FIRST)
-        groups[item] = (rank, not integration)
-    items.sort(key=groups.__getitem__)  # stable: a module's tests keep their order
+        order[item] = (rank, not integration)
+    items.sort(key=order.__getitem__)  # stable: a module's tests keep their order
+
+
+class _ModuleGroups(LoadScopeScheduling):
+    """xdist's ``loadscope`` (a module per worker at a time) with the modules
+    of ``_SHARED_GROUPS`` as one unit. (Its ``loadgroup`` reads marks into
+    test ids, which pytest 9.2 no longer lets a plugin change.)"""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return _group(Path(self.config.rootpath, nodeid.split("::", 1)[0]))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadScopeScheduling | None:
+    return _ModuleGroups(config, log) if config.getvalue("dist") == "loadscope" else None
 
 
 # -- testcontainers adapters (only used with WALBRIDGE_USE_TESTCONTAINERS=1) --
