@@ -28,6 +28,7 @@ import argparse
 import io
 import json
 import logging
+import operator
 import shutil
 import sys
 import tempfile
@@ -52,6 +53,7 @@ from walbridge.embedded import KafkaBroker, PostgresCluster  # noqa: E402
 TOPIC = "bench.public.bench_rows"
 PARTITIONS = 4
 COLUMNS = "id int PRIMARY KEY, a int, b text, c numeric(12,2), d timestamptz"
+NAMES = ("id", "a", "b", "c", "d")
 
 
 def plain_loop(bootstrap: str, topic: str, prefix: str, expected: int, target_dsn: str | None = None,
@@ -71,6 +73,7 @@ def plain_loop(bootstrap: str, topic: str, prefix: str, expected: int, target_ds
         target.execute(f"CREATE TABLE plain_rows ({COLUMNS})")
         target.commit()
     rows: list = []
+    after_values = operator.itemgetter(*NAMES)  # the image holds walbridge's own fields too
 
     def flush() -> None:
         with target.cursor().copy("COPY plain_rows FROM STDIN") as into:
@@ -94,7 +97,7 @@ def plain_loop(bootstrap: str, topic: str, prefix: str, expected: int, target_ds
             record = schemaless_reader(io.BytesIO(value[ref.body_offset:]), resolver.writer_schema(ref), None)
             n += 1
             if target is not None:
-                rows.append(tuple(record["after"].values()))
+                rows.append(after_values(record["after"]))
                 if len(rows) >= batch:
                     flush()
     if target is not None:
