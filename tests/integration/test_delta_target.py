@@ -112,7 +112,9 @@ def test_pgbench_into_delta_equals_the_source_read_by_delta_rs(source_db, kafka_
     cfg = lake_config(source_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
     cfg["consumer"]["compact_interval"] = 2  # compaction between batches, while pgbench runs
     with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
-        pgbench(source_db, "-n", "-c", "2", "-T", "8")
+        # At a set rate (3,200 row changes), not as fast as it can: a loaded
+        # machine then brings the lake the same work, not more when it is quiet.
+        pgbench(source_db, "-n", "-c", "2", "-R", "100", "-T", "8")
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("DELETE FROM pgbench_accounts WHERE aid IN (SELECT aid FROM pgbench_accounts"
                          " WHERE bid = 1 AND abalance > 0 LIMIT 3)")

@@ -225,7 +225,8 @@ def test_consumer_on_a_standalone_cluster_runs_on_the_worker_and_survives_a_kill
                                     if any("_fastdecode" in f for f in m)},
                            timeout=60, what="an executor Python worker with walbridge loaded")
         environment = c.spark.app_rest("/environment")
-        load = threading.Thread(target=pgbench, args=(c.source, "-n", "-c", "2", "-T", "20"), daemon=True)
+        load = threading.Thread(target=pgbench, args=(c.source, "-n", "-c", "2", "-R", "150", "-T", "20"),
+                                daemon=True)  # at a set rate: the same work on a loaded machine as on a quiet one
         load.start()
         wait_for(lambda: applying(c.target), timeout=120, interval=0.01,
                  what="an apply written and not committed, under load")
