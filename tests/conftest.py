@@ -57,8 +57,8 @@ _SHARED_GROUPS = {"integration/test_e2e.py": "spark-submit", "integration/test_s
 # xdist hands a worker the next group from the front of one queue (``.ci/run``
 # turns off its own reordering, which puts modules with the most tests first):
 # the longest groups go first, longest to shortest, and the unit tests last,
-# where they fill the gap while the other worker ends its last module. In xdist's
-# order, the run ended with one worker alone on single-test modules of 4-5 minutes.
+# where they fill the gap while the other worker ends its last module (xdist's
+# order would leave single-test modules of 4-5 minutes for the end).
 _LONGEST_FIRST = (
     "spark-submit",
     "integration/test_delta_target.py",
