@@ -58,17 +58,21 @@ _SHARED_GROUPS = {"integration/test_e2e.py": "spark-submit", "integration/test_s
 # turns off its own reordering, which puts modules with the most tests first):
 # the longest groups go first, longest to shortest, and the unit tests last,
 # where they fill the gap while the other worker ends its last module (xdist's
-# order would leave single-test modules of 4-5 minutes for the end).
-_LONGEST_FIRST = (
-    "spark-submit",
-    "integration/test_delta_target.py",
-    "integration/test_iceberg_target.py",
-    "integration/test_lake_apply.py",
-    "integration/test_kafka_cluster.py",
-    "integration/test_chaos.py",
-    "integration/test_consumer_outages.py",
-    "integration/test_e2e_backfill.py",
-    "integration/test_bad_inputs.py",
+# order would leave single-test modules of 4-6 minutes for the end).
+_LONGEST_FIRST = (  # seconds each took in two runs beside a busy loop (2026-11-27)
+    "spark-submit",  # 1,180-1,290
+    "integration/test_delta_target.py",  # 820-890
+    "integration/test_lake_apply.py",  # 600-650
+    "integration/test_iceberg_target.py",  # 310-380
+    "integration/test_kafka_cluster.py",  # 280-350
+    "integration/test_chaos.py",  # 280-300
+    "integration/test_e2e_backfill.py",  # 230-240
+    "integration/test_consumer_outages.py",  # 200-210
+    "integration/test_e2e_partitions.py",  # 140-170
+    "integration/test_up.py",  # 140-150
+    "integration/test_producer_backfill.py",  # 135-145
+    "integration/test_producer_outages.py",  # 120
+    "integration/test_bad_inputs.py",  # 110
 )
 
 
