@@ -6,6 +6,7 @@ a kill test waits for."""
 from __future__ import annotations
 
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -69,8 +70,34 @@ def change_items(dsn: str) -> None:
                      " 'x', '{7}')")
 
 
-def pgbench(dsn: str, *args: str) -> None:
-    subprocess.run([str(find_pg_bin() / "pgbench"), *args, dsn], check=True, capture_output=True)
+# The lakehouse tests' pgbench_accounts (scale 1 makes 100,000): their MERGEs
+# of the snapshot were most of their time, and the changes that follow are
+# what they test.
+LAKE_ACCOUNTS = 20_000
+# pgbench's built-in TPC-B-like transaction, on the first {accounts} accounts.
+TPCB_LIKE = """\\set aid random(1, {accounts})
+\\set bid random(1, 1 * :scale)
+\\set tid random(1, 10 * :scale)
+\\set delta random(-5000, 5000)
+BEGIN;
+UPDATE pgbench_accounts SET abalance = abalance + :delta WHERE aid = :aid;
+SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
+UPDATE pgbench_tellers SET tbalance = tbalance + :delta WHERE tid = :tid;
+UPDATE pgbench_branches SET bbalance = bbalance + :delta WHERE bid = :bid;
+INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (:tid, :bid, :aid, :delta, CURRENT_TIMESTAMP);
+END;
+"""
+
+
+def pgbench(dsn: str, *args: str, accounts: int | None = None) -> None:
+    """pgbench ``args`` on ``dsn``; ``accounts``: its transactions on the
+    first that many accounts (what ``prepare_source(accounts=)`` kept)."""
+    with tempfile.TemporaryDirectory(prefix="walbridge-pgbench-") as scratch:
+        if accounts is not None:
+            script = Path(scratch, "tpcb-like.sql")
+            script.write_text(TPCB_LIKE.format(accounts=accounts))
+            args = ("-f", str(script), *args)
+        subprocess.run([str(find_pg_bin() / "pgbench"), *args, dsn], check=True, capture_output=True)
 
 
 def pgbench_until(dsn: str, done: threading.Event) -> None:
@@ -112,10 +139,13 @@ def rekey_changed(source_db, new_row: tuple) -> None:
         conn.execute("INSERT INTO changed VALUES (%s, %s, %s)", new_row)
 
 
-def prepare_source(source_db):
-    """pgbench's tables at scale 1, history and accounts with REPLICA IDENTITY FULL."""
+def prepare_source(source_db, accounts: int | None = None):
+    """pgbench's tables at scale 1 (only the first ``accounts`` accounts, if
+    given), history and accounts with REPLICA IDENTITY FULL."""
     pgbench(source_db, "-i", "-q", "-s", "1")
     with psycopg.connect(source_db, autocommit=True) as conn:
+        if accounts is not None:
+            conn.execute("DELETE FROM pgbench_accounts WHERE aid > %s", (accounts,))
         conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
         conn.execute("ALTER TABLE pgbench_accounts REPLICA IDENTITY FULL")  # exact move-in/move-out
 

@@ -27,8 +27,9 @@ every removal with the rank of what it took, and one MERGE into the table
 that appends (a streamed append once per position) and deletes the taken
 rows by their bookkeeping.
 
-Upkeep: every ``compact_interval`` seconds each followed table is compacted,
-every ``vacuum_interval`` seconds what no version of the last
+Upkeep: every ``compact_interval`` seconds each followed table written
+since its last compaction is compacted (every table, the first time after
+a start: a table an earlier run wrote), every ``vacuum_interval`` seconds what no version of the last
 ``retain_hours`` needs is removed, on the apply thread after a batch: the
 consumer is the tables' only writer, so upkeep never conflicts with a MERGE,
 and the stream goes on.
@@ -156,6 +157,8 @@ class LakeTarget:
         # Tombstone tables that may hold a row (had files at follow, or took a
         # delete since): only they are merged into and anti-joined against.
         self._has_tombstones: set[str] = set()
+        # Tables a compaction may find small files in: written since their last one.
+        self._unkempt: set[str] = set()
         self._rekeyed: dict[str, bool] = {}  # tables whose key changed, until their tombstones are made anew
         self._scoped_seen: set[str] = set()  # scoped backfills already logged
         self._group: str | None = None  # the consumer group whose progress the tables carry
@@ -230,6 +233,9 @@ class LakeTarget:
             self._follow_columns(target, tomb, have_tomb, held)
             if self._has_rows(tomb):
                 self._has_tombstones.add(tomb)
+        self._unkempt.add(table)
+        if tomb in self._has_tombstones:
+            self._unkempt.add(tomb)
         self._followed[topic] = target
 
     def _follow_columns(self, target: ShapeTarget, ref: str, have: list[StructField], wanted: list[StructField],
@@ -341,20 +347,25 @@ class LakeTarget:
         return result
 
     def _keep_up(self) -> None:
-        """Compact, or vacuum, every followed table when due (module docstring)."""
+        """Compact the tables written since their last compaction, or vacuum
+        every followed table, when due (module docstring)."""
         intervals = {"compact": self.upkeep.compact_interval, "vacuum": self.upkeep.vacuum_interval}
         for command, interval in intervals.items():
             if not interval or self.clock() < self._due[command]:
                 continue
-            started = time.monotonic()
+            started, done = time.monotonic(), 0
             for topic, target in self._followed.items():
                 record = self._records.get(topic)
                 carried = record.to_json(self._group) if record and self._group else None
                 with self._carrying(carried):
                     for ref in (self.table_ref(target), self.tombstones_ref(target)):
+                        if command == "compact" and ref not in self._unkempt:
+                            continue
                         self._keep_up_table(ref, command, carried)
-            log.info("%s: %s of %d shapes' tables took %.1fs", self.format_name, command, len(self._followed),
-                     time.monotonic() - started)
+                        if command == "compact":
+                            self._unkempt.discard(ref)
+                        done += 1
+            log.info("%s: %s of %d tables took %.1fs", self.format_name, command, done, time.monotonic() - started)
             self._due[command] = self.clock() + interval
 
     def _apply_shape(self, group: str, b: ShapeBatch, result: BatchResult, on_offset_reset: str) -> None:
@@ -421,10 +432,14 @@ class LakeTarget:
             self._has_tombstones.add(tomb)
         if tomb in self._has_tombstones:
             self.spark.sql(tombstones_merge(target, tomb, STAGE_VIEW, cuts, collected)).collect()
+            self._unkempt.add(tomb)
         keep = sorted({c for ks in plan.keep_sets for c in (ks or ())})
+        table = self.table_ref(target)
         with self._carrying(metadata):
-            self.spark.sql(table_merge(target, self.table_ref(target), tomb if tomb in self._has_tombstones else None,
+            self.spark.sql(table_merge(target, table, tomb if tomb in self._has_tombstones else None,
                                        STAGE_VIEW, keep, cuts, collected)).collect()
+        if plan.stage_rows or cuts or collected:
+            self._unkempt.add(table)
 
     def _merge_keyless(self, target: ShapeTarget, plan: ApplyPlan, cuts: Cuts, collected: Sequence[int],
                        metadata: str) -> dict[str, Counter]:
@@ -491,8 +506,11 @@ class LakeTarget:
                 self._has_tombstones.add(pending)
                 self.spark.createDataFrame(pending_source).createOrReplaceTempView(PENDING_VIEW)
                 self.spark.sql(pending_merge(target, pending, PENDING_VIEW, cuts, collected)).collect()
+                self._unkempt.add(pending)
             self.spark.createDataFrame(table_source).createOrReplaceTempView(STAGE_VIEW)
             self.spark.sql(keyless_table_merge(target, table, STAGE_VIEW, cuts, collected)).collect()
+        if table_source.num_rows or cuts or collected:
+            self._unkempt.add(table)
         return out
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ from schemas import wire
 from schemas.config import parse_config
 from tests.helpers import ConsumerProcess, ConsumerThread, ProducerThread, make_config, wait_for, write_toml
 from tests.pipeline import (
+    LAKE_ACCOUNTS,
     SHAPES,
     caught_up,
     change_items,
@@ -69,7 +70,7 @@ def test_pgbench_into_iceberg_with_kill9_and_compaction_equals_the_source(source
     with compaction between batches, and ``kill -9`` of the consumer twice:
     every table equals the source (pyiceberg), the newest snapshot carries
     each topic's end, and the slot is confirmed."""
-    prepare_source(source_db)
+    prepare_source(source_db, LAKE_ACCOUNTS)
     cfg = iceberg_config(source_db, kafka_broker.bootstrap, topic_prefix, tmp_path, {"catalog": "hadoop"})
     cfg["consumer"]["compact_interval"] = 3
     path = write_toml(cfg, tmp_path / "wb.toml")
@@ -83,7 +84,7 @@ def test_pgbench_into_iceberg_with_kill9_and_compaction_equals_the_source(source
         deleter = threading.Thread(target=delete_rows, args=(source_db, load_done), daemon=True)
         deleter.start()
         for round_ in range(40):
-            pgbench(source_db, "-n", "-c", "2", "-R", "40", "-T", "5")
+            pgbench(source_db, "-n", "-c", "2", "-R", "40", "-T", "5", accounts=LAKE_ACCOUNTS)
             if round_ >= 1 and kills_done.is_set():
                 break
         load_done.set()
@@ -120,7 +121,7 @@ def test_pgbench_into_iceberg_with_kill9_and_compaction_equals_the_source(source
         assert {p: pr.next_offset for p, pr in record.partitions.items()} == {p: e for p, e in ends.items() if e}
     # Compacted while the stream went on, and the rows are equal (that
     # compaction rewrites files: tests/integration/test_lake_apply.py).
-    assert log.read_text().count("Iceberg: compact of 5 shapes' tables") >= 2
+    assert len(re.findall(r"Iceberg: compact of [1-9]\d* tables", log.read_text())) >= 2
 
 
 def test_a_jdbc_catalog_on_postgresql_holds_typed_rows_across_a_restart(source_db, pg_cluster, kafka_broker,

@@ -234,11 +234,12 @@ def test_a_crash_between_the_pending_and_the_table_commit_is_rolled_back(lakes, 
     assert '"commits":3' in lakes.newest()[1]
 
 
-def test_compaction_and_vacuum_between_batches_change_no_row(lakes):
+def test_compaction_and_vacuum_between_batches_change_no_row(lakes, monkeypatch):
     """Many small commits, then the upkeep the target runs between batches
     when due: compaction leaves fewer files and the same rows, its commit
     (or the one after it) carries the record; a vacuum keeping no history
-    leaves the rows and the progress as they were."""
+    leaves the rows and the progress as they were; a table not written since
+    its last compaction is not compacted again."""
     now = [0.0]
     target, feed = started(lakes, upkeep=lake.Upkeep(60, 120, 0), clock=lambda: now[0])
     for i in range(6):
@@ -260,6 +261,12 @@ def test_compaction_and_vacuum_between_batches_change_no_row(lakes):
         assert len(parquet) == lakes.data_files()
     else:  # the snapshots before the newest are expired
         assert len(lakes.iceberg_table().snapshots()) == 1
+    # Due again with no table written since the last compaction: none is compacted.
+    upkept = []
+    monkeypatch.setattr(target, "_keep_up_table", lambda ref, command, record: upkept.append((ref, command)))
+    now[0] = 200
+    target.apply(GROUP, [], on_offset_reset="raise", hold=lambda topic, why: pytest.fail(why))
+    assert upkept == []
     # The progress is still the newest commit's record.
     again, _ = started(lakes)
     assert again.read_progress(GROUP) == target.read_progress(GROUP)

@@ -42,6 +42,7 @@ from tests.cluster import (
 )
 from tests.helpers import ProducerThread, wait_for, write_toml
 from tests.pipeline import (
+    LAKE_ACCOUNTS,
     applying,
     caught_up,
     e2e_config,
@@ -280,12 +281,12 @@ def test_kill9_of_the_executor_mid_merge_into_a_lake_is_rescheduled_and_loses_no
     to the source."""
     c = cluster
     accounts = c.into_lake(lake)
-    prepare_source(c.source)
+    prepare_source(c.source, LAKE_ACCOUNTS)
     with ProducerThread(c.cfg):
         c.submit_and_wait_applying()
         # At a rate the MERGEs keep up with while the worker shares 2 cores with everything else.
         load = threading.Thread(target=pgbench, args=(c.source, "-n", "-c", "2", "-R", "40", "-T", "20"),
-                                daemon=True)
+                                kwargs={"accounts": LAKE_ACCOUNTS}, daemon=True)
         load.start()
         wait_for(lambda: writing_uncommitted(accounts), timeout=120, interval=0.01,
                  what="a MERGE's files written, not committed, under load")
