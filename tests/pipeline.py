@@ -293,12 +293,16 @@ def newest_commit(table: Path) -> float:
         return 0.0
 
 
+def data_files(table: Path) -> list[Path]:
+    """The Delta or Iceberg table's data files (committed or not)."""
+    return [f for pattern in ("*.parquet", "data/*.parquet") for f in table.glob(pattern)]
+
+
 def writing_uncommitted(table: Path) -> bool:
     """Is a MERGE into the Delta or Iceberg table between writing its data
     files and committing them?"""
     newest = newest_commit(table)
     try:
-        return newest > 0 and any(f.stat().st_mtime > newest
-                                  for pattern in ("*.parquet", "data/*.parquet") for f in table.glob(pattern))
+        return newest > 0 and any(f.stat().st_mtime > newest for f in data_files(table))
     except OSError:
         return False

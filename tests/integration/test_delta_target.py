@@ -23,6 +23,7 @@ from tests.pipeline import (
     caught_up,
     change_items,
     create_items,
+    data_files,
     delete_rows,
     newest_commit,
     pgbench,
@@ -214,7 +215,7 @@ def test_consumer_kill9_mid_merge_and_between_commits_applies_each_change_once(s
     with ProducerThread(cfg):
         consumer = ConsumerProcess(path, log).start()
         try:
-            wait_for(lambda: newest_commit(accounts) > 0, timeout=240, what="the consumer merging")
+            wait_for(lambda: data_files(accounts), timeout=240, what="the consumer merging")
             threading.Thread(target=load, daemon=True).start()
             for starts, (what, moment) in enumerate(moments, 1):
                 wait_for(lambda: log.read_text().count("from the target's progress") >= starts, timeout=180,
