@@ -28,11 +28,11 @@ that appends (a streamed append once per position) and deletes the taken
 rows by their bookkeeping.
 
 Upkeep: every ``compact_interval`` seconds each followed table written
-since its last compaction is compacted (every table, the first time after
-a start: a table an earlier run wrote), every ``vacuum_interval`` seconds what no version of the last
-``retain_hours`` needs is removed, on the apply thread after a batch: the
-consumer is the tables' only writer, so upkeep never conflicts with a MERGE,
-and the stream goes on.
+since its last compaction is compacted (the first time after a start, every
+table: an earlier run may have written it); every ``vacuum_interval``
+seconds what no version of the last ``retain_hours`` needs is removed. Both
+run on the apply thread after a batch: the consumer is the tables' only
+writer, so upkeep never conflicts with a MERGE, and the stream goes on.
 
 Invariants:
 - Every MERGE into a shape's table commits, even one that changes no row,

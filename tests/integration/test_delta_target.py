@@ -18,7 +18,7 @@ from deltalake import DeltaTable, QueryBuilder, write_deltalake
 from schemas.config import parse_config
 from tests.helpers import ConsumerProcess, ConsumerThread, ProducerThread, make_config, wait_for, write_toml
 from tests.pipeline import (
-    LAKE_ACCOUNTS,
+    FEW_ACCOUNTS,
     SHAPES,
     caught_up,
     change_items,
@@ -110,13 +110,13 @@ def test_pgbench_into_delta_equals_the_source_read_by_delta_rs(source_db, kafka_
     column-limited one and the keyless history too) equals the source, each
     commit carries the shape's progress, and the slot is confirmed;
     verify finds rows another writer damaged, and reconcile repairs them."""
-    prepare_source(source_db, LAKE_ACCOUNTS)
+    prepare_source(source_db, FEW_ACCOUNTS)
     cfg = lake_config(source_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
     cfg["consumer"]["compact_interval"] = 2  # compaction between batches, while pgbench runs
     with ProducerThread(cfg), ConsumerThread(cfg) as consumer:
         # At a set rate (3,200 row changes), not as fast as it can: a loaded
         # machine then brings the lake the same work, not more when it is quiet.
-        pgbench(source_db, "-n", "-c", "2", "-R", "100", "-T", "8", accounts=LAKE_ACCOUNTS)
+        pgbench(source_db, "-n", "-c", "2", "-R", "100", "-T", "8", accounts=FEW_ACCOUNTS)
         with psycopg.connect(source_db, autocommit=True) as conn:
             conn.execute("DELETE FROM pgbench_accounts WHERE aid IN (SELECT aid FROM pgbench_accounts"
                          " WHERE bid = 1 AND abalance > 0 LIMIT 3)")
@@ -192,7 +192,7 @@ def test_consumer_kill9_mid_merge_and_between_commits_applies_each_change_once(s
     batch's tombstone commit and its table's. The tables end equal to the
     source (a key applied twice would be two rows), and each start began at
     the tables' own progress."""
-    prepare_source(source_db, LAKE_ACCOUNTS)
+    prepare_source(source_db, FEW_ACCOUNTS)
     cfg = lake_config(source_db, kafka_broker.bootstrap, topic_prefix, tmp_path)
     cfg["consumer"]["max_offsets_per_trigger"] = 20000
     path = write_toml(cfg, tmp_path / "wb.toml")
@@ -205,7 +205,7 @@ def test_consumer_kill9_mid_merge_and_between_commits_applies_each_change_once(s
     def load():  # at a rate the MERGEs of a loaded 2-core machine keep up with, and deletes
         deleter = threading.Thread(target=delete_rows, args=(source_db, load_done), daemon=True)
         deleter.start()
-        pgbench(source_db, "-n", "-c", "2", "-R", "40", "-T", "25", accounts=LAKE_ACCOUNTS)
+        pgbench(source_db, "-n", "-c", "2", "-R", "40", "-T", "25", accounts=FEW_ACCOUNTS)
         load_done.set()
         deleter.join()
 

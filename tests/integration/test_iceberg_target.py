@@ -20,7 +20,7 @@ from schemas import wire
 from schemas.config import parse_config
 from tests.helpers import ConsumerProcess, ConsumerThread, ProducerThread, make_config, wait_for, write_toml
 from tests.pipeline import (
-    LAKE_ACCOUNTS,
+    FEW_ACCOUNTS,
     SHAPES,
     caught_up,
     change_items,
@@ -70,7 +70,7 @@ def test_pgbench_into_iceberg_with_kill9_and_compaction_equals_the_source(source
     with compaction between batches, and ``kill -9`` of the consumer twice:
     every table equals the source (pyiceberg), the newest snapshot carries
     each topic's end, and the slot is confirmed."""
-    prepare_source(source_db, LAKE_ACCOUNTS)
+    prepare_source(source_db, FEW_ACCOUNTS)
     cfg = iceberg_config(source_db, kafka_broker.bootstrap, topic_prefix, tmp_path, {"catalog": "hadoop"})
     cfg["consumer"]["compact_interval"] = 3
     path = write_toml(cfg, tmp_path / "wb.toml")
@@ -80,13 +80,17 @@ def test_pgbench_into_iceberg_with_kill9_and_compaction_equals_the_source(source
 
     kills_done = threading.Event()
 
-    def load():  # pgbench at 40 tps and deletes until both kills are done, 10 s at least
+    def load():
+        """pgbench at 40 tps for 10 to 30 s (a loaded machine gets no more of
+        a backlog than a quiet one), and deletes until both kills are done (so
+        that every start has batches with rows to be killed in)."""
         deleter = threading.Thread(target=delete_rows, args=(source_db, load_done), daemon=True)
         deleter.start()
-        for round_ in range(40):
-            pgbench(source_db, "-n", "-c", "2", "-R", "40", "-T", "5", accounts=LAKE_ACCOUNTS)
+        for round_ in range(6):
+            pgbench(source_db, "-n", "-c", "2", "-R", "40", "-T", "5", accounts=FEW_ACCOUNTS)
             if round_ >= 1 and kills_done.is_set():
                 break
+        kills_done.wait(600)
         load_done.set()
         deleter.join()
 
@@ -110,6 +114,7 @@ def test_pgbench_into_iceberg_with_kill9_and_compaction_equals_the_source(source
             assert consumer.proc.poll() is None, log.read_text()[-3000:]
             wait_for(lambda: caught_up(cfg), timeout=60, what="slot at the last commit")
         finally:
+            kills_done.set()  # the load ends with the test, whatever happened
             consumer.stop()
     assert log.read_text().count("from the target's progress") >= 3
     config = parse_config(cfg)

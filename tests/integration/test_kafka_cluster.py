@@ -22,7 +22,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from tests.helpers import ConsumerProcess, ProducerProcess, stacks_on_failure, wait_for, write_toml
-from tests.pipeline import caught_up, e2e_config, pgbench, pipeline_state, prepare_source, verify_ok
+from tests.pipeline import FEW_ACCOUNTS, caught_up, e2e_config, pgbench, pipeline_state, prepare_source, verify_ok
 from walbridge.embedded import KafkaCluster
 
 OUTAGE_S = 30
@@ -61,7 +61,7 @@ def _fully_replicated(admin: AdminClient, prefix: str) -> bool:
 
 def test_three_brokers_killed_restarted_and_without_quorum_lose_and_double_nothing(
         source_db, target_db, cluster, topic_prefix, tmp_path):
-    prepare_source(source_db)
+    prepare_source(source_db, FEW_ACCOUNTS)
     cfg = e2e_config(source_db, target_db, cluster.bootstrap, topic_prefix, tmp_path)
     cfg["consumer"]["max_offsets_per_trigger"] = 20000
     path = write_toml(cfg, tmp_path / "wb.toml")
@@ -71,7 +71,7 @@ def test_three_brokers_killed_restarted_and_without_quorum_lose_and_double_nothi
     def load():
         try:
             while not done.is_set():
-                pgbench(source_db, "-n", "-c", "2", "-T", "5", "-R", "100")
+                pgbench(source_db, "-n", "-c", "2", "-T", "5", "-R", "50", accounts=FEW_ACCOUNTS)
         finally:
             done.set()
 

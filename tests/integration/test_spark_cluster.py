@@ -42,7 +42,7 @@ from tests.cluster import (
 )
 from tests.helpers import ProducerThread, wait_for, write_toml
 from tests.pipeline import (
-    LAKE_ACCOUNTS,
+    FEW_ACCOUNTS,
     applying,
     caught_up,
     data_files,
@@ -219,7 +219,7 @@ def test_consumer_on_a_standalone_cluster_runs_on_the_worker_and_survives_a_kill
     applies a batch and the executor reads and decodes the next one: Spark
     reruns its tasks on a new one and nothing is lost or applied twice."""
     c = cluster
-    prepare_source(c.source)
+    prepare_source(c.source, FEW_ACCOUNTS)
     with ProducerThread(c.cfg):
         c.submit_and_wait_applying()
         # While the executors work: what their Python workers have loaded.
@@ -228,7 +228,7 @@ def test_consumer_on_a_standalone_cluster_runs_on_the_worker_and_survives_a_kill
                            timeout=60, what="an executor Python worker with walbridge loaded")
         environment = c.spark.app_rest("/environment")
         load = threading.Thread(target=pgbench, args=(c.source, "-n", "-c", "2", "-R", "150", "-T", "20"),
-                                daemon=True)  # at a set rate: the same work on a loaded machine as on a quiet one
+                                kwargs={"accounts": FEW_ACCOUNTS}, daemon=True)  # at a set rate: the same work on a loaded machine as on a quiet one
         load.start()
         wait_for(lambda: applying(c.target), timeout=120, interval=0.01,
                  what="an apply written and not committed, under load")
@@ -282,12 +282,12 @@ def test_kill9_of_the_executor_mid_merge_into_a_lake_is_rescheduled_and_loses_no
     to the source."""
     c = cluster
     accounts = c.into_lake(lake)
-    prepare_source(c.source, LAKE_ACCOUNTS)
+    prepare_source(c.source, FEW_ACCOUNTS)
     with ProducerThread(c.cfg):
         c.submit_and_wait_applying()
         # At a rate the MERGEs keep up with while the worker shares 2 cores with everything else.
         load = threading.Thread(target=pgbench, args=(c.source, "-n", "-c", "2", "-R", "40", "-T", "20"),
-                                kwargs={"accounts": LAKE_ACCOUNTS}, daemon=True)
+                                kwargs={"accounts": FEW_ACCOUNTS}, daemon=True)
         load.start()
         wait_for(lambda: writing_uncommitted(accounts), timeout=120, interval=0.01,
                  what="a MERGE's files written, not committed, under load")
