@@ -355,16 +355,18 @@ class LakeTarget:
                 continue
             started, done = time.monotonic(), 0
             for topic, target in self._followed.items():
+                refs = [ref for ref in (self.table_ref(target), self.tombstones_ref(target))
+                        if command == "vacuum" or ref in self._unkempt]
+                if not refs:
+                    continue
                 record = self._records.get(topic)
                 carried = record.to_json(self._group) if record and self._group else None
                 with self._carrying(carried):
-                    for ref in (self.table_ref(target), self.tombstones_ref(target)):
-                        if command == "compact" and ref not in self._unkempt:
-                            continue
+                    for ref in refs:
                         self._keep_up_table(ref, command, carried)
-                        if command == "compact":
-                            self._unkempt.discard(ref)
-                        done += 1
+                done += len(refs)
+                if command == "compact":
+                    self._unkempt.difference_update(refs)
             log.info("%s: %s of %d tables took %.1fs", self.format_name, command, done, time.monotonic() - started)
             self._due[command] = self.clock() + interval
 
