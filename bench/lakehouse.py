@@ -27,6 +27,7 @@ in one run on one Spark session.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import sys
@@ -157,6 +158,11 @@ def main() -> None:
     # statement's), and the same less the bookkeeping, one row per key (the reference's).
     stages = [stage_table(target, plan_batch(target, r, fields=f)) for f, r in data]
     tables = [stage.select(list(target.names)) for stage in stages]
+    # As a consumer does once started (spark_consumer.supervisor.run): what
+    # lives for the whole run, here with every batch's rows (a consumer holds
+    # one batch at a time), is kept out of the collector's full passes.
+    gc.collect()
+    gc.freeze()
     try:
         print(f"rows {rows} in {len(data)} micro-batches of {args.batch}")
         for fmt in args.formats.split(","):

@@ -23,6 +23,7 @@ import pyarrow as pa
 from pyspark.sql.pandas.types import to_arrow_type
 from pyspark.sql.types import (
     ArrayType,
+    BinaryType,
     BooleanType,
     ByteType,
     DataType,
@@ -248,8 +249,17 @@ def stage_table(target: ShapeTarget, plan: ApplyPlan) -> pa.Table:
     columns = list(zip(*plan.stage_rows)) if plan.stage_rows else [() for _ in fields]
     arrays = []
     for f, values in zip(fields, columns):
-        values = special_values(f, values) if f.name in target.names else values
-        arrays.append(pa.array(values, type=to_arrow_type(f.dataType)))
+        arrow_type = to_arrow_type(f.dataType)
+        if f.name in target.names and isinstance(f.dataType, (BinaryType, ArrayType)):
+            values = special_values(f, values)  # Arrow would take a text as bytes or as a list
+        try:
+            arrays.append(pa.array(values, type=arrow_type))
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            # Arrow refuses a text in any other typed column: a special value (looked for
+            # only then, since a scan of every value costs more than the conversion).
+            if f.name not in target.names:
+                raise
+            arrays.append(pa.array(special_values(f, values), type=arrow_type))
     return pa.Table.from_arrays(arrays, names=[f.name for f in fields])
 
 

@@ -23,11 +23,14 @@ from pyspark.sql.types import (
     StructField,
 )
 
+from producer.envelope import ShapeCodec, ShapeColumn
+from producer.pgtypes import PgTypeInfo, column_codec
 from schemas import wire
 from schemas.config import IcebergConfig
 from spark_consumer.apply_plan import make_cut, plan_batch
 from spark_consumer.lake_progress import LakeProgress, backfill_ends_applied
 from spark_consumer.progress import Progress
+from spark_consumer.shape_record import ShapeTarget
 from spark_consumer.target_layout import ShapeCannotFollow
 from spark_consumer.targets.delta import needs_mapping
 from spark_consumer.targets.iceberg import spark_settings as iceberg_settings
@@ -48,7 +51,7 @@ from spark_consumer.targets.merge_sql import (
     tombstones_merge,
     widens,
 )
-from tests.unit.test_apply_plan import keyed_target, keyless_target, lrow, row
+from tests.unit.test_apply_plan import INT, keyed_target, keyless_target, lrow, row
 from walbridge.check import FAILED, Checklist, _lake, render_checks
 from walbridge.verify_lake import as_float32, comparable, same_value, sqlalchemy_url
 
@@ -95,6 +98,21 @@ def test_special_values_become_floats_or_hold_the_shape():
         stage_table(target, plan)
     floats = special_values(StructField("x", DoubleType()), ["NaN", "-Infinity", 1.0])
     assert math.isnan(floats[0]) and floats[1:] == [float("-inf"), 1.0]
+
+
+def test_special_floats_are_staged_as_floats_and_a_text_where_arrow_would_take_it_as_bytes_is_refused():
+    float8 = PgTypeInfo(701, "double precision", 701, "double precision", -1, "b")
+    bytea = PgTypeInfo(17, "bytea", 17, "bytea", -1, "b")
+    cols = [ShapeColumn("id", column_codec(INT), True), ShapeColumn("x", column_codec(float8), False),
+            ShapeColumn("b", column_codec(bytea), False)]
+    codec = ShapeCodec("public.m", "wb", "app", "public", "m", cols, [0, 1, 2])
+    target = ShapeTarget.from_avro("public.m", codec.value_schema, codec.key_schema)
+    plan = plan_batch(target, [row("c", 10, off=0, id=1, x=1.5, b=b"\x00"),
+                               row("c", 11, off=1, id=2, special={"x": "-Infinity"})])
+    by_id = {r["id"]: r for r in stage_table(target, plan).to_pylist()}
+    assert by_id[1]["x"] == 1.5 and by_id[1]["b"] == b"\x00" and by_id[2]["x"] == float("-inf")
+    with pytest.raises(ShapeCannotFollow, match="'oops'.*binary"):
+        stage_table(target, plan_batch(target, [row("c", 12, off=2, id=3, special={"b": "oops"})]))
 
 
 def test_a_cut_removes_its_partitions_rows_below_it_and_a_completed_backfill_everything_below_its_start():
