@@ -64,11 +64,9 @@ _LONGEST_FIRST = (  # seconds each took in two runs beside a busy loop (2026-11-
     "integration/test_delta_target.py",  # 820-890
     "integration/test_lake_apply.py",  # 600-650
     "integration/test_iceberg_target.py",  # 310-380
+    "integration/test_kafka_cluster.py",  # 280-350
     "integration/test_chaos.py",  # 280-300
     "integration/test_e2e_backfill.py",  # 230-240
-    # Out of order: its three brokers beside the Iceberg kill test made that
-    # test 363 s against 130 s alone, both with a busy core (2026-11-28).
-    "integration/test_kafka_cluster.py",  # 280-350
     "integration/test_consumer_outages.py",  # 200-210
     "integration/test_e2e_partitions.py",  # 140-170
     "integration/test_up.py",  # 140-150
