@@ -287,6 +287,13 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
     # maxOffsetsPerTrigger): a restart in front of a backlog reads it in steps.
     max_offsets_per_trigger: Annotated[int, Field(ge=1)] = 50_000
     trigger_interval: Annotated[float, Field(ge=0)] = 0.25
+    # Seconds an executor's read of a partition may get nothing from the
+    # broker before its task fails and is retried (Spark's
+    # kafkaConsumer.pollTimeoutMs, whose default is spark.network.timeout,
+    # 120 s): a read stuck on a frozen or wiped broker holds the whole batch
+    # that long per attempt before the query is restarted and the topics
+    # are checked again.
+    poll_timeout: Annotated[float, Field(gt=0)] = 10.0
     # Kafka lost data (topics recreated): "follow" re-reads the new topics from
     # their start and applies by position (the producer re-snapshots); "stop"
     # stops the consumer with an error.

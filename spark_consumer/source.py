@@ -11,7 +11,7 @@ The path of a start, top to bottom:
 3. :func:`read_kafka` builds the stream: ``subscribe`` to the topics, the
    ``[kafka.client]`` settings translated to the Java client's
    (:func:`kafka_options`), ``maxOffsetsPerTrigger``, ``failOnDataLoss``,
-   headers included.
+   ``kafkaConsumer.pollTimeoutMs``, headers included.
 
 Invariants:
 - The target's progress is the one record of what is applied: a start never
@@ -27,6 +27,10 @@ Invariants:
   (``failOnDataLoss`` sees only offsets that went backwards).
 - Batches are bounded by default (``[consumer] max_offsets_per_trigger``):
   a restart in front of a large backlog reads it a batch at a time.
+- A read that gets nothing from the broker fails its task after ``[consumer]
+  poll_timeout`` (Spark's ``kafkaConsumer.pollTimeoutMs``). Spark's default,
+  120 s, is what each partition of a batch planned on a topic the broker then
+  lost costs before Spark sees the offsets gone (``bench/poll_stall.py``).
 - ``[kafka.client]`` is written in librdkafka's names (the producer's and the
   consumer's own clients use it as is); what Spark's Java client gets is its
   translation (:func:`schemas.kafka.java_client_options`), and a setting
@@ -121,6 +125,7 @@ def read_kafka(spark: SparkSession, config: Config, topics: list[str], plan: Sta
               .option("subscribe", ",".join(topics))
               .option("startingOffsets", json.dumps(plan.starting_offsets) if plan.starting_offsets else "earliest")
               .option("maxOffsetsPerTrigger", str(config.consumer.max_offsets_per_trigger))
+              .option("kafkaConsumer.pollTimeoutMs", str(round(config.consumer.poll_timeout * 1000)))
               .option("failOnDataLoss", "true" if config.consumer.on_data_loss == "stop" else "false")
               .option("includeHeaders", "true")
               # Spark's consumers' group ids start with the group's name: its ACLs cover them.

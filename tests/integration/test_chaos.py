@@ -22,7 +22,7 @@ def test_faults_in_series_lose_nothing_and_need_no_repair(pg_base_dir, tmp_path)
     print(f"chaos seed {seed} (replay: WALBRIDGE_CHAOS_SEED={seed})")
     try:
         result = Chaos(pg_base_dir, seed, rounds=3, gap=(2.0, 5.0), rate=20, message_timeout_s=10.0,
-                       settle_timeout=240.0).run()
+                       settle_timeout=300.0).run()
     finally:  # the whole logs, where pytest keeps its last runs' files (the scratch dir goes)
         for log in ("producer.log", "consumer.log"):
             if (pg_base_dir / log).exists():
