@@ -46,7 +46,7 @@ def main() -> None:
         spark = spark_session("local[2]")
 
         def read(ends: dict[str, int], poll_ms: int | None) -> tuple[int, float]:
-            options = {"kafka.bootstrap.servers": broker.bootstrap, "assign": json.dumps({TOPIC: list(range(3))}),
+            options = {"kafka.bootstrap.servers": broker.bootstrap, "assign": json.dumps({TOPIC: list(range(PARTITIONS))}),
                        "startingOffsets": json.dumps({TOPIC: {str(p): 0 for p in range(PARTITIONS)}}),
                        "endingOffsets": json.dumps({TOPIC: ends}), "failOnDataLoss": "false"}
             if poll_ms is not None:
