@@ -428,14 +428,17 @@ class LakeTarget:
     def _merge(self, target: ShapeTarget, plan: ApplyPlan, cuts: Cuts, collected: Sequence[int], metadata: str
                ) -> None:
         """Steps 2 and 3 of the module docstring."""
-        self.spark.createDataFrame(stage_table(target, plan)).createOrReplaceTempView(STAGE_VIEW)
+        keep = sorted({c for ks in plan.keep_sets for c in (ks or ())})
+        stage = stage_table(target, plan)
+        if not keep:  # no statement reads it: a column less to hand to the JVM
+            stage = stage.drop_columns([wire.KEEP_COLUMN])
+        self.spark.createDataFrame(stage).createOrReplaceTempView(STAGE_VIEW)
         tomb = self.tombstones_ref(target)
         if any(t[len(target.columns)] == DELETE for t in plan.stage_rows):
             self._has_tombstones.add(tomb)
         if tomb in self._has_tombstones:
             self.spark.sql(tombstones_merge(target, tomb, STAGE_VIEW, cuts, collected)).collect()
             self._unkempt.add(tomb)
-        keep = sorted({c for ks in plan.keep_sets for c in (ks or ())})
         table = self.table_ref(target)
         with self._carrying(metadata):
             self.spark.sql(table_merge(target, table, tomb if tomb in self._has_tombstones else None,

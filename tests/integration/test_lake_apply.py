@@ -382,3 +382,22 @@ def test_a_keyed_shape_follows_renames_a_drop_a_widening_an_added_column_and_a_l
     assert sorted((r["ident"], r["title"]) for r in lakes.read("items").to_pylist()) == [(1, "uno")]
     tombstones = lakes.read("items", "tombstones")
     assert tombstones.num_rows == 1 and wire.TOOK_COLUMNS[0] in tombstones.column_names
+
+
+def test_an_unchanged_toast_column_keeps_the_tables_value(lakes):
+    """An update that left a column unchanged (TOAST, ``_wb_unchanged``)
+    keeps the table's value there and sets the others; a batch where no
+    row keeps a column (its stage handed to Spark without the keep column)
+    and one where some do apply alike."""
+    shape, feed = items_shape(1), KeyedFeed()
+    target = lakes.target()
+    target.follow(feed.topic, shape)
+    target.read_progress(GROUP)
+    feed.apply(target, shape, [("c", 10 + i, {"id": i, "label": f"long {i}", "qty": i, "gone": None})
+                               for i in (1, 2)])
+    feed.apply(target, shape, [("u", 20, {"id": 1, "label": None, "qty": 10, "gone": None,
+                                          "_wb_unchanged": ["label"]}),
+                               ("u", 21, {"id": 2, "label": "new 2", "qty": 20, "gone": None})])
+    feed.apply(target, shape, [("u", 30, {"id": 2, "label": "newer 2", "qty": 21, "gone": None})])
+    assert sorted((r["id"], r["label"], r["qty"]) for r in lakes.read("items").to_pylist()) == [
+        (1, "long 1", 10), (2, "newer 2", 21)]
