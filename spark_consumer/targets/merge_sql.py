@@ -9,7 +9,9 @@ Invariants:
   (position, streamed over snapshot); a row without a position ranks lowest.
 - The stage's layout is the shape's columns (the decoder's Spark types,
   :func:`spark_consumer.decode.column_type`), then :data:`STAGE_HEAD` and
-  :data:`BOOKKEEPING`, in :data:`spark_consumer.apply_plan.STAGE_EXTRA`'s order.
+  :data:`BOOKKEEPING`, in :data:`spark_consumer.apply_plan.STAGE_EXTRA`'s order;
+  a keyed batch's stage leaves out the keep column when no row keeps a
+  column (:func:`table_merge` with no ``keep`` never reads it).
 - Every MERGE a batch runs joins on equalities (key, or position and offset)
   so that Spark plans a hash join, never a nested loop over the table.
 """
