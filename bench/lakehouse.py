@@ -40,7 +40,6 @@ sys.path.insert(0, str(ROOT))
 
 from pyspark.sql import SparkSession  # noqa: E402
 
-from schemas import wire  # noqa: E402
 from schemas.config import IcebergConfig  # noqa: E402
 from schemas.jvm import jvm_jars  # noqa: E402
 from spark_consumer.apply_plan import plan_batch  # noqa: E402
@@ -157,9 +156,7 @@ def main() -> None:
     rows = sum(len(r) for _, r in data)
     # The inputs made before the clock starts: the walbridge stage as Arrow (the
     # statement's), and the same less the bookkeeping, one row per key (the reference's).
-    # (without the keep column, as the target hands it when no row keeps a column)
-    stages = [stage_table(target, plan_batch(target, r, fields=f)).drop_columns([wire.KEEP_COLUMN])
-              for f, r in data]
+    stages = [stage_table(target, plan_batch(target, r, fields=f)) for f, r in data]
     tables = [stage.select(list(target.names)) for stage in stages]
     # As a consumer does once started (spark_consumer.supervisor.run): what
     # lives for the whole run, here with every batch's rows (a consumer holds

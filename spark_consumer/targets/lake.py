@@ -109,6 +109,7 @@ from spark_consumer.targets.merge_sql import (
     ddl_columns,
     equal_rows,
     follow_changes,
+    kept_columns,
     keyless_table_merge,
     literal,
     marked_rows,
@@ -428,11 +429,8 @@ class LakeTarget:
     def _merge(self, target: ShapeTarget, plan: ApplyPlan, cuts: Cuts, collected: Sequence[int], metadata: str
                ) -> None:
         """Steps 2 and 3 of the module docstring."""
-        keep = sorted({c for ks in plan.keep_sets for c in (ks or ())})
-        stage = stage_table(target, plan)
-        if not keep:  # no statement reads it: a column less to hand to the JVM
-            stage = stage.drop_columns([wire.KEEP_COLUMN])
-        self.spark.createDataFrame(stage).createOrReplaceTempView(STAGE_VIEW)
+        keep = kept_columns(plan)
+        self.spark.createDataFrame(stage_table(target, plan)).createOrReplaceTempView(STAGE_VIEW)
         tomb = self.tombstones_ref(target)
         if any(t[len(target.columns)] == DELETE for t in plan.stage_rows):
             self._has_tombstones.add(tomb)

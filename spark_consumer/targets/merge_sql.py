@@ -9,9 +9,9 @@ Invariants:
   (position, streamed over snapshot); a row without a position ranks lowest.
 - The stage's layout is the shape's columns (the decoder's Spark types,
   :func:`spark_consumer.decode.column_type`), then :data:`STAGE_HEAD` and
-  :data:`BOOKKEEPING`, in :data:`spark_consumer.apply_plan.STAGE_EXTRA`'s order;
-  a keyed batch's stage leaves out the keep column when no row keeps a
-  column (:func:`table_merge` with no ``keep`` never reads it).
+  :data:`BOOKKEEPING`, in :data:`spark_consumer.apply_plan.STAGE_EXTRA`'s order,
+  less the keep column when no row keeps a column (:func:`kept_columns`
+  empty: no statement reads it, and each column is width the JVM copies).
 - Every MERGE a batch runs joins on equalities (key, or position and offset)
   so that Spark plans a hash join, never a nested loop over the table.
 """
@@ -243,12 +243,21 @@ def literal(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def kept_columns(plan: ApplyPlan) -> list[str]:
+    """The columns some upsert of the plan keeps the table's value of
+    (unchanged TOAST), sorted; empty: the stage has no keep column."""
+    return sorted({c for ks in plan.keep_sets for c in (ks or ())})
+
+
 def stage_table(target: ShapeTarget, plan: ApplyPlan) -> pa.Table:
     """The plan's staged rows as Arrow in the stage's layout (shape columns,
-    then :data:`STAGE_HEAD` and :data:`BOOKKEEPING`). A special value that the
-    column's Spark type cannot hold raises :class:`ShapeCannotFollow`."""
+    then :data:`STAGE_HEAD` and :data:`BOOKKEEPING`, the keep column only
+    when :func:`kept_columns` has some). A special value that the column's
+    Spark type cannot hold raises :class:`ShapeCannotFollow`."""
     fields = shape_fields(target) + list(STAGE_HEAD + BOOKKEEPING)
     columns = list(zip(*plan.stage_rows)) if plan.stage_rows else [() for _ in fields]
+    if not kept_columns(plan):
+        fields, columns = zip(*((f, v) for f, v in zip(fields, columns) if f.name != wire.KEEP_COLUMN))
     arrays = []
     for f, values in zip(fields, columns):
         arrow_type = to_arrow_type(f.dataType)

@@ -41,6 +41,7 @@ from spark_consumer.targets.merge_sql import (
     equal_rows,
     follow_changes,
     gc_condition,
+    kept_columns,
     keyless_table_merge,
     marked_rows,
     pending_merge,
@@ -85,10 +86,17 @@ def test_the_stage_is_typed_by_the_shapes_columns_then_the_bookkeeping():
                                row("d", 11, off=1, id=2)])
     table = stage_table(target, plan)
     assert table.column_names[:4] == ["id", "body text", "n", "d"]
-    assert table.column_names[4:6] == [f.name for f in STAGE_HEAD]
+    # No row keeps a column: no keep column.
+    assert table.column_names[4:] == [wire.KIND_COLUMN] + [f.name for f in BOOKKEEPING]
     assert str(table.schema.field("n").type) == "decimal128(10, 2)"
     by_id = {r["id"]: r for r in table.to_pylist()}
     assert by_id[1]["n"] == Decimal("1.50") and by_id[1]["_wb_kind"] == "u" and by_id[2]["_wb_kind"] == "d"
+    kept = plan_batch(target, [row("u", 12, off=2, id=3, n=Decimal("2.00"), unchanged=["body text"]),
+                               row("c", 13, off=3, id=4, body="b")])
+    assert kept_columns(kept) == ["body text"]
+    table = stage_table(target, kept)
+    assert table.column_names[4:] == [f.name for f in STAGE_HEAD + BOOKKEEPING]
+    assert {r["id"]: r[wire.KEEP_COLUMN] for r in table.to_pylist()} == {3: ["body text"], 4: None}
 
 
 def test_special_values_become_floats_or_hold_the_shape():
@@ -190,7 +198,7 @@ def test_a_keyless_batchs_takes_are_stage_rows_that_carry_only_the_taken_rows_bo
     assert takes.schema == stage.schema and takes.num_rows == 2
     rows = takes.to_pylist()
     assert [r["_wb_kind"] for r in rows] == [TAKE, TAKE] and rows[1]["_wb_snapshot_id"] == "snap-1"
-    assert rows[0]["a"] is None and rows[0]["_wb_offset"] == 9 and rows[0]["_wb_keep"] is None
+    assert rows[0]["a"] is None and rows[0]["_wb_offset"] == 9 and wire.KEEP_COLUMN not in rows[0]
     assert marked_rows(stage.schema, TAKE, [], ["_wb_lsn"]).num_rows == 0
 
 
