@@ -459,26 +459,27 @@ class LakeTarget:
         def rows(query: str) -> list[tuple]:
             return [tuple(r) for r in self.spark.sql(query).collect()]
 
+        takes_kept = APPEND in kinds and pending in self._has_tombstones
+        # Every stage row's content, read once (what pairing compares): (content, rank, kind, seq, partition, offset).
+        staged = rows(equal_rows(target, STAGE_VIEW, None, None, None, [wire.KIND_COLUMN, *at])
+                      ) if takes_kept or REMOVE in kinds else []
+        appends = [Candidate(i, c, (lsn, opi, st), (p, off), not st)
+                   for c, lsn, opi, st, k, i, p, off in staged if k == APPEND]
         # Kept removals take the batch's appends: their row, late, or a re-read copy of what they took.
         moved: dict[int, tuple] = {}  # an append's stage index -> (the removal's position, the append's rank)
-        if APPEND in kinds and pending in self._has_tombstones:
+        if takes_kept:
             kept = [Taker((lsn, opi), c, (lsn, opi, True), None if tl is None else (tl, to, ts))
                     for c, lsn, opi, _, tl, to, ts in rows(equal_rows(
                         target, pending, None, STAGE_VIEW, APPEND, [f.name for f in TOOK], changes_only=True))]
-            appends = [Candidate(i, c, (lsn, opi, st), (p, off), not st) for c, lsn, opi, st, i, p, off
-                       in rows(equal_rows(target, STAGE_VIEW, APPEND, pending, None, at))]
             moved = {c.id: (k, c.rank) for k, c in pair(kept, appends).items()}
         # The batch's removals take the newest equal row older than each: the table's, or an append of the batch.
         took: dict[int, Candidate] = {}  # a removal's stage index -> what it took
         if REMOVE in kinds:
-            removals = [Taker(i, c, (lsn, opi, True)) for c, lsn, opi, _, i in rows(equal_rows(
-                target, STAGE_VIEW, REMOVE, None, None, [wire.SEQ_COLUMN], changes_only=True))]
+            removals = [Taker(i, c, (lsn, opi, True)) for c, lsn, opi, _, k, i, _, _ in staged if k == REMOVE]
             marks = [f.name for f in BOOKKEEPING]
             candidates = [Candidate(("table", tuple(m)), c, (lsn, opi, st), (m[2], m[3]), not st)
                           for c, lsn, opi, st, *m in rows(equal_rows(target, table, None, STAGE_VIEW, REMOVE, marks))]
-            candidates += [Candidate(i, c, (lsn, opi, st), (p, off), not st) for c, lsn, opi, st, i, p, off
-                           in rows(equal_rows(target, STAGE_VIEW, APPEND, STAGE_VIEW, REMOVE, at)) if i not in moved]
-            took = pair(removals, candidates)
+            took = pair(removals, candidates + [a for a in appends if a.id not in moved])
         if any(isinstance(c.id, tuple) and c.id[1][0] is None for c in took.values()):
             raise ShapeCannotFollow(f"shape {target.shape}: a removed row equals a row of the {self.format_name} "
                                     "table that has no position (another writer added it): it cannot be told "
