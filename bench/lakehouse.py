@@ -44,6 +44,7 @@ from schemas.config import IcebergConfig  # noqa: E402
 from schemas.jvm import jvm_jars  # noqa: E402
 from spark_consumer.apply_plan import plan_batch  # noqa: E402
 from spark_consumer.batch import Part  # noqa: E402
+from spark_consumer.session import own_driver_settings  # noqa: E402
 from spark_consumer.targets import iceberg  # noqa: E402
 from spark_consumer.targets.base import ShapeBatch  # noqa: E402
 from spark_consumer.targets.delta import SNAPSHOT_PARTITIONS, SPARK_SETTINGS, DeltaTarget  # noqa: E402
@@ -139,11 +140,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="alternations of the three; the fastest run of each counts")
     args = ap.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    builder = (SparkSession.builder.master("local[2]").config("spark.jars", ",".join(map(str, jvm_jars("spark"))))
-               .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
-               .config("spark.sql.session.timeZone", "UTC").config("spark.ui.showConsoleProgress", "false"))
+    # The session a local consumer gets (spark_consumer.session), both formats' settings added.
+    builder = SparkSession.builder.master("local[2]")
     work = tempfile.mkdtemp(prefix="wb-lakehouse-")
-    settings = {**SPARK_SETTINGS, **iceberg.spark_settings(IcebergConfig(warehouse=f"{work}/warehouse",
+    settings = {**own_driver_settings("local[2]", None, [str(j) for j in jvm_jars("spark")], jvm_applies=True),
+                **SPARK_SETTINGS, **iceberg.spark_settings(IcebergConfig(warehouse=f"{work}/warehouse",
                                                                           name=CATALOG)),
                 "spark.sql.extensions": f"{SPARK_SETTINGS['spark.sql.extensions']},{iceberg.EXTENSIONS}"}
     for k, v in settings.items():

@@ -336,6 +336,11 @@ class ConsumerConfig(_Reconnecting):  # reconnect_*: its waits for the broker, r
         return self.target or ("postgresql" if self.target_dsn else None)
 
     @property
+    def is_lakehouse(self) -> bool:
+        """Is the target a lakehouse table format (its apply a MERGE run in Spark's JVM)?"""
+        return self.target_kind in ("delta", "iceberg")
+
+    @property
     def has_target(self) -> bool:
         """Is a target configured (the consumer can run)?"""
         return self.target_kind is not None

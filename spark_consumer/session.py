@@ -9,9 +9,12 @@ spark-submit for the Python driver it launches):
   Kafka source and spark-avro from ``.jvm/spark`` (:mod:`schemas.jvm`), no
   console progress bar, Spark's log quiet (:data:`QUIET_LOG4J`) and, in local
   mode (one machine), a loopback driver, no UI unless asked for
-  (``walbridge up`` shows its address), few shuffle partitions, a C1-only JIT,
-  task retries (:func:`local_master`) and a Kafka consumer pool that holds a
-  consumer for every topic-partition the query reads (:func:`consumer_pool_size`).
+  (``walbridge up`` shows its address), few shuffle partitions, a driver JVM
+  tuned for many small queries (:data:`DRIVER_JAVA_OPTIONS`,
+  :data:`LOCAL_SMALL_QUERIES`; :data:`C1_ONLY` unless the target applies in
+  the JVM), task retries (:func:`local_master`) and a Kafka consumer pool that
+  holds a consumer for every topic-partition the query reads
+  (:func:`consumer_pool_size`).
 - **spark-submit started it** (:mod:`walbridge.spark_submit`, on a cluster or
   not): master, driver host and bind address, UI, shuffle, memory, Python,
   jars (``--packages``) — everything comes from spark-submit's flags and
@@ -52,10 +55,17 @@ from schemas.jvm import MissingJars, jvm_jars
 log = logging.getLogger("walbridge.consumer")
 
 APP_NAME = "walbridge-consumer"
-# C1 only where walbridge starts the driver JVM: the JVM's share of a batch is
-# small, and C2's long warm-up takes the cores from the Python workers
-# (bench/RESULTS.md).
-DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"
+# Where walbridge starts a local driver JVM (bench/RESULTS.md): the throughput
+# collector, since G1 took each stage's broadcast task binary as humongous allocations.
+DRIVER_JAVA_OPTIONS = "-XX:+UseParallelGC"
+# ...and C1 only when the target applies outside the JVM (PostgreSQL): the JVM's
+# share of a batch is small there, and C2's long warm-up takes the cores from the
+# Python workers; a lakehouse MERGE runs in the JVM, where C2's code is the faster.
+C1_ONLY = "-XX:TieredStopAtLevel=1"
+# A local driver runs many small queries per batch (a lake MERGE's are Delta's
+# and Iceberg's own): compiling each new plan whole costs more than it saves,
+# and task binaries broadcast in small blocks are ordinary allocations.
+LOCAL_SMALL_QUERIES = {"spark.sql.codegen.wholeStage": "false", "spark.broadcast.blockSize": "256k"}
 QUIET_LOG4J = "log4j2-quiet.properties"  # in this package: warnings and errors, one line each
 SPARK_DEFAULT_LOG4J = "org/apache/spark/log4j2-defaults.properties"  # Spark's built-in profile
 _LOG4J_FILES = ("log4j2.properties", "log4j2.xml", "log4j2.yaml", "log4j2.yml", "log4j2.json")
@@ -97,16 +107,17 @@ def consumer_pool_size(topic_partitions: int) -> int:
 
 
 def own_driver_settings(master: str, quiet_log4j_uri: str | None, jars: list[str] = (), ui: bool = False,
-                        topic_partitions: int = 0) -> dict[str, str]:
+                        topic_partitions: int = 0, jvm_applies: bool = False) -> dict[str, str]:
     """Settings where walbridge starts the driver JVM; with ``quiet_log4j_uri``,
     Spark logs through that log4j2 file from its first line; ``jars``: what
     Spark lacks (the Kafka source); ``ui``: a local driver keeps its web UI;
-    ``topic_partitions``: what the query reads (a local executor's consumer pool).
+    ``topic_partitions``: what the query reads (a local executor's consumer pool);
+    ``jvm_applies``: the target's apply runs in the JVM (no :data:`C1_ONLY`).
     User ``extraJavaOptions`` come after the default ones and win. A master
     that is not local gets no host, UI or shuffle setting (Spark's and
     spark-defaults.conf's apply, as under spark-submit)."""
     local = master.startswith("local")
-    java = [DRIVER_JAVA_OPTIONS] if local else []
+    java = ([DRIVER_JAVA_OPTIONS] if jvm_applies else [C1_ONLY, DRIVER_JAVA_OPTIONS]) if local else []
     if quiet_log4j_uri:
         java.append(f"-Dlog4j2.configurationFile={quiet_log4j_uri}")
     settings = {"spark.ui.showConsoleProgress": "false", **DEFAULTS}  # the bar is on for a Python-launched driver
@@ -121,6 +132,7 @@ def own_driver_settings(master: str, quiet_log4j_uri: str | None, jars: list[str
             "spark.ui.enabled": "true" if ui else "false",
             "spark.sql.shuffle.partitions": "2",
             CONSUMER_POOL: str(consumer_pool_size(topic_partitions)),
+            **LOCAL_SMALL_QUERIES,
         })
     return settings
 
@@ -152,11 +164,12 @@ def _verbose() -> bool:
 
 
 def spark_session(master: str | None = None, ui: bool = False, target_settings: Mapping[str, str] | None = None,
-                  topic_partitions: int = 0) -> SparkSession:
+                  topic_partitions: int = 0, jvm_applies: bool = False) -> SparkSession:
     """The session (see the module's docstring for whose settings apply);
     ``target_settings``: what the target needs (Delta's SQL extension), set
     where walbridge starts the driver and checked under spark-submit;
-    ``topic_partitions``: how many the query reads."""
+    ``topic_partitions``: how many the query reads; ``jvm_applies``: the
+    target applies in the JVM (a lakehouse)."""
     # Python workers run this interpreter unless spark.pyspark.python names
     # another (spark-submit exports that as PYSPARK_PYTHON).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -199,7 +212,8 @@ def spark_session(master: str | None = None, ui: bool = False, target_settings: 
         master = local_master(master or "local[*]")
         jars = [str(j) for j in jvm_jars("spark")]
         builder = SparkSession.builder.appName(APP_NAME).master(master)
-        settings = {**own_driver_settings(master, quiet_log4j_uri() if quiet else None, jars, ui, topic_partitions),
+        settings = {**own_driver_settings(master, quiet_log4j_uri() if quiet else None, jars, ui, topic_partitions,
+                                          jvm_applies),
                     **(target_settings or {})}
         for key, value in settings.items():
             builder = builder.config(key, value)

@@ -121,7 +121,8 @@ def run(config: Config, master: str | None = None, stop: threading.Event | None 
         return
     kafka_conf = client_config(config.kafka.bootstrap_servers, config.kafka.client)
     spark = spark_session(master, ui, target_spark_settings(config),
-                          topic_partitions=len(config.shapes) * config.kafka.partitions)
+                          topic_partitions=len(config.shapes) * config.kafka.partitions,
+                          jvm_applies=config.consumer.is_lakehouse)
     policy = RetryPolicy.of(config.consumer)
     held: dict[str, str] = {}
     failures: list[float] = []  # when each failure that was not an outage happened

@@ -31,7 +31,7 @@ from walbridge.verify_lake import lake_reader
 
 def consumer_completed(config: Config, backfill_id: str, shape: str) -> bool:
     """Has the consumer group applied ``backfill_end`` of ``backfill_id`` on every partition?"""
-    if config.consumer.target_kind in ("delta", "iceberg"):
+    if config.consumer.is_lakehouse:
         shape_config = next(s for s in config.shapes if s.shape_name == shape)
         record = lake_reader(config).newest_record(shape_config, config.consumer.group)
         return record is not None and record.complete(backfill_id)

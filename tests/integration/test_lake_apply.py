@@ -49,7 +49,7 @@ def spark(warehouse):
     ice = iceberg.spark_settings(IcebergConfig(warehouse=str(warehouse), name=CATALOG))
     settings = {**delta.SPARK_SETTINGS, **ice,
                 "spark.sql.extensions": f"{delta.SPARK_SETTINGS['spark.sql.extensions']},{iceberg.EXTENSIONS}"}
-    session = spark_session("local[2]", target_settings=settings)
+    session = spark_session("local[2]", target_settings=settings, jvm_applies=True)
     yield session
     session.stop()
 

@@ -88,9 +88,10 @@ def test_good_config_defaults():
 
 def test_the_target_is_named_or_implied_by_target_dsn():
     assert parse_config(GOOD).consumer.target_kind is None
-    assert parse_config(with_("consumer.target_dsn", "postgresql://w/x")).consumer.target_kind == "postgresql"
+    pg = parse_config(with_("consumer.target_dsn", "postgresql://w/x")).consumer
+    assert pg.target_kind == "postgresql" and not pg.is_lakehouse
     lake = parse_config(with_("consumer", {"target": "delta", "target_path": "/lake"})).consumer
-    assert lake.target_kind == "delta" and lake.has_target and lake.target_path == "/lake"
+    assert lake.target_kind == "delta" and lake.has_target and lake.target_path == "/lake" and lake.is_lakehouse
 
 
 def test_errors_never_show_secrets():

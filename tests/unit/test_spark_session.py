@@ -17,7 +17,7 @@ from spark_consumer import session
 # What only spark-submit and spark-defaults.conf may decide on a cluster.
 CLUSTER_OWNED = ("spark.master", "spark.driver.host", "spark.driver.bindAddress", "spark.ui.enabled",
                  "spark.ui.showConsoleProgress", "spark.sql.shuffle.partitions", "spark.driver.defaultJavaOptions",
-                 "spark.executor.memory", "spark.pyspark.python")
+                 "spark.executor.memory", "spark.pyspark.python", *session.LOCAL_SMALL_QUERIES)
 
 
 def test_own_driver_keeps_the_local_defaults_and_starts_quiet():
@@ -27,7 +27,13 @@ def test_own_driver_keeps_the_local_defaults_and_starts_quiet():
     assert settings["spark.sql.shuffle.partitions"] == "2"
     assert settings["spark.sql.session.timeZone"] == "UTC"
     assert settings["spark.driver.defaultJavaOptions"] == (
-        "-XX:TieredStopAtLevel=1 -Dlog4j2.configurationFile=file:///x/log4j2-quiet.properties")
+        "-XX:TieredStopAtLevel=1 -XX:+UseParallelGC -Dlog4j2.configurationFile=file:///x/log4j2-quiet.properties")
+    assert settings["spark.sql.codegen.wholeStage"] == "false" and settings["spark.broadcast.blockSize"] == "256k"
+
+
+def test_a_driver_whose_target_applies_in_the_jvm_keeps_the_full_jit():
+    java = session.own_driver_settings("local[2]", None, jvm_applies=True)["spark.driver.defaultJavaOptions"]
+    assert java == session.DRIVER_JAVA_OPTIONS and session.C1_ONLY not in java
 
 
 def test_own_driver_without_quieting_leaves_spark_logging_alone():
