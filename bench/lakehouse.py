@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import shutil
 import sys
 import tempfile
@@ -38,13 +37,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pyspark.sql import SparkSession  # noqa: E402
-
 from schemas.config import IcebergConfig  # noqa: E402
-from schemas.jvm import jvm_jars  # noqa: E402
 from spark_consumer.apply_plan import plan_batch  # noqa: E402
 from spark_consumer.batch import Part  # noqa: E402
-from spark_consumer.session import own_driver_settings  # noqa: E402
+from spark_consumer.session import spark_session  # noqa: E402
 from spark_consumer.targets import iceberg  # noqa: E402
 from spark_consumer.targets.base import ShapeBatch  # noqa: E402
 from spark_consumer.targets.delta import SNAPSHOT_PARTITIONS, SPARK_SETTINGS, DeltaTarget  # noqa: E402
@@ -139,17 +135,11 @@ def main() -> None:
     ap.add_argument("--formats", default="delta,iceberg")
     ap.add_argument("--repeats", type=int, default=2, help="alternations of the three; the fastest run of each counts")
     args = ap.parse_args()
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    # The session a local consumer gets (spark_consumer.session), both formats' settings added.
-    builder = SparkSession.builder.master("local[2]")
     work = tempfile.mkdtemp(prefix="wb-lakehouse-")
-    settings = {**own_driver_settings("local[2]", None, [str(j) for j in jvm_jars("spark")], jvm_applies=True),
-                **SPARK_SETTINGS, **iceberg.spark_settings(IcebergConfig(warehouse=f"{work}/warehouse",
-                                                                          name=CATALOG)),
-                "spark.sql.extensions": f"{SPARK_SETTINGS['spark.sql.extensions']},{iceberg.EXTENSIONS}"}
-    for k, v in settings.items():
-        builder = builder.config(k, v)
-    spark = builder.getOrCreate()
+    # The session a local consumer of a lakehouse target gets, with both formats' settings.
+    spark = spark_session("local[2]", target_settings={
+        **SPARK_SETTINGS, **iceberg.spark_settings(IcebergConfig(warehouse=f"{work}/warehouse", name=CATALOG)),
+        "spark.sql.extensions": f"{SPARK_SETTINGS['spark.sql.extensions']},{iceberg.EXTENSIONS}"}, jvm_applies=True)
     spark.sparkContext.setLogLevel("ERROR")
     # The reference gets the Delta setting the target gives its own session.
     spark.conf.set(SNAPSHOT_PARTITIONS, str(spark.sparkContext.defaultParallelism))
