@@ -22,9 +22,10 @@ Apache Kafka broker (4 partitions):
 - ``insert_again_visible_s``: the median of ``--inserts`` more such
   transactions, 2 s apart (tables known; where a 1 s trigger falls varies).
 - ``--master``: the consumer's master (default ``local[*]``, as ``walbridge
-  up``). Every count runs in this one process and its one Spark JVM, whose
-  Kafka consumer pool keeps the size the first count's topic-partitions gave
-  it: run a large count alone to measure it as a user would.
+  up``). With more than one count, each runs in a process of its own, so
+  each gets the Spark JVM a user's consumer of that many shapes starts with
+  (its Kafka consumer pool sized for its topic-partitions when the JVM
+  starts, and no JIT warmed by another count).
 - ``--verbose``: the consumer's log (a line per micro-batch, with its read
   and apply times) on stderr.
 Results go to bench/out/shapes.json and are printed; ratios against the
@@ -179,6 +180,16 @@ def run_one(n: int, rows: int, settle: float, idle: float, inserts: int, master:
     return out
 
 
+def run_alone(n: int, args: argparse.Namespace) -> dict:
+    """One count's figures from a run of this bench in a process of its own."""
+    with tempfile.TemporaryDirectory(prefix="wb-bench-shapes-") as tmp:
+        out = Path(tmp) / "shapes.json"
+        subprocess.run([sys.executable, __file__, "--counts", str(n), "--rows", str(args.rows), "--settle",
+                        str(args.settle), "--idle", str(args.idle), "--inserts", str(args.inserts), "--master",
+                        args.master, "--out", str(out), *(["--verbose"] if args.verbose else [])], check=True)
+        return json.loads(out.read_text())[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--counts", default="5,50,200")
@@ -193,7 +204,11 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     if args.verbose:
         logging.getLogger("walbridge.consumer").setLevel(logging.INFO)
-    results = [run_one(n, args.rows, args.settle, args.idle, args.inserts, args.master) for n in map(int, args.counts.split(","))]
+    counts = [int(n) for n in args.counts.split(",")]
+    if len(counts) == 1:
+        results = [run_one(counts[0], args.rows, args.settle, args.idle, args.inserts, args.master)]
+    else:
+        results = [run_alone(n, args) for n in counts]
     ref = next((r for r in results if r["shapes"] == 5), None)
     for r in results:
         if ref is not None:
