@@ -41,11 +41,11 @@ from schemas.config import IcebergConfig  # noqa: E402
 from spark_consumer.apply_plan import plan_batch  # noqa: E402
 from spark_consumer.batch import Part  # noqa: E402
 from spark_consumer.session import spark_session  # noqa: E402
-from spark_consumer.targets import iceberg  # noqa: E402
 from spark_consumer.targets.base import ShapeBatch  # noqa: E402
-from spark_consumer.targets.delta import SNAPSHOT_PARTITIONS, SPARK_SETTINGS, DeltaTarget  # noqa: E402
+from spark_consumer.targets.delta import SNAPSHOT_PARTITIONS, DeltaTarget  # noqa: E402
 from spark_consumer.targets.iceberg import IcebergTarget  # noqa: E402
 from spark_consumer.targets.merge_sql import BOOKKEEPING, ddl_columns, shape_fields, stage_table, table_merge  # noqa: E402
+from tests.helpers import both_lake_formats  # noqa: E402
 from tests.unit.test_apply_plan import as_tuples, keyed_target, row  # noqa: E402
 
 TOPIC = "wb.public.items"
@@ -124,7 +124,8 @@ def run_plain(spark, fmt: str, work: str, target, tables) -> float:
 
 def run_statement(spark, fmt: str, work: str, target, stages) -> float:
     table = fresh_table(spark, fmt, work, "statement", shape_fields(target) + list(BOOKKEEPING))
-    return run_merges(spark, table, stages, table_merge(target, table, None, "stage", []))
+    return run_merges(spark, table, stages, table_merge(target, table, None, "stage", [],
+                                                        stage_columns=stages[0].column_names))
 
 
 def main() -> None:
@@ -137,17 +138,16 @@ def main() -> None:
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="wb-lakehouse-")
     # The session a local consumer of a lakehouse target gets, with both formats' settings.
-    spark = spark_session("local[2]", target_settings={
-        **SPARK_SETTINGS, **iceberg.spark_settings(IcebergConfig(warehouse=f"{work}/warehouse", name=CATALOG)),
-        "spark.sql.extensions": f"{SPARK_SETTINGS['spark.sql.extensions']},{iceberg.EXTENSIONS}"}, jvm_applies=True)
+    spark = spark_session("local[2]", target_settings=both_lake_formats(f"{work}/warehouse", CATALOG), jvm_applies=True)
     spark.sparkContext.setLogLevel("ERROR")
     # The reference gets the Delta setting the target gives its own session.
     spark.conf.set(SNAPSHOT_PARTITIONS, str(spark.sparkContext.defaultParallelism))
     target, data = batches(args.keys, args.rounds, args.batch)
     rows = sum(len(r) for _, r in data)
     # The inputs made before the clock starts: the walbridge stage as Arrow (the
-    # statement's), and the same less the bookkeeping, one row per key (the reference's).
-    stages = [stage_table(target, plan_batch(target, r, fields=f)) for f, r in data]
+    # statement's; lean, as the target makes it for these tombstone-free
+    # batches), and the same less the bookkeeping, one row per key (the reference's).
+    stages = [stage_table(target, plan_batch(target, r, fields=f), lean=True) for f, r in data]
     tables = [stage.select(list(target.names)) for stage in stages]
     # As a consumer does once started (spark_consumer.supervisor.run): what
     # lives for the whole run, here with every batch's rows (a consumer holds

@@ -17,9 +17,10 @@ from typing import Any, Callable
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from schemas import wire
-from schemas.config import Config, parse_config
+from schemas.config import Config, IcebergConfig, parse_config
 from schemas.reader import SchemaResolver
 from spark_consumer.supervisor import run
+from spark_consumer.targets import delta, iceberg
 from walbridge.runtime import producer_service
 
 LOG_TAIL_LINES = 120  # of a process's log printed when its test fails
@@ -35,6 +36,14 @@ def make_config(source_dsn: str, bootstrap: str, prefix: str, shapes: list[dict]
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
     return data
+
+
+def both_lake_formats(warehouse: str, catalog: str) -> dict[str, str]:
+    """The Spark settings of Delta and of an Iceberg Hadoop catalog ``catalog``
+    on ``warehouse``, in one session (a consumer has one target; the lake
+    tests and bench run both)."""
+    return {**delta.SPARK_SETTINGS, **iceberg.spark_settings(IcebergConfig(warehouse=warehouse, name=catalog)),
+            "spark.sql.extensions": f"{delta.SPARK_SETTINGS['spark.sql.extensions']},{iceberg.EXTENSIONS}"}
 
 
 def write_toml(data: dict, path: Path) -> Path:

@@ -400,7 +400,8 @@ class LakeTarget:
         if target.keyless:
             applied_counts = self._merge_keyless(target, plan, cuts, collected, new_record.to_json(group))
         else:
-            self._merge(target, plan, cuts, collected, new_record.to_json(group))
+            self._merge(target, plan, cuts, collected, new_record.to_json(group),
+                        deletes=any(c[DELETE] for c in staged.values()))
             applied_counts = {"upserted": Counter({p: c[UPSERT] for p, c in staged.items()}),
                               "tombstoned": Counter({p: c[DELETE] for p, c in staged.items()})}
         fill_results(result.parts, b.topic, staged, applied_counts)
@@ -426,21 +427,25 @@ class LakeTarget:
                         "(walbridge reconcile against this target backfills the whole shape)", target.shape,
                         ", ".join(ids), self.format_name)
 
-    def _merge(self, target: ShapeTarget, plan: ApplyPlan, cuts: Cuts, collected: Sequence[int], metadata: str
-               ) -> None:
-        """Steps 2 and 3 of the module docstring."""
+    def _merge(self, target: ShapeTarget, plan: ApplyPlan, cuts: Cuts, collected: Sequence[int], metadata: str,
+               deletes: bool) -> None:
+        """Steps 2 and 3 of the module docstring; ``deletes``: the plan has some."""
         keep = kept_columns(plan)
-        self.spark.createDataFrame(stage_table(target, plan)).createOrReplaceTempView(STAGE_VIEW)
         tomb = self.tombstones_ref(target)
-        if any(t[len(target.columns)] == DELETE for t in plan.stage_rows):
+        if deletes:
             self._has_tombstones.add(tomb)
-        if tomb in self._has_tombstones:
+        tombstones = tomb if tomb in self._has_tombstones else None
+        # Without tombstones the table's MERGE is the one statement: its stage
+        # goes lean (each column is width the JVM copies and joins).
+        stage = stage_table(target, plan, lean=tombstones is None)
+        self.spark.createDataFrame(stage).createOrReplaceTempView(STAGE_VIEW)
+        if tombstones is not None:
             self.spark.sql(tombstones_merge(target, tomb, STAGE_VIEW, cuts, collected)).collect()
             self._unkempt.add(tomb)
         table = self.table_ref(target)
         with self._carrying(metadata):
-            self.spark.sql(table_merge(target, table, tomb if tomb in self._has_tombstones else None,
-                                       STAGE_VIEW, keep, cuts, collected)).collect()
+            self.spark.sql(table_merge(target, table, tombstones, STAGE_VIEW, keep, cuts, collected,
+                                       stage.column_names)).collect()
         if plan.stage_rows or cuts or collected:
             self._unkempt.add(table)
 

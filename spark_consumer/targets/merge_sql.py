@@ -12,6 +12,10 @@ Invariants:
   :data:`BOOKKEEPING`, in :data:`spark_consumer.apply_plan.STAGE_EXTRA`'s order,
   less the keep column when no row keeps a column (:func:`kept_columns`
   empty: no statement reads it, and each column is width the JVM copies).
+  A *lean* stage, for a keyed batch whose one statement is the table's MERGE
+  (no tombstones), also lacks the kind when every row is an upsert and the
+  snapshot id when no row has one; :func:`table_merge` reads only what the
+  stage has (a streamed row ranks as streamed, its snapshot id NULL).
 - Every MERGE a batch runs joins on equalities (key, or position and offset)
   so that Spark plans a hash join, never a nested loop over the table.
 """
@@ -19,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Mapping, Sequence
 
 import pyarrow as pa
@@ -104,39 +109,53 @@ def gc_condition(cuts: Cuts | None, collected: Sequence[int], a: str) -> str | N
 
 
 def table_merge(target: ShapeTarget, table: str, tombstones: str | None, stage: str, keep: Sequence[str],
-                cuts: Cuts | None = None, collected: Sequence[int] = ()) -> str:
+                cuts: Cuts | None = None, collected: Sequence[int] = (),
+                stage_columns: Sequence[str] | None = None) -> str:
     """The MERGE of a staged plan into the shape's table (module docstring,
     step 3); ``collected``: the start LSNs of the backfills the batch
-    completes; ``tombstones``: None when the shape has none (no anti-join)."""
+    completes; ``tombstones``: None when the shape has none (no anti-join);
+    ``stage_columns``: a lean stage's columns (:func:`stage_table`; None:
+    every column), what the statement reads of it."""
+    kinds = stage_columns is None or wire.KIND_COLUMN in stage_columns
+    snapshots = stage_columns is None or wire.SNAPSHOT_ID_COLUMN in stage_columns
+    if tombstones is not None and not (kinds and snapshots):
+        raise ValueError("the anti-join against a shape's tombstones reads the whole stage, not a lean one")
     gc = gc_condition(cuts, collected, "t")
-    t_rank, s_rank = rank("t"), rank("s")
+    t_rank, s_rank = rank("t"), rank("s", changes_only=not snapshots)
     cols = [quote(c) for c in target.names] + [quote(f.name) for f in BOOKKEEPING]
+    values = [f"s.{quote(c)}" for c in target.names] + [
+        f"s.{quote(f.name)}" if snapshots or f.name != wire.SNAPSHOT_ID_COLUMN else "CAST(NULL AS STRING)"
+        for f in BOOKKEEPING]
     sets = []
-    for c in target.names:
+    for c, value in zip(target.names, values):
         if c in target.key_columns:
             continue
-        value = f"s.{quote(c)}"
         if c in keep:
             value = f"CASE WHEN array_contains(s.{wire.KEEP_COLUMN}, {literal(c)}) THEN t.{quote(c)} ELSE {value} END"
         sets.append(f"{quote(c)} = {value}")
-    sets += [f"{quote(f.name)} = s.{quote(f.name)}" for f in BOOKKEEPING]
+    sets += [f"{c} = {v}" for c, v in zip(cols[len(target.names):], values[len(target.names):])]
     source = stage if tombstones is None else (
         f"(SELECT * FROM {stage} s WHERE s.{wire.KIND_COLUMN} = '{DELETE}' OR NOT EXISTS ("
         f"SELECT 1 FROM {tombstones} d WHERE {key_eq(target, 'd', 's')} "
         f"AND {rank('d', True)} >= {s_rank}))")
-    sql = [f"MERGE INTO {table} t USING {source} s ON {key_eq(target, 't', 's')}",
-           f"WHEN MATCHED AND s.{wire.KIND_COLUMN} = '{DELETE}' AND {t_rank} < {s_rank} THEN DELETE",
-           f"WHEN MATCHED AND s.{wire.KIND_COLUMN} = '{UPSERT}' AND {t_rank} < {s_rank} THEN UPDATE SET "
-           + ", ".join(sets)]
-    return "\n".join(sql + inserts_and_gc(UPSERT, cols, gc))
+    upsert = f"s.{wire.KIND_COLUMN} = '{UPSERT}' AND " if kinds else ""
+    sql = [f"MERGE INTO {table} t USING {source} s ON {key_eq(target, 't', 's')}"]
+    if kinds:
+        sql.append(f"WHEN MATCHED AND s.{wire.KIND_COLUMN} = '{DELETE}' AND {t_rank} < {s_rank} THEN DELETE")
+    sql.append(f"WHEN MATCHED AND {upsert}{t_rank} < {s_rank} THEN UPDATE SET " + ", ".join(sets))
+    return "\n".join(sql + inserts_and_gc(UPSERT if kinds else None, cols, gc, values=values))
 
 
-def inserts_and_gc(kind: str, cols: Sequence[str], gc: str | None, gc_matched: bool = True) -> list[str]:
-    """A MERGE's last clauses: rows of ``kind`` no table row matched are
-    inserted; the rows ``gc`` names go (matched ones too, with ``gc_matched``)."""
+def inserts_and_gc(kind: str | None, cols: Sequence[str], gc: str | None, gc_matched: bool = True,
+                   values: Sequence[str] | None = None) -> list[str]:
+    """A MERGE's last clauses: rows of ``kind`` (None: every row) no table
+    row matched are inserted (``values``: what goes in ``cols``, by default
+    the source's same columns); the rows ``gc`` names go (matched ones too,
+    with ``gc_matched``)."""
     clauses = [f"WHEN MATCHED AND ({gc}) THEN DELETE"] if gc and gc_matched else []
-    clauses.append(f"WHEN NOT MATCHED AND s.{wire.KIND_COLUMN} = '{kind}' THEN INSERT ({', '.join(cols)}) "
-                   f"VALUES ({', '.join('s.' + c for c in cols)})")
+    when = f"WHEN NOT MATCHED AND s.{wire.KIND_COLUMN} = '{kind}'" if kind is not None else "WHEN NOT MATCHED"
+    clauses.append(f"{when} THEN INSERT ({', '.join(cols)}) "
+                   f"VALUES ({', '.join(values or ['s.' + c for c in cols])})")
     if gc:
         clauses.append(f"WHEN NOT MATCHED BY SOURCE AND ({gc}) THEN DELETE")
     return clauses
@@ -249,15 +268,28 @@ def kept_columns(plan: ApplyPlan) -> list[str]:
     return sorted({c for ks in plan.keep_sets for c in (ks or ())})
 
 
-def stage_table(target: ShapeTarget, plan: ApplyPlan) -> pa.Table:
+def stage_table(target: ShapeTarget, plan: ApplyPlan, lean: bool = False) -> pa.Table:
     """The plan's staged rows as Arrow in the stage's layout (shape columns,
     then :data:`STAGE_HEAD` and :data:`BOOKKEEPING`, the keep column only
-    when :func:`kept_columns` has some). A special value that the column's
-    Spark type cannot hold raises :class:`ShapeCannotFollow`."""
+    when :func:`kept_columns` has some). ``lean`` (a keyed batch whose one
+    statement is :func:`table_merge`, no tombstones): also without the kind
+    when every row is an upsert and without the snapshot id when no row has
+    one (a streamed batch). A special value that the column's Spark type
+    cannot hold raises :class:`ShapeCannotFollow`."""
     fields = shape_fields(target) + list(STAGE_HEAD + BOOKKEEPING)
-    columns = list(zip(*plan.stage_rows)) if plan.stage_rows else [() for _ in fields]
-    if not kept_columns(plan):
-        fields, columns = zip(*((f, v) for f, v in zip(fields, columns) if f.name != wire.KEEP_COLUMN))
+    rows = plan.stage_rows
+    # Column by column (one C loop each): zip(*rows) makes a tuple per column
+    # from 50,000 arguments, and is 3× slower once the collector runs.
+    columns = [list(map(itemgetter(i), rows)) for i in range(len(fields))]
+    drop = set() if kept_columns(plan) else {wire.KEEP_COLUMN}
+    if lean:
+        at = {f.name: i for i, f in enumerate(fields)}
+        if columns[at[wire.KIND_COLUMN]].count(UPSERT) == len(rows):
+            drop.add(wire.KIND_COLUMN)
+        if columns[at[wire.SNAPSHOT_ID_COLUMN]].count(None) == len(rows):
+            drop.add(wire.SNAPSHOT_ID_COLUMN)
+    if drop:
+        fields, columns = zip(*((f, v) for f, v in zip(fields, columns) if f.name not in drop))
     arrays = []
     for f, values in zip(fields, columns):
         arrow_type = to_arrow_type(f.dataType)

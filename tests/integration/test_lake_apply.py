@@ -33,6 +33,7 @@ from spark_consumer.targets import delta, iceberg, lake
 from spark_consumer.targets.base import ShapeBatch
 from spark_consumer.targets.delta import DeltaTarget
 from spark_consumer.targets.iceberg import IcebergTarget
+from tests.helpers import both_lake_formats
 from tests.unit.test_apply_plan import TOPIC, keyless_target, lrow
 
 GROUP = "g-keyless"
@@ -46,10 +47,7 @@ def warehouse(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def spark(warehouse):
-    ice = iceberg.spark_settings(IcebergConfig(warehouse=str(warehouse), name=CATALOG))
-    settings = {**delta.SPARK_SETTINGS, **ice,
-                "spark.sql.extensions": f"{delta.SPARK_SETTINGS['spark.sql.extensions']},{iceberg.EXTENSIONS}"}
-    session = spark_session("local[2]", target_settings=settings, jvm_applies=True)
+    session = spark_session("local[2]", target_settings=both_lake_formats(str(warehouse), CATALOG), jvm_applies=True)
     yield session
     session.stop()
 

@@ -99,6 +99,25 @@ def test_the_stage_is_typed_by_the_shapes_columns_then_the_bookkeeping():
     assert {r["id"]: r[wire.KEEP_COLUMN] for r in table.to_pylist()} == {3: ["body text"], 4: None}
 
 
+def test_a_lean_stage_drops_what_a_streamed_upsert_only_batch_does_not_need_and_the_merge_reads_only_that():
+    target = keyed_target()
+    streamed = plan_batch(target, [row("c", 10, off=0, id=1, body="a"), row("u", 11, off=1, id=2, body="b")])
+    lean = stage_table(target, streamed, lean=True)
+    assert lean.column_names == list(target.names) + [f.name for f in BOOKKEEPING if f.name != wire.SNAPSHOT_ID_COLUMN]
+    assert stage_table(target, streamed).column_names[4] == wire.KIND_COLUMN  # not lean: all of it
+    merge = table_merge(target, "t_ref", None, "stage", [], stage_columns=lean.column_names)
+    assert wire.KIND_COLUMN not in merge and f"s.{wire.SNAPSHOT_ID_COLUMN}" not in merge
+    assert "THEN DELETE" not in merge and "'s', true) THEN UPDATE" in merge
+    assert merge.count("CAST(NULL AS STRING)") == 2  # the snapshot id updated and inserted as NULL
+    # A delete keeps the kind, a snapshot row its id: each column goes only where no row needs it.
+    mixed = plan_batch(target, [row("d", 12, off=2, id=3), row("r", 9, off=3, id=4, snap="s1")])
+    assert stage_table(target, mixed, lean=True).column_names == stage_table(target, mixed).column_names
+    full = table_merge(target, "t_ref", None, "stage", [], stage_columns=stage_table(target, mixed).column_names)
+    assert full == table_merge(target, "t_ref", None, "stage", [])
+    with pytest.raises(ValueError, match="whole stage"):
+        table_merge(target, "t_ref", "tomb_ref", "stage", [], stage_columns=lean.column_names)
+
+
 def test_special_values_become_floats_or_hold_the_shape():
     target = keyed_target()
     plan = plan_batch(target, [row("c", 10, off=0, id=1, special={"d": "infinity"})])
