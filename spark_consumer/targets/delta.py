@@ -84,11 +84,11 @@ class DeltaTarget(LakeTarget):
         super().__init__(spark, root, on_dropped_column, upkeep, clock)
         # Delta rebuilds a table's state from its log in 50 tasks by default:
         # most of a small MERGE's time on a few cores. As many as Spark has.
-        self.spark.conf.set(SNAPSHOT_PARTITIONS, str(spark.sparkContext.defaultParallelism))
+        self.set_conf(SNAPSHOT_PARTITIONS, str(spark.sparkContext.defaultParallelism))
         # A MERGE that changes no row must still commit: its commit carries the progress.
-        self.spark.conf.set(SKIP_EMPTY_COMMITS, "false")
+        self.set_conf(SKIP_EMPTY_COMMITS, "false")
         if upkeep.retain_hours < DELTA_MIN_RETAIN_HOURS:  # asked for: Delta refuses it otherwise
-            self.spark.conf.set(RETENTION_CHECK, "false")
+            self.set_conf(RETENTION_CHECK, "false")
         self.root = root.rstrip("/")
 
     def table_path(self, target: ShapeTarget) -> str:

@@ -22,6 +22,9 @@ Invariants:
   session property does not reach procedures): an empty MERGE then commits
   it again, so the newest snapshot always carries it, and expiring old
   snapshots (``expire_snapshots``, keeping the newest) never loses it.
+- The target's sessions (one per apply thread) write the same tables in
+  turn, so their catalogs cache no table metadata: each statement reads the
+  table's current metadata, never a version another session has replaced.
 - A keyless shape's pending removals roll back with ``rollback_to_snapshot``
   to the parent of the first snapshot ahead of the table (or are emptied,
   when that snapshot was their first).
@@ -88,6 +91,9 @@ class IcebergTarget(LakeTarget):
                          on_dropped_column, upkeep, clock)
         self.catalog, self.namespace = cfg.name, cfg.namespace
         self._namespaces_made = False
+        # Each session's catalog would cache a table's metadata, and the
+        # target's sessions write the same tables (module docstring).
+        self.set_conf(f"spark.sql.catalog.{cfg.name}.cache-enabled", "false")
 
     def table_ref(self, target: ShapeTarget) -> str:
         return f"{self.catalog}.{self.namespace}.{quote(target.shape)}"

@@ -27,12 +27,22 @@ every removal with the rank of what it took, and one MERGE into the table
 that appends (a streamed append once per position) and deletes the taken
 rows by their bookkeeping.
 
+Shapes side by side: a micro-batch's shapes are applied by up to
+:data:`SHAPES_AT_ONCE` threads, each with a Spark session of its own (a
+commit's record rides in a session setting, the stage in a session's temp
+view). A ``MERGE`` of a few rows costs seconds of driver work and small
+Spark jobs, so one shape's waits overlap another's work. A shape's table and
+record are its own, so shapes commit independently, as they did one after
+the other; the batch returns (and its offsets may be committed) only when
+every shape has. A single shape is applied on the calling thread.
+
 Upkeep: every ``compact_interval`` seconds each followed table written
 since its last compaction is compacted (the first time after a start, every
 table: an earlier run may have written it); every ``vacuum_interval``
 seconds what no version of the last ``retain_hours`` needs is removed. Both
-run on the apply thread after a batch: the consumer is the tables' only
-writer, so upkeep never conflicts with a MERGE, and the stream goes on.
+run on the calling thread once every shape of a batch has returned: the
+consumer is the tables' only writer, so upkeep never conflicts with a
+MERGE, and the stream goes on.
 
 Invariants:
 - Every MERGE into a shape's table commits, even one that changes no row,
@@ -63,8 +73,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -126,6 +138,7 @@ log = logging.getLogger("walbridge.consumer")
 KEY_PROPERTY = "walbridge.key"  # table property: the shape's key columns (a JSON list) when the table was made
 HISTORY_LOOKBACK = 100  # commits read back for the progress before the whole history
 STAGE_VIEW, PENDING_VIEW = "walbridge_stage", "walbridge_pending"
+SHAPES_AT_ONCE = 4  # shapes of a micro-batch applied side by side
 
 
 @dataclass(frozen=True)
@@ -148,8 +161,12 @@ class LakeTarget:
 
     def __init__(self, spark: SparkSession, address: str, on_dropped_column: str = "keep",
                  upkeep: Upkeep = Upkeep(), clock: Callable[[], float] = time.monotonic):
-        # A session of its own: the commit metadata it sets is seen by its statements only.
-        self.spark = spark.newSession()
+        # Sessions of its own: the commit metadata a session sets is seen by its statements only.
+        self._main = spark.newSession()
+        self._settings: dict[str, str] = {}  # what every session of the target has (set_conf)
+        self._sessions: list[SparkSession] = []  # the apply threads' sessions
+        self._local = threading.local()  # .spark: the calling apply thread's session
+        self._pool: ThreadPoolExecutor | None = None
         self.address = address
         self.on_dropped_column = on_dropped_column
         self.upkeep, self.clock = upkeep, clock
@@ -204,6 +221,25 @@ class LakeTarget:
         raise NotImplementedError
 
     # -- shared
+    @property
+    def spark(self) -> SparkSession:
+        """The session of the calling thread: its own in an apply thread, else the target's."""
+        return getattr(self._local, "spark", None) or self._main
+
+    def set_conf(self, key: str, value: str) -> None:
+        """Set ``key`` in every session the target applies in."""
+        self._settings[key] = value
+        for session in (self._main, *self._sessions):
+            session.conf.set(key, value)
+
+    def _thread_session(self) -> None:
+        """Give the calling apply thread a session of its own."""
+        session = self._main.newSession()
+        for key, value in self._settings.items():
+            session.conf.set(key, value)
+        self._sessions.append(session)
+        self._local.spark = session
+
     def follow(self, topic: str, target: ShapeTarget) -> None:
         """Create the shape's table and tombstones, or make them follow a new
         writer schema (:func:`~spark_consumer.targets.merge_sql.follow_changes`);
@@ -334,16 +370,35 @@ class LakeTarget:
 
     def apply(self, group: str, batches: Sequence[ShapeBatch], *, on_offset_reset: str,
               hold: Callable[[str, str], None]) -> BatchResult:
-        result = BatchResult()
-        for b in batches:
+        """Apply each shape's batch, up to :data:`SHAPES_AT_ONCE` side by side
+        (module docstring); when all have returned, hold the shapes that
+        cannot follow and raise the first error of another kind."""
+        def one(b: ShapeBatch) -> tuple[BatchResult, str | None]:
+            res = BatchResult()
             try:
                 if b.follow:
                     self.follow(b.topic, b.target)
-                self._apply_shape(group, b, result, on_offset_reset)
+                self._apply_shape(group, b, res, on_offset_reset)
             except ShapeCannotFollow as e:
-                hold(b.topic, str(e))
-                for part in b.parts:
-                    result.parts.pop(part.tp, None)
+                return res, str(e)
+            return res, None
+
+        if len(batches) <= 1:
+            outcomes = [one(b) for b in batches]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(SHAPES_AT_ONCE, "walbridge-lake", self._thread_session)
+            futures = [self._pool.submit(one, b) for b in batches]
+            wait(futures)  # none still running when an error goes up
+            outcomes = [f.result() for f in futures]
+        result = BatchResult()
+        for b, (res, held) in zip(batches, outcomes):
+            if held is not None:  # its rows left out, its progress as it was
+                hold(b.topic, held)
+                continue
+            result.parts.update(res.parts)
+            result.controls.extend(res.controls)
+            result.backfills_completed.extend(res.backfills_completed)
         self._keep_up()
         return result
 
@@ -523,7 +578,9 @@ class LakeTarget:
         return out
 
     def close(self) -> None:
-        pass
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 @contextmanager

@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import math
 import struct
+import threading
 from decimal import Decimal
 
 import pytest
@@ -28,12 +29,15 @@ from producer.pgtypes import PgTypeInfo, column_codec
 from schemas import wire
 from schemas.config import IcebergConfig
 from spark_consumer.apply_plan import make_cut, plan_batch
+from spark_consumer.batch import PartResult
 from spark_consumer.lake_progress import LakeProgress, backfill_ends_applied
 from spark_consumer.progress import Progress
 from spark_consumer.shape_record import ShapeTarget
 from spark_consumer.target_layout import ShapeCannotFollow
+from spark_consumer.targets.base import ShapeBatch
 from spark_consumer.targets.delta import needs_mapping
 from spark_consumer.targets.iceberg import spark_settings as iceberg_settings
+from spark_consumer.targets.lake import SHAPES_AT_ONCE, LakeTarget
 from spark_consumer.targets.merge_sql import (
     BOOKKEEPING,
     STAGE_HEAD,
@@ -263,3 +267,72 @@ def test_keyless_pairing_reads_equal_rows_by_content_and_keeps_what_each_removal
     assert ("WHEN MATCHED AND s._wb_kind = 'm' THEN UPDATE SET `_wb_took_lsn` = s.`_wb_took_lsn`, "
             "`_wb_took_op_index` = s.`_wb_took_op_index`, `_wb_took_streamed` = s.`_wb_took_streamed`") in merge
     assert "`_wb_offset`, `_wb_took_lsn`, `_wb_took_op_index`, `_wb_took_streamed`) VALUES" in merge
+
+
+class _Conf:
+    def __init__(self):
+        self.values = {}
+
+    def set(self, key, value):
+        self.values[key] = value
+
+
+class _Session:
+    """What a lake target asks of its Spark session here: new sessions, settings."""
+
+    def __init__(self):
+        self.conf = _Conf()
+
+    def newSession(self):
+        return _Session()
+
+
+class _Shapes(LakeTarget):
+    """A lake target whose shapes wait for each other at a barrier: their
+    apply returns only if they run side by side."""
+
+    def __init__(self, side_by_side: int):
+        super().__init__(_Session(), "fake")
+        self.set_conf("walbridge.test", "on")
+        self.barrier = threading.Barrier(side_by_side, timeout=30)
+        self.sessions = {}
+
+    def _apply_shape(self, group, b, result, on_offset_reset):
+        self.sessions[b.topic] = self.spark
+        if b.topic.startswith("held"):
+            raise ShapeCannotFollow(f"{b.topic} cannot follow")
+        self.barrier.wait()
+        if b.topic.startswith("bad"):
+            raise RuntimeError(f"{b.topic} failed")
+        result.parts[(b.topic, 0)] = PartResult(b.topic, 0, 0, 1, rows=1)
+
+    def _keep_up(self):
+        pass
+
+
+def test_a_batchs_shapes_are_applied_side_by_side_each_in_a_session_of_its_own_and_a_held_one_is_left_out():
+    assert SHAPES_AT_ONCE >= 3
+    lake = _Shapes(side_by_side=2)
+    held = []
+    batches = [ShapeBatch(topic, keyed_target(), []) for topic in ("a", "held", "b")]
+    result = lake.apply("g", batches, on_offset_reset="raise", hold=lambda topic, why: held.append((topic, why)))
+    assert sorted(result.parts) == [("a", 0), ("b", 0)] and held == [("held", "held cannot follow")]
+    sessions = [lake.sessions[t] for t in ("a", "held", "b")]
+    # a and b met at the barrier: two threads at once, two sessions (a thread keeps its session).
+    assert sessions[0] is not sessions[2] and all(s is not lake._main for s in sessions)
+    assert all(s.conf.values["walbridge.test"] == "on" for s in sessions)  # each has the target's settings
+    assert lake.spark is lake._main  # the calling thread keeps the target's session
+    # One shape: on the calling thread, in the target's session.
+    lake.barrier = threading.Barrier(1)
+    assert list(lake.apply("g", batches[:1], on_offset_reset="raise", hold=None).parts) == [("a", 0)]
+    assert lake.sessions["a"] is lake._main
+    lake.close()
+
+
+def test_a_shapes_error_goes_up_only_when_every_shape_of_the_batch_has_returned():
+    lake = _Shapes(side_by_side=3)
+    batches = [ShapeBatch(topic, keyed_target(), []) for topic in ("bad", "a", "b")]
+    with pytest.raises(RuntimeError, match="bad failed"):
+        lake.apply("g", batches, on_offset_reset="raise", hold=None)
+    assert set(lake.sessions) == {"bad", "a", "b"} and lake.barrier.n_waiting == 0  # the others ran to the end
+    lake.close()
