@@ -180,13 +180,12 @@ def run_one(n: int, rows: int, settle: float, idle: float, inserts: int, master:
     return out
 
 
-def run_alone(n: int, args: argparse.Namespace) -> dict:
-    """One count's figures from a run of this bench in a process of its own."""
+def run_alone(n: int, argv: list[str]) -> dict:
+    """One count's figures from a run of this bench in a process of its own,
+    with this run's options (``argv``); the count and output given last win."""
     with tempfile.TemporaryDirectory(prefix="wb-bench-shapes-") as tmp:
         out = Path(tmp) / "shapes.json"
-        subprocess.run([sys.executable, __file__, "--counts", str(n), "--rows", str(args.rows), "--settle",
-                        str(args.settle), "--idle", str(args.idle), "--inserts", str(args.inserts), "--master",
-                        args.master, "--out", str(out), *(["--verbose"] if args.verbose else [])], check=True)
+        subprocess.run([sys.executable, __file__, *argv, "--counts", str(n), "--out", str(out)], check=True)
         return json.loads(out.read_text())[0]
 
 
@@ -208,7 +207,7 @@ def main() -> None:
     if len(counts) == 1:
         results = [run_one(counts[0], args.rows, args.settle, args.idle, args.inserts, args.master)]
     else:
-        results = [run_alone(n, args) for n in counts]
+        results = [run_alone(n, sys.argv[1:]) for n in counts]
     ref = next((r for r in results if r["shapes"] == 5), None)
     for r in results:
         if ref is not None:
