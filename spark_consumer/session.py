@@ -11,8 +11,8 @@ spark-submit for the Python driver it launches):
   mode (one machine), a loopback driver, no UI unless asked for
   (``walbridge up`` shows its address), few shuffle partitions, a driver JVM
   tuned for many small queries (:data:`DRIVER_JAVA_OPTIONS`,
-  :data:`LOCAL_SMALL_QUERIES`; :data:`C1_ONLY` unless the target applies in
-  the JVM), task retries (:func:`local_master`) and a Kafka consumer pool that
+  :data:`LOCAL_SMALL_QUERIES`; :data:`C1_ONLY` and
+  :data:`INTERPRETED_PROJECTIONS` unless the target applies in the JVM), task retries (:func:`local_master`) and a Kafka consumer pool that
   holds a consumer for every topic-partition the query reads
   (:func:`consumer_pool_size`).
 - **spark-submit started it** (:mod:`walbridge.spark_submit`, on a cluster or
@@ -66,6 +66,13 @@ C1_ONLY = "-XX:TieredStopAtLevel=1"
 # and Iceberg's own): compiling each new plan whole costs more than it saves,
 # and task binaries broadcast in small blocks are ordinary allocations.
 LOCAL_SMALL_QUERIES = {"spark.sql.codegen.wholeStage": "false", "spark.broadcast.blockSize": "256k"}
+# ...and, with C1_ONLY, rows converted by interpreted projections: Spark's Kafka
+# source builds a new projection for every topic-partition of every batch, and
+# generating its Java source again each time (the compiled class is cached) is
+# most of a partition's read (bench/RESULTS.md: 200 shapes' batch read halved).
+# Spark calls the setting internal; its interpreted path is the one Spark falls
+# back to, and the one its own tests run beside the generated one.
+INTERPRETED_PROJECTIONS = {"spark.sql.codegen.factoryMode": "NO_CODEGEN"}
 QUIET_LOG4J = "log4j2-quiet.properties"  # in this package: warnings and errors, one line each
 SPARK_DEFAULT_LOG4J = "org/apache/spark/log4j2-defaults.properties"  # Spark's built-in profile
 _LOG4J_FILES = ("log4j2.properties", "log4j2.xml", "log4j2.yaml", "log4j2.yml", "log4j2.json")
@@ -133,6 +140,7 @@ def own_driver_settings(master: str, quiet_log4j_uri: str | None, jars: list[str
             "spark.sql.shuffle.partitions": "2",
             CONSUMER_POOL: str(consumer_pool_size(topic_partitions)),
             **LOCAL_SMALL_QUERIES,
+            **({} if jvm_applies else INTERPRETED_PROJECTIONS),
         })
     return settings
 

@@ -17,7 +17,8 @@ from spark_consumer import session
 # What only spark-submit and spark-defaults.conf may decide on a cluster.
 CLUSTER_OWNED = ("spark.master", "spark.driver.host", "spark.driver.bindAddress", "spark.ui.enabled",
                  "spark.ui.showConsoleProgress", "spark.sql.shuffle.partitions", "spark.driver.defaultJavaOptions",
-                 "spark.executor.memory", "spark.pyspark.python", *session.LOCAL_SMALL_QUERIES)
+                 "spark.executor.memory", "spark.pyspark.python", *session.LOCAL_SMALL_QUERIES,
+                 *session.INTERPRETED_PROJECTIONS)
 
 
 def test_own_driver_keeps_the_local_defaults_and_starts_quiet():
@@ -29,11 +30,14 @@ def test_own_driver_keeps_the_local_defaults_and_starts_quiet():
     assert settings["spark.driver.defaultJavaOptions"] == (
         "-XX:TieredStopAtLevel=1 -XX:+UseParallelGC -Dlog4j2.configurationFile=file:///x/log4j2-quiet.properties")
     assert settings["spark.sql.codegen.wholeStage"] == "false" and settings["spark.broadcast.blockSize"] == "256k"
+    assert settings["spark.sql.codegen.factoryMode"] == "NO_CODEGEN"
 
 
 def test_a_driver_whose_target_applies_in_the_jvm_keeps_the_full_jit():
-    java = session.own_driver_settings("local[2]", None, jvm_applies=True)["spark.driver.defaultJavaOptions"]
+    settings = session.own_driver_settings("local[2]", None, jvm_applies=True)
+    java = settings["spark.driver.defaultJavaOptions"]
     assert java == session.DRIVER_JAVA_OPTIONS and session.C1_ONLY not in java
+    assert "spark.sql.codegen.factoryMode" not in settings  # a lakehouse MERGE's projections stay generated
 
 
 def test_own_driver_without_quieting_leaves_spark_logging_alone():
