@@ -12,8 +12,9 @@ spark-submit for the Python driver it launches):
   (``walbridge up`` shows its address), few shuffle partitions, a driver JVM
   tuned for many small queries (:data:`DRIVER_JAVA_OPTIONS`,
   :data:`LOCAL_SMALL_QUERIES`; :data:`C1_ONLY` and
-  :data:`INTERPRETED_PROJECTIONS` unless the target applies in the JVM), task retries (:func:`local_master`) and a Kafka consumer pool that
-  holds a consumer for every topic-partition the query reads
+  :data:`INTERPRETED_PROJECTIONS` unless the target applies in the JVM),
+  task retries (:func:`local_master`) and a Kafka consumer pool that holds a
+  consumer for every topic-partition the query reads
   (:func:`consumer_pool_size`).
 - **spark-submit started it** (:mod:`walbridge.spark_submit`, on a cluster or
   not): master, driver host and bind address, UI, shuffle, memory, Python,
