@@ -13,6 +13,7 @@ spark-submit for the Python driver it launches):
   tuned for many small queries (:data:`DRIVER_JAVA_OPTIONS`,
   :data:`LOCAL_SMALL_QUERIES`; :data:`C1_ONLY` and
   :data:`INTERPRETED_PROJECTIONS` unless the target applies in the JVM),
+  checkpoint writes that start no processes but one (:data:`SCRATCH_CHECKPOINT`),
   task retries (:func:`local_master`) and a Kafka consumer pool that holds a
   consumer for every topic-partition the query reads
   (:func:`consumer_pool_size`).
@@ -74,6 +75,17 @@ LOCAL_SMALL_QUERIES = {"spark.sql.codegen.wholeStage": "false", "spark.broadcast
 # Spark calls the setting internal; its interpreted path is the one Spark falls
 # back to, and the one its own tests run beside the generated one.
 INTERPRETED_PROJECTIONS = {"spark.sql.codegen.factoryMode": "NO_CODEGEN"}
+# The query's checkpoint is scratch (removed at every start; the target's
+# progress is the record), written twice a batch. Through Hadoop's FileContext
+# and checksummed local file system, each write starts ~5 processes (readlink,
+# chmod: Hadoop shells out where its native library is missing), 0.1-0.3 s a
+# batch on busy cores; through FileSystem on the raw one, one chmod. Local files
+# (a lakehouse table in a local folder too) get no .crc side files.
+SCRATCH_CHECKPOINT = {
+    "spark.sql.streaming.checkpointFileManagerClass":
+        "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",
+    "spark.hadoop.fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
+}
 QUIET_LOG4J = "log4j2-quiet.properties"  # in this package: warnings and errors, one line each
 SPARK_DEFAULT_LOG4J = "org/apache/spark/log4j2-defaults.properties"  # Spark's built-in profile
 _LOG4J_FILES = ("log4j2.properties", "log4j2.xml", "log4j2.yaml", "log4j2.yml", "log4j2.json")
@@ -141,6 +153,7 @@ def own_driver_settings(master: str, quiet_log4j_uri: str | None, jars: list[str
             "spark.sql.shuffle.partitions": "2",
             CONSUMER_POOL: str(consumer_pool_size(topic_partitions)),
             **LOCAL_SMALL_QUERIES,
+            **SCRATCH_CHECKPOINT,
             **({} if jvm_applies else INTERPRETED_PROJECTIONS),
         })
     return settings

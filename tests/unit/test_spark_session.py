@@ -6,6 +6,7 @@ asked for."""
 from __future__ import annotations
 
 import re
+import zipfile
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -18,7 +19,7 @@ from spark_consumer import session
 CLUSTER_OWNED = ("spark.master", "spark.driver.host", "spark.driver.bindAddress", "spark.ui.enabled",
                  "spark.ui.showConsoleProgress", "spark.sql.shuffle.partitions", "spark.driver.defaultJavaOptions",
                  "spark.executor.memory", "spark.pyspark.python", *session.LOCAL_SMALL_QUERIES,
-                 *session.INTERPRETED_PROJECTIONS)
+                 *session.INTERPRETED_PROJECTIONS, *session.SCRATCH_CHECKPOINT)
 
 
 def test_own_driver_keeps_the_local_defaults_and_starts_quiet():
@@ -102,3 +103,19 @@ def test_a_local_executor_pools_a_kafka_consumer_for_every_topic_partition_read(
     assert session.own_driver_settings("local[2]", None, topic_partitions=800)[session.CONSUMER_POOL] == "1600"
     assert session.own_driver_settings("local[2]", None, topic_partitions=5)[session.CONSUMER_POOL] == "64"
     assert session.CONSUMER_POOL not in session.own_driver_settings("spark://h:7077", None, topic_partitions=800)
+
+
+def test_a_local_driver_writes_its_scratch_checkpoint_through_spark_s_own_file_system_manager():
+    """The class is named by its path, which Spark has moved between
+    versions: it must be in the pinned Spark's jar, or every query fails at
+    its start."""
+    settings = session.own_driver_settings("local[2]", None)
+    assert {k: settings[k] for k in session.SCRATCH_CHECKPOINT} == session.SCRATCH_CHECKPOINT
+    manager = session.SCRATCH_CHECKPOINT["spark.sql.streaming.checkpointFileManagerClass"]
+    jars = Path(pyspark.__file__).parent / "jars"
+    (sql_jar,) = jars.glob(f"spark-sql_2.13-{pyspark.__version__}.jar")
+    (hadoop_jar,) = jars.glob("hadoop-client-api-*.jar")
+    assert manager.replace(".", "/") + ".class" in zipfile.ZipFile(sql_jar).namelist()
+    raw = session.SCRATCH_CHECKPOINT["spark.hadoop.fs.file.impl"]
+    assert raw.replace(".", "/") + ".class" in zipfile.ZipFile(hadoop_jar).namelist()
+    assert not set(session.SCRATCH_CHECKPOINT) & set(session.own_driver_settings("spark://h:7077", None))
