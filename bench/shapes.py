@@ -19,8 +19,12 @@ Apache Kafka broker (4 partitions):
   It includes the producer's first sight of every table since it started
   (pgoutput sends each table's Relation message before its first change:
   catalog lookups, ~4 ms a table).
+- ``insert_in_kafka_s``: the same transactions, from the commit to the last
+  of their rows in Kafka (as a side consumer, waiting at the broker, receives
+  it): the producer's share of ``insert_visible_s``.
 - ``insert_again_visible_s``: the median of ``--inserts`` more such
   transactions, 2 s apart (tables known; where a 1 s trigger falls varies).
+  ``insert_again_in_kafka_s``: their producer's share, as above.
 - ``--master``: the consumer's master (default ``local[*]``, as ``walbridge
   up``). With more than one count, each runs in a process of its own, so
   each gets the Spark JVM a user's consumer of that many shapes starts with
@@ -48,6 +52,8 @@ import time
 from pathlib import Path
 
 import psycopg
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
 from psycopg import sql
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,6 +110,51 @@ def counts(conn, n: int) -> list[int]:
         return [0] * n
 
 
+class SideReader:
+    """A consumer of every shape topic from its end, in a thread of its own:
+    when (``time.monotonic()``) each row produced since it started arrived.
+    A fetch waiting at the broker returns as soon as a row is appended, so an
+    arrival is the row's time in Kafka plus one fetch."""
+
+    def __init__(self, bootstrap: str, n: int, partitions: int):
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-side",
+                                  "enable.auto.commit": False})
+        tps = [TopicPartition(f"{PREFIX}.public.t{i}", p) for i in range(n) for p in range(partitions)]
+        admin = AdminClient({"bootstrap.servers": bootstrap})  # held while its futures are pending
+        ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in tps}, request_timeout=60)
+        self.consumer.assign([TopicPartition(tp.topic, tp.partition, f.result(timeout=90).offset)
+                              for tp, f in ends.items()])
+        self.arrivals: list[float] = []
+        self._arrived = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            first = self.consumer.poll(0.2)  # consume() would wait out its timeout for a full batch
+            if first is None:
+                continue
+            got = [m for m in [first, *self.consumer.consume(1000, 0)] if m.error() is None]
+            if got:
+                now = time.monotonic()
+                with self._arrived:
+                    self.arrivals.extend([now] * len(got))
+                    self._arrived.notify_all()
+
+    def arrival(self, count: int, timeout: float = 120.0) -> float:
+        """When the ``count``-th row since the start arrived."""
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: len(self.arrivals) >= count, timeout):
+                raise RuntimeError(f"only {len(self.arrivals)} of {count} rows reached Kafka in {timeout} s")
+            return self.arrivals[count - 1]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.consumer.close()
+
+
 def run_one(n: int, rows: int, settle: float, idle: float, inserts: int, master: str = "local[*]") -> dict:
     base = Path(tempfile.mkdtemp(prefix=f"wb-bench-shapes-{n}-"))
     out: dict = {"shapes": n}
@@ -152,7 +203,8 @@ def run_one(n: int, rows: int, settle: float, idle: float, inserts: int, master:
                 c0, w0 = consumer_cpu(exclude), time.monotonic()
                 time.sleep(idle)
                 out["idle_cpu_cores"] = round((consumer_cpu(exclude) - c0) / (time.monotonic() - w0), 3)
-                visible = []
+                visible, in_kafka = [], []
+                side = SideReader(broker.bootstrap, n, data["kafka"]["partitions"])
                 for row in range(rows + 1, rows + 2 + inserts):
                     with psycopg.connect(pg.dsn("app")) as src:
                         for i in range(n):
@@ -165,11 +217,14 @@ def run_one(n: int, rows: int, settle: float, idle: float, inserts: int, master:
                             raise RuntimeError(f"pipeline failed: {failed}")
                         time.sleep(0.05)
                     visible.append(round(time.monotonic() - committed, 2))
+                    in_kafka.append(round(side.arrival(n * len(visible)) - committed, 2))
                     time.sleep(2)
-                out["insert_visible_s"] = visible[0]
+                side.close()
+                out["insert_visible_s"], out["insert_in_kafka_s"] = visible[0], in_kafka[0]
                 if inserts:
                     out["insert_again_visible_s"] = statistics.median(visible[1:])
                     out["insert_again_all_s"] = visible[1:]
+                    out["insert_again_in_kafka_s"] = statistics.median(in_kafka[1:])
         finally:
             stop.set()
             consumer.join(180)
