@@ -12,9 +12,9 @@ spark-submit for the Python driver it launches):
   (``walbridge up`` shows its address), few shuffle partitions, a driver JVM
   tuned for many small queries (:data:`DRIVER_JAVA_OPTIONS`,
   :data:`LOCAL_SMALL_QUERIES`; :data:`C1_ONLY` and
-  :data:`INTERPRETED_PROJECTIONS` unless the target applies in the JVM),
-  checkpoint writes that start no processes but one (:data:`SCRATCH_CHECKPOINT`),
-  task retries (:func:`local_master`) and a Kafka consumer pool that holds a
+  :data:`INTERPRETED_PROJECTIONS` and checkpoint writes that start one
+  process, not five (:data:`SCRATCH_CHECKPOINT`), unless the target applies
+  in the JVM), task retries (:func:`local_master`) and a Kafka consumer pool that holds a
   consumer for every topic-partition the query reads
   (:func:`consumer_pool_size`).
 - **spark-submit started it** (:mod:`walbridge.spark_submit`, on a cluster or
@@ -79,8 +79,8 @@ INTERPRETED_PROJECTIONS = {"spark.sql.codegen.factoryMode": "NO_CODEGEN"}
 # progress is the record), written twice a batch. Through Hadoop's FileContext
 # and checksummed local file system, each write starts ~5 processes (readlink,
 # chmod: Hadoop shells out where its native library is missing), 0.1-0.3 s a
-# batch on busy cores; through FileSystem on the raw one, one chmod. Local files
-# (a lakehouse table in a local folder too) get no .crc side files.
+# batch on busy cores; through FileSystem on the raw one, one chmod. Not where
+# a lakehouse target writes: Iceberg's Hadoop tables need the checksummed one.
 SCRATCH_CHECKPOINT = {
     "spark.sql.streaming.checkpointFileManagerClass":
         "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",
@@ -153,8 +153,7 @@ def own_driver_settings(master: str, quiet_log4j_uri: str | None, jars: list[str
             "spark.sql.shuffle.partitions": "2",
             CONSUMER_POOL: str(consumer_pool_size(topic_partitions)),
             **LOCAL_SMALL_QUERIES,
-            **SCRATCH_CHECKPOINT,
-            **({} if jvm_applies else INTERPRETED_PROJECTIONS),
+            **({} if jvm_applies else {**INTERPRETED_PROJECTIONS, **SCRATCH_CHECKPOINT}),
         })
     return settings
 

@@ -39,6 +39,7 @@ def test_a_driver_whose_target_applies_in_the_jvm_keeps_the_full_jit():
     java = settings["spark.driver.defaultJavaOptions"]
     assert java == session.DRIVER_JAVA_OPTIONS and session.C1_ONLY not in java
     assert "spark.sql.codegen.factoryMode" not in settings  # a lakehouse MERGE's projections stay generated
+    assert not set(session.SCRATCH_CHECKPOINT) & set(settings)  # Iceberg's Hadoop tables need Hadoop's local FS
 
 
 def test_own_driver_without_quieting_leaves_spark_logging_alone():
