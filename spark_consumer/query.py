@@ -56,10 +56,7 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka.admin import AdminClient
-from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.pandas.functions import pandas_udf
-from pyspark.util import PythonEvalType
 
 from schemas import wire
 from schemas.config import Config, ShapeConfig
@@ -132,7 +129,6 @@ class BatchApplier(PipelinedApply):
         self.query = None  # the StreamingQuery, once started
         self.ui_url: str | None = None
         self.tasks = 2  # decode tasks per batch at most (the cores Spark has: set at the start)
-        self._decoder: tuple[tuple, Any] | None = None  # (the shapes it decodes, its UDF)
 
     @property
     def needs_restart(self) -> bool:
@@ -231,21 +227,8 @@ class BatchApplier(PipelinedApply):
         # One Spark task per topic-partition is one Python worker's turn each:
         # a batch's partitions are read and decoded by as many tasks as Spark has cores.
         df = df.coalesce(self.tasks)
-        shapes = tuple((t, self.states[t].source, self.states[t].schemas) for t in topics)
-        return tables_by_topic(map_in_arrow(df, self._decode_udf(shapes)).toArrow())
-
-    def _decode_udf(self, shapes: tuple) -> Any:
-        """The decode's Python UDF for ``shapes`` ((topic, source, schemas)
-        each), made again only when a shape or its schemas (a new object once
-        learned again) changed: PySpark pickles and registers a UDF anew for
-        every ``mapInArrow`` call (bench/RESULTS.md)."""
-        made = self._decoder
-        if made is None or len(made[0]) != len(shapes) or any(
-                t != t2 or src is not src2 or sch is not sch2
-                for (t, src, sch), (t2, src2, sch2) in zip(made[0], shapes)):
-            fn = functools.partial(decode_shapes, {t: (src, sch) for t, src, sch in shapes})
-            made = self._decoder = (shapes, pandas_udf(fn, DECODED_SCHEMA, PythonEvalType.SQL_MAP_ARROW_ITER_UDF))
-        return made[1]
+        shapes = {t: (self.states[t].source, self.states[t].schemas) for t in topics}
+        return tables_by_topic(df.mapInArrow(functools.partial(decode_shapes, shapes), DECODED_SCHEMA).toArrow())
 
     def _decode(self, decode: Callable[[list[str], bool], dict[str, pa.Table]], batch_id: int
                 ) -> dict[str, pa.Table]:
@@ -358,14 +341,6 @@ def shape_states(config: Config, stop: threading.Event | None = None) -> dict[st
         target = ShapeTarget.from_avro(shape.shape_name, schemas.value_schema, schemas.key_schema)
         states[src.topic] = ShapeState(shape, src, schemas, target, target)
     return states
-
-
-def map_in_arrow(df: DataFrame, udf: Any) -> DataFrame:
-    """``df.mapInArrow`` with a map-iterator UDF made once, as PySpark's own
-    ``mapInArrow`` builds its plan (pyspark/sql/pandas/map_ops.py), which
-    makes a new UDF on every call."""
-    column = udf(*[df[c] for c in df.columns])
-    return DataFrame(df._jdf.mapInArrow(column._jc, False, None), df.sparkSession)
 
 
 def start_query(spark, config: Config, kafka_conf: dict[str, Any], source_options: dict[str, str],

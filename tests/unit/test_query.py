@@ -17,7 +17,7 @@ from schemas import wire
 from schemas.config import parse_config
 from schemas.failures import KAFKA, Failure
 from schemas.retry import RetryPolicy
-from spark_consumer import query, supervisor
+from spark_consumer import supervisor
 from spark_consumer.query import BatchApplier
 from spark_consumer.session import local_master
 from spark_consumer.source import StartPlan
@@ -44,6 +44,9 @@ class SlowBatch:
     def coalesce(self, n):
         return self
 
+    def mapInArrow(self, fn, schema):  # noqa: N802 - Spark's name
+        return self
+
     def toArrow(self):  # noqa: N802 - Spark's name
         self.reads += 1
         self.reading.set()
@@ -68,8 +71,7 @@ def test_an_idle_applier_can_be_stopped_and_refuses_further_batches_unread():
         applier.close()
 
 
-def test_a_batch_being_read_holds_the_stop_back_until_it_is_handed_over(monkeypatch):
-    monkeypatch.setattr(query, "map_in_arrow", lambda df, udf: df)  # Spark's plan: the batch stands for it
+def test_a_batch_being_read_holds_the_stop_back_until_it_is_handed_over():
     applier = _applier()
     batch = SlowBatch()
     call = threading.Thread(target=applier, args=(batch, 3))
@@ -101,22 +103,6 @@ def test_parts_run_from_where_the_previous_part_of_the_partition_ended():
         assert [(p.partition, p.start, p.end) for p in second] == [(0, 14, 21), (2, 0, 8)]
         with pytest.raises(RuntimeError, match="below the end of the previous batch"):
             applier._parts(TOPIC, decoded([(0, 15)]))
-    finally:
-        applier.close()
-
-
-def test_the_decode_udf_is_made_again_only_when_a_shape_or_its_schemas_change():
-    """PySpark would pickle and register a new UDF for every batch; a shape
-    whose schemas were learned again (a new object) must get one."""
-    applier = _applier()
-    try:
-        source, schemas, other = object(), object(), object()
-        udf = applier._decode_udf(((TOPIC, source, schemas),))
-        assert applier._decode_udf(((TOPIC[:1] + TOPIC[1:], source, schemas),)) is udf  # an equal name, another str
-        relearned = applier._decode_udf(((TOPIC, source, object()),))
-        assert relearned is not udf
-        assert applier._decode_udf(((TOPIC, source, schemas), ("wb.app.other", source, other))) is not relearned
-        assert applier._decode_udf(((TOPIC, source, schemas),)) not in (udf, relearned)  # one UDF kept, the last
     finally:
         applier.close()
 
