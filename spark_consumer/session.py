@@ -11,11 +11,11 @@ spark-submit for the Python driver it launches):
   mode (one machine), a loopback driver, no UI unless asked for
   (``walbridge up`` shows its address), few shuffle partitions, a driver JVM
   tuned for many small queries (:data:`DRIVER_JAVA_OPTIONS`,
-  :data:`LOCAL_SMALL_QUERIES`; :data:`C1_ONLY` and
-  :data:`INTERPRETED_PROJECTIONS` and checkpoint writes that start one
-  process, not five (:data:`SCRATCH_CHECKPOINT`), unless the target applies
-  in the JVM), task retries (:func:`local_master`) and a Kafka consumer pool that holds a
-  consumer for every topic-partition the query reads
+  :data:`LOCAL_SMALL_QUERIES`; :data:`C1_ONLY`,
+  :data:`INTERPRETED_PROJECTIONS` and checkpoint writes that start two
+  processes, not five (:data:`SCRATCH_CHECKPOINT`), unless the target applies
+  in the JVM), task retries (:func:`local_master`) and a Kafka consumer pool
+  that holds a consumer for every topic-partition the query reads
   (:func:`consumer_pool_size`).
 - **spark-submit started it** (:mod:`walbridge.spark_submit`, on a cluster or
   not): master, driver host and bind address, UI, shuffle, memory, Python,
@@ -76,15 +76,13 @@ LOCAL_SMALL_QUERIES = {"spark.sql.codegen.wholeStage": "false", "spark.broadcast
 # back to, and the one its own tests run beside the generated one.
 INTERPRETED_PROJECTIONS = {"spark.sql.codegen.factoryMode": "NO_CODEGEN"}
 # The query's checkpoint is scratch (removed at every start; the target's
-# progress is the record), written twice a batch. Through Hadoop's FileContext
-# and checksummed local file system, each write starts ~5 processes (readlink,
-# chmod: Hadoop shells out where its native library is missing), 0.1-0.3 s a
-# batch on busy cores; through FileSystem on the raw one, one chmod. Not where
-# a lakehouse target writes: Iceberg's Hadoop tables need the checksummed one.
+# progress is the record), written twice a batch. Through Hadoop's FileContext,
+# each write starts ~5 processes (readlink, chmod: Hadoop shells out where its
+# native library is missing), 0.1-0.3 s a batch on busy cores; through
+# FileSystem, two (chmod of the file and of its checksum).
 SCRATCH_CHECKPOINT = {
     "spark.sql.streaming.checkpointFileManagerClass":
         "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",
-    "spark.hadoop.fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
 }
 QUIET_LOG4J = "log4j2-quiet.properties"  # in this package: warnings and errors, one line each
 SPARK_DEFAULT_LOG4J = "org/apache/spark/log4j2-defaults.properties"  # Spark's built-in profile

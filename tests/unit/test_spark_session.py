@@ -39,7 +39,7 @@ def test_a_driver_whose_target_applies_in_the_jvm_keeps_the_full_jit():
     java = settings["spark.driver.defaultJavaOptions"]
     assert java == session.DRIVER_JAVA_OPTIONS and session.C1_ONLY not in java
     assert "spark.sql.codegen.factoryMode" not in settings  # a lakehouse MERGE's projections stay generated
-    assert not set(session.SCRATCH_CHECKPOINT) & set(settings)  # Iceberg's Hadoop tables need Hadoop's local FS
+    assert not set(session.SCRATCH_CHECKPOINT) & set(settings)  # measured on the PostgreSQL target only
 
 
 def test_own_driver_without_quieting_leaves_spark_logging_alone():
@@ -106,17 +106,13 @@ def test_a_local_executor_pools_a_kafka_consumer_for_every_topic_partition_read(
     assert session.CONSUMER_POOL not in session.own_driver_settings("spark://h:7077", None, topic_partitions=800)
 
 
-def test_a_local_driver_writes_its_scratch_checkpoint_through_spark_s_own_file_system_manager():
+def test_the_postgresql_target_s_local_driver_writes_its_scratch_checkpoint_without_hadoop_s_processes():
     """The class is named by its path, which Spark has moved between
     versions: it must be in the pinned Spark's jar, or every query fails at
     its start."""
     settings = session.own_driver_settings("local[2]", None)
     assert {k: settings[k] for k in session.SCRATCH_CHECKPOINT} == session.SCRATCH_CHECKPOINT
     manager = session.SCRATCH_CHECKPOINT["spark.sql.streaming.checkpointFileManagerClass"]
-    jars = Path(pyspark.__file__).parent / "jars"
-    (sql_jar,) = jars.glob(f"spark-sql_2.13-{pyspark.__version__}.jar")
-    (hadoop_jar,) = jars.glob("hadoop-client-api-*.jar")
+    (sql_jar,) = (Path(pyspark.__file__).parent / "jars").glob(f"spark-sql_2.13-{pyspark.__version__}.jar")
     assert manager.replace(".", "/") + ".class" in zipfile.ZipFile(sql_jar).namelist()
-    raw = session.SCRATCH_CHECKPOINT["spark.hadoop.fs.file.impl"]
-    assert raw.replace(".", "/") + ".class" in zipfile.ZipFile(hadoop_jar).namelist()
     assert not set(session.SCRATCH_CHECKPOINT) & set(session.own_driver_settings("spark://h:7077", None))
