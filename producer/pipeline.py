@@ -214,7 +214,7 @@ class Pipeline:
         """The parts around the stream, on the prepared source and topics."""
         cfg = self.config
         reads = Reads(self.read_channel, self._send, self.partitions, self.stats.events, self._control_key)
-        self.snapshot = InitialSnapshot(cfg, self.catalog_conn, self.tables, self._plan_table, reads)
+        self.snapshot = InitialSnapshot(cfg, self.catalog_conn, self.tables, self._plan_tables, reads)
         self.backfills = Backfills(cfg, self.kafka, self._kafka_conf, self.catalog_conn, self.tables,
                                    self._plan_table, reads, self.ledger)
         self.status = StatusPublisher(cfg, self.kafka, self.catalog_conn, self.stats, self.acks, self.snapshot,
@@ -572,6 +572,11 @@ class Pipeline:
     def _plan_table(self, table: TableInfo) -> RelationPlan:
         """The plan of a table read whole (snapshot, backfill), as if its Relation message had arrived."""
         return self._plan_relation(table_relation(table))
+
+    def _plan_tables(self, tables: Iterable[TableInfo]) -> list[RelationPlan]:
+        """:meth:`_plan_table` of each, their schemas published together."""
+        with self.schemas.together():
+            return [self._plan_table(t) for t in tables]
 
     def _produce(self, messages: Iterable[Message]) -> None:
         """A change's messages to Kafka, but those a partition already holds (a replay)."""

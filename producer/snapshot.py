@@ -26,7 +26,7 @@ import select
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import psycopg
 import psycopg.errors
@@ -221,11 +221,11 @@ class InitialSnapshot:
     table's rows as reads, then ``snapshot_end`` on every partition."""
 
     def __init__(self, config: Config, conn: Connection, tables: dict[str, TableInfo],
-                 plan_table: Callable[[TableInfo], RelationPlan], reads: Reads):
+                 plan_tables: Callable[[Iterable[TableInfo]], list[RelationPlan]], reads: Reads):
         self._config = config
         self._conn = conn  # the catalog connection: sizes and row estimates
         self._tables = tables
-        self._plan_table = plan_table
+        self._plan_tables = plan_tables  # their schemas findable once it returns
         self._reads = reads
         self.progress: dict[str, Any] = {}  # for status: id, rows, total_estimate, started, done, finished
 
@@ -240,8 +240,8 @@ class InitialSnapshot:
         plans: dict[str, RelationPlan] = {}
         encoders = {}
         work = []
-        for qualified, table in self._tables.items():
-            plans[qualified] = plan = self._plan_table(table)
+        for (qualified, table), plan in zip(self._tables.items(), self._plan_tables(self._tables.values())):
+            plans[qualified] = plan
             encoders[qualified] = self._reads.encoder(plan)
             work.append((table, tuple(plan.names), relpages(self._conn, table)))
         total = sum(row_estimate(self._conn, t) for t in self._tables.values())

@@ -171,11 +171,15 @@ def prepare_topics(admin: AdminClient, config: Config, with_schemas_topic: bool,
     k = config.kafka
     data = [config.topic(s) for s in config.shapes]
     replication = k.replication_factor or -1  # -1: the cluster's default
-    partitions = ensure_topics(admin, data, k.partitions, replication,
-                               {**wire.DATA_TOPIC_CONFIG, **{n: str(v) for n, v in k.topic_config.items()}})
     internal = [t for t in wire.internal_topics(k.topic_prefix)
                 if with_schemas_topic or t != wire.schemas_topic(k.topic_prefix)]
+    # The internal topics first: a broker makes the logs of new partitions in
+    # the order they were created, and a topic created behind 200 shapes' 800
+    # partitions was not in its metadata for 2.6-5.5 s (bench/RESULTS.md);
+    # the data topics' logs are made while the slot and the schemas are.
     ensure_topics(admin, internal, 1, replication, wire.INTERNAL_TOPIC_CONFIG)
+    partitions = ensure_topics(admin, data, k.partitions, replication,
+                               {**wire.DATA_TOPIC_CONFIG, **{n: str(v) for n, v in k.topic_config.items()}})
     # Asked again, possibly of another broker: wait until it knows them too.
     cluster = metadata_with(admin, data + internal, METADATA_TIMEOUT)
     dlqs = [wire.dlq_topic(t) for t in data if wire.dlq_topic(t) in cluster.topics]

@@ -34,7 +34,13 @@ class JavaClientError(ValueError):
 # wait behind it (bench/RESULTS.md: 500 ms by default, 0.4 s per idle
 # partition's task; 20 ms, 200 shapes' inserts 4.2-4.7 s; 1 ms, 2.6-2.9 s).
 # Spark only reads offsets it has seen exist, so the wait buys nothing.
-JAVA_DEFAULTS = {"kafka.fetch.max.wait.ms": "1"}
+# enable.metrics.push, auto.include.jmx.reporter: Spark's source keeps a Java
+# consumer per topic-partition, and each registers its few hundred metrics
+# with JMX and with the client telemetry reporter when made; on 200 shapes'
+# 800 partitions that was ~4 s of a fresh consumer's first batch
+# (bench/RESULTS.md). Spark's own metrics and the consumer's are unaffected.
+JAVA_DEFAULTS = {"kafka.fetch.max.wait.ms": "1", "kafka.enable.metrics.push": "false",
+                 "kafka.auto.include.jmx.reporter": "false"}
 
 # librdkafka settings whose Java client setting has the same name and meaning.
 SAME_NAME = frozenset({
@@ -42,7 +48,7 @@ SAME_NAME = frozenset({
     "reconnect.backoff.ms", "reconnect.backoff.max.ms", "metadata.max.age.ms", "connections.max.idle.ms",
     "socket.connection.setup.timeout.ms", "fetch.min.bytes", "fetch.max.bytes", "max.partition.fetch.bytes",
     "isolation.level", "sasl.kerberos.service.name", "ssl.keystore.location", "ssl.keystore.password",
-    "ssl.cipher.suites",
+    "ssl.cipher.suites", "enable.metrics.push",
 })
 # librdkafka settings with another name in the Java client.
 RENAMED = {

@@ -35,7 +35,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import tenacity
 from confluent_kafka import (
@@ -58,6 +58,7 @@ T = TypeVar("T")
 
 Writer = tuple[str, int]
 """A topic-partition: the unit the FlushTracker calls a writer."""
+Headers = list[tuple[str, bytes]]  # a Kafka message's, in order
 
 LOG_WINDOW = 30.0  # seconds: librdkafka records of one kind pass once per window
 METADATA_TIMEOUT = 10.0  # seconds for a broker to answer a metadata request
@@ -168,19 +169,29 @@ def cluster_metadata(client: AdminClient | Consumer, conf: dict[str, Any], timeo
 
 
 def produce_acknowledged(producer: Producer, topic: str, value: bytes, key: bytes, timeout: float, what: str,
-                         headers: list[tuple[str, bytes]] | None = None) -> None:
+                         headers: Headers | None = None) -> None:
     """Produce one message and wait for its acknowledgement alone (a flush()
     would wait for every queued change too); raises KafkaException, _TIMED_OUT
     (transient) when none came within ``timeout`` seconds."""
-    outcome: list = []
-    producer.produce(topic, value, key, headers=headers, on_delivery=lambda err, msg: outcome.append(err))
+    produce_all_acknowledged(producer, [(topic, value, key, headers)], timeout, what)
+
+
+def produce_all_acknowledged(producer: Producer, messages: Sequence[tuple[str, bytes, bytes, Headers | None]],
+                             timeout: float, what: str) -> None:
+    """Produce ``messages`` (topic, value, key, headers), in order, and wait
+    for the acknowledgements of all of them: one linger and round trip for
+    many, where one at a time pays each (as :func:`produce_acknowledged`)."""
+    outcomes: list = []
+    for topic, value, key, headers in messages:
+        producer.produce(topic, value, key, headers=headers, on_delivery=lambda err, msg: outcomes.append(err))
     deadline = time.monotonic() + timeout
-    while not outcome and time.monotonic() < deadline:
+    while len(outcomes) < len(messages) and time.monotonic() < deadline:
         producer.poll(0.05)
-    if not outcome:
-        raise timed_out(f"{what}: no acknowledgement from {topic} within {timeout:.0f}s")
-    if outcome[0] is not None:
-        raise KafkaException(outcome[0])
+    if len(outcomes) < len(messages):
+        raise timed_out(f"{what}: no acknowledgement from {messages[0][0]} within {timeout:.0f}s")
+    for err in outcomes:
+        if err is not None:
+            raise KafkaException(err)
 
 
 def ensure_topics(admin: AdminClient, topics: Iterable[str], partitions: int, replication: int,

@@ -8,13 +8,21 @@ Invariants:
   subject ``<topic>-key``/``<topic>-value`` (``io.walbridge.ControlKey`` for
   the control key) in ``wb.subject`` (single-object encoding) —
   :mod:`schemas.reader` is the other side of both.
-- Each (subject, schema) is published once per publisher; the wire prefix is cached.
+- Each (subject, schema) is published once per publisher; the wire prefix is
+  cached once the schema is findable. Within :meth:`SchemaPublisher.together`
+  the schemas topic's messages are sent at its end, in the order asked, and
+  their prefixes cached only once all are acknowledged (a key schema is
+  still in Kafka before its value schema: one partition, one idempotent
+  producer); no message may use them before then.
 - A registry that refuses a schema (incompatible with the subject's latest
   version, no permission) stops the producer with the subject and the
   registry's own reason, the registry's URL shown without credentials.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 from confluent_kafka import Producer
 from confluent_kafka.schema_registry import Schema
@@ -24,7 +32,7 @@ import schemas
 from schemas import wire
 from schemas.config import redact_dsn
 from schemas.failures import REGISTRY, Failure
-from schemas.kafka import produce_acknowledged
+from schemas.kafka import Headers, produce_all_acknowledged
 from schemas.reader import read_schemas_topic
 from schemas.registry import RegistryConf, control_key_subject, registry_client, subject_name, subject_versions
 
@@ -53,6 +61,8 @@ class SchemaPublisher:
         self._registry_url = redact_dsn(str(registry["url"])) if registry else None
         self._strategy = strategy
         self._prefixes: dict[tuple[str, str], bytes] = {}
+        # Inside together(): (subject, text) -> prefix and message, sent at its end.
+        self._together: dict[tuple[str, str], tuple[bytes, tuple[str, bytes, bytes, Headers]]] | None = None
 
     @property
     def schemas_topic(self) -> str | None:
@@ -61,6 +71,23 @@ class SchemaPublisher:
     def prefix(self, topic: str, schema: dict, is_key: bool = False) -> bytes:
         """The wire prefix of a data topic's key or value schema."""
         return self._publish(self._subject(topic, is_key), schema)
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """The schemas-topic publishes asked for within, sent together at the
+        end and waited for at once: a snapshot of many shapes pays one linger
+        and round trip, not one per schema (a registry is still asked one
+        schema at a time)."""
+        self._together = {}
+        try:
+            yield
+            pending, self._together = self._together, None
+            if pending:
+                produce_all_acknowledged(self._producer, [message for _, message in pending.values()],
+                                         PUBLISH_TIMEOUT_S, f"publishing {len(pending)} schemas")
+                self._prefixes.update({k: prefix for k, (prefix, _) in pending.items()})
+        finally:
+            self._together = None
 
     def _subject(self, topic: str, is_key: bool) -> str:
         if self._registry is not None:
@@ -113,9 +140,11 @@ class SchemaPublisher:
             prefix = wire.confluent_prefix(schema_id)
         else:
             fp = wire.schema_fingerprint(schema)
-            produce_acknowledged(self._producer, self._schemas_topic, text.encode(), fp.hex().encode(),
-                                 PUBLISH_TIMEOUT_S, f"publishing the schema of {subject}",
-                                 headers=[(wire.SUBJECT_HEADER, subject.encode())])
             prefix = wire.single_object_prefix(fp)
+            message = (self._schemas_topic, text.encode(), fp.hex().encode(), [(wire.SUBJECT_HEADER, subject.encode())])
+            if self._together is not None:
+                self._together.setdefault((subject, text), (prefix, message))
+                return prefix
+            produce_all_acknowledged(self._producer, [message], PUBLISH_TIMEOUT_S, f"publishing the schema of {subject}")
         self._prefixes[(subject, text)] = prefix
         return prefix

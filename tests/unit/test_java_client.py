@@ -18,6 +18,7 @@ def test_sasl_ssl_in_librdkafka_names_becomes_the_java_clients_settings():
                                        "message.timeout.ms": 3000, "fetch.wait.max.ms": 5})
     assert options == {
         "kafka.bootstrap.servers": "b:9093", "kafka.fetch.max.wait.ms": "5", "kafka.security.protocol": "SASL_SSL",
+        "kafka.enable.metrics.push": "false", "kafka.auto.include.jmx.reporter": "false",
         "kafka.sasl.mechanism": "SCRAM-SHA-512", "kafka.ssl.truststore.type": "PEM",
         "kafka.ssl.truststore.location": "/etc/ca.pem", "kafka.client.id": "me",
         "kafka.sasl.jaas.config": 'org.apache.kafka.common.security.scram.ScramLoginModule required '
