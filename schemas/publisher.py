@@ -78,10 +78,9 @@ class SchemaPublisher:
         end and waited for at once: a snapshot of many shapes pays one linger
         and round trip, not one per schema (a registry is still asked one
         schema at a time)."""
-        self._together = {}
+        self._together = pending = {}
         try:
             yield
-            pending, self._together = self._together, None
             if pending:
                 produce_all_acknowledged(self._producer, [message for _, message in pending.values()],
                                          PUBLISH_TIMEOUT_S, f"publishing {len(pending)} schemas")
