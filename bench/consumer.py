@@ -51,7 +51,6 @@ from spark_consumer.supervisor import run  # noqa: E402
 from walbridge.embedded import KafkaBroker, PostgresCluster  # noqa: E402
 
 TOPIC = "bench.public.bench_rows"
-PARTITIONS = 4
 COLUMNS = "id int PRIMARY KEY, a int, b text, c numeric(12,2), d timestamptz"
 NAMES = ("id", "a", "b", "c", "d")
 
@@ -135,10 +134,11 @@ def make_source(dsn: str, rows: int) -> None:
                      f" FROM generate_series(1, {rows}) g")
 
 
-def bench_config(source_dsn: str, bootstrap: str, consumer: dict) -> dict:
+def bench_config(source_dsn: str, bootstrap: str, consumer: dict, partitions: int | None = None) -> dict:
     return {
         "source": {"dsn": source_dsn, "slot": "bench", "publication": "bench"},
-        "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": "bench", "partitions": PARTITIONS},
+        "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": "bench",
+                  **({"partitions": partitions} if partitions is not None else {})},
         "shapes": [{"table": "public.bench_rows"}],
         "consumer": consumer,
         "ack": {"consumer_groups": []},
@@ -164,6 +164,7 @@ def main() -> None:
     ap.add_argument("--warmup-batches", type=int, default=2,
                     help="micro-batches before the warm measurement starts (at least 1)")
     ap.add_argument("--verbose", action="store_true", help="the consumer's log (a line per batch: read and apply)")
+    ap.add_argument("--partitions", type=int, default=None, help="override [kafka] partitions")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "consumer.json")
     args = ap.parse_args()
     if args.verbose:
@@ -177,7 +178,7 @@ def main() -> None:
         make_source(pg.dsn("postgres"), args.rows)
         config = parse_config(bench_config(pg.dsn("postgres"), broker.bootstrap, {
             "group": "bench-spark", "target_dsn": pg.dsn("target"), "checkpoint_dir": str(base / "checkpoints"),
-            "max_offsets_per_trigger": args.batch}))
+            "max_offsets_per_trigger": args.batch}, args.partitions))
         fill_topic(config)
         topic = TOPIC
 
@@ -196,7 +197,7 @@ def main() -> None:
         t0 = time.monotonic()
         consumer = threading.Thread(target=run, args=(config, "local[*]", stop, appliers))
         consumer.start()
-        total = args.rows + PARTITIONS  # + the snapshot_end control event on each partition
+        total = args.rows + config.kafka.partitions  # + the snapshot_end control event on each partition
         while True:
             rows = sum(a.rows for a in appliers)
             if not marks or rows != marks[-1][1]:

@@ -5,7 +5,8 @@ as a user of the default config gets it.
         [--target postgresql|delta|iceberg]
 
 - What ``walbridge up`` runs, on the pgbench shapes: a durable local
-  PostgreSQL, an Apache Kafka broker, 4 partitions, WAL released on the
+  PostgreSQL, an Apache Kafka broker, topics of ``[kafka] partitions``
+  (default 1; ``--partitions`` overrides it), WAL released on the
   consumer group's commits; the producer as its own process (``walbridge
   producer``), the Spark consumer (``local[*]``) in this one; every
   ``[consumer]`` setting at its default (``--trigger-interval`` and
@@ -326,7 +327,7 @@ def cpu_by_part(pg_postmaster: int, broker: int, producer: int) -> dict[str, flo
 
 
 def config_data(pg: PostgresCluster, bootstrap: str, base: Path, target: Target, trigger: float | None,
-                max_offsets: int | None) -> dict:
+                max_offsets: int | None, partitions: int | None) -> dict:
     consumer: dict = {"group": GROUP, "checkpoint_dir": str(base / "checkpoints"), **target.settings}
     if trigger is not None:
         consumer["trigger_interval"] = trigger
@@ -334,7 +335,8 @@ def config_data(pg: PostgresCluster, bootstrap: str, base: Path, target: Target,
         consumer["max_offsets_per_trigger"] = max_offsets
     return {
         "source": {"dsn": pg.dsn("app"), "slot": "walbridge", "publication": "walbridge"},
-        "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": PREFIX, "partitions": 4},  # as walbridge up
+        "kafka": {"bootstrap_servers": bootstrap, "topic_prefix": PREFIX,
+                  **({"partitions": partitions} if partitions is not None else {})},
         "shapes": [{"table": t} for t in SHAPES],
         "consumer": consumer,
         "ack": {"consumer_groups": [GROUP], "interval": 0.5},  # as walbridge up
@@ -353,6 +355,7 @@ def main() -> None:
     ap.add_argument("--target", choices=("postgresql", "delta", "iceberg"), default="postgresql")
     ap.add_argument("--trigger-interval", type=float, default=None, help="override [consumer] trigger_interval")
     ap.add_argument("--max-offsets", type=int, default=None, help="override [consumer] max_offsets_per_trigger")
+    ap.add_argument("--partitions", type=int, default=None, help="override [kafka] partitions")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "latency.json")
     args = ap.parse_args()
     if args.poll_ms is None:
@@ -380,10 +383,12 @@ def main() -> None:
             conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
             conn.execute("CREATE TABLE tick (id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT clock_timestamp())")
         target = Target(args.target, pg, base)
-        data = config_data(pg, broker.bootstrap, base, target, args.trigger_interval, args.max_offsets)
+        data = config_data(pg, broker.bootstrap, base, target, args.trigger_interval, args.max_offsets,
+                           args.partitions)
         config = target.config = parse_config(data)
         results["trigger_interval"] = config.consumer.trigger_interval
         results["max_offsets_per_trigger"] = config.consumer.max_offsets_per_trigger
+        results["partitions"] = config.kafka.partitions
         failed: list = []
         appliers: list = []
 

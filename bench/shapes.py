@@ -4,7 +4,7 @@ query over every shape topic.
     flock /tmp/wb-tests.lock .venv/bin/python bench/shapes.py [--counts 5,50,200]
 
 For each shape count N, on a fresh embedded PostgreSQL (durable) and
-Apache Kafka broker (4 partitions):
+Apache Kafka broker (topics of ``[kafka] partitions``, default 1):
 - N tables ``public.t<i> (id int primary key, v text)`` of ``--rows`` rows
   each (default 1,000), one shape each.
 - The producer runs as its own process (``walbridge producer``), the Spark
@@ -171,7 +171,7 @@ def run_one(n: int, rows: int, settle: float, idle: float, inserts: int, master:
                     sql.Identifier(f"t{i}")), (rows,))
         data = {
             "source": {"dsn": pg.dsn("app"), "slot": "walbridge", "publication": "walbridge"},
-            "kafka": {"bootstrap_servers": broker.bootstrap, "topic_prefix": PREFIX, "partitions": 4},
+            "kafka": {"bootstrap_servers": broker.bootstrap, "topic_prefix": PREFIX},
             "shapes": [{"table": f"public.t{i}"} for i in range(n)],
             "consumer": {"group": GROUP, "target_dsn": pg.dsn("warehouse"), "checkpoint_dir": str(base / "cp")},
             "ack": {"consumer_groups": [GROUP], "interval": 0.5},
@@ -204,7 +204,7 @@ def run_one(n: int, rows: int, settle: float, idle: float, inserts: int, master:
                 time.sleep(idle)
                 out["idle_cpu_cores"] = round((consumer_cpu(exclude) - c0) / (time.monotonic() - w0), 3)
                 visible, in_kafka = [], []
-                side = SideReader(broker.bootstrap, n, data["kafka"]["partitions"])
+                side = SideReader(broker.bootstrap, n, config.kafka.partitions)
                 for row in range(rows + 1, rows + 2 + inserts):
                     with psycopg.connect(pg.dsn("app")) as src:
                         for i in range(n):

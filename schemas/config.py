@@ -122,7 +122,9 @@ class SourceConfig(_Reconnecting):
 class KafkaConfig(_Section):
     bootstrap_servers: str
     topic_prefix: str = "wb"
-    partitions: Annotated[int, Field(ge=1, le=10000)] = 4
+    # Kafka's own default: one ordered log per shape. Each partition a batch
+    # reads costs the consumer round trips to the broker (bench/RESULTS.md).
+    partitions: Annotated[int, Field(ge=1, le=10000)] = 1
     # Replicas of the topics walbridge creates; unset: the cluster's default.replication.factor.
     replication_factor: Annotated[int, Field(ge=1)] | None = None
     schema_registry_url: str | None = None

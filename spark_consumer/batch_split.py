@@ -18,8 +18,10 @@ Invariants:
   decodes that part anew). Rows of a topic the decoder is not given (a shape
   the query no longer applies) are left out, and the apply moves no progress
   for them.
-- Within a topic-partition, rows keep their offset order (Spark's source,
-  the decoder and the splitting all keep input order).
+- Within a topic-partition, rows keep their offset order: Spark's source,
+  the decoder and the splitting keep input order within a task, and the
+  driver sorts what several tasks return (Spark may split one partition's
+  range between them, ``minPartitions``).
 - Pure but for the dead letters.
 """
 
@@ -40,6 +42,7 @@ from spark_consumer.worker_imports import keep_zip_directories
 # The raw columns the decoder reads, named as Spark's Kafka source names them.
 RAW_COLUMNS = ("topic", "partition", "offset", "key", "value", "headers")
 ARROW_BATCH_ROWS = 8192
+POSITION_ORDER = [(wire.PARTITION_COLUMN, "ascending"), (wire.OFFSET_COLUMN, "ascending")]
 
 # What the executors hand back: one row per (task, shape), the shape's decoded rows.
 DECODED_SCHEMA = StructType([StructField(wire.TOPIC_COLUMN, StringType(), nullable=False),
@@ -142,13 +145,15 @@ def decode_shapes(shapes: Mapping[str, tuple[ShapeSource, ShapeSchemas]], batche
 
 
 def tables_by_topic(decoded: pa.Table) -> dict[str, pa.Table]:
-    """The driver's side of :func:`decode_shapes`: one Arrow table per topic
-    (the parts of several tasks concatenated, in task order)."""
+    """The driver's side of :func:`decode_shapes`: one Arrow table per topic,
+    its rows in (partition, offset) order. A task's rows of a partition are
+    in offset order; the parts of several tasks are sorted, since Spark may
+    split one partition's range between tasks and hand them back in any order."""
     parts: dict[str, list[pa.Table]] = {}
     for topic, blob in zip(decoded.column(wire.TOPIC_COLUMN).to_pylist(),
                            decoded.column(wire.ARROW_COLUMN).to_pylist()):
         parts.setdefault(topic, []).append(pa.ipc.open_stream(blob).read_all())
-    return {t: ts[0] if len(ts) == 1 else pa.concat_tables(ts) for t, ts in parts.items()}
+    return {t: ts[0] if len(ts) == 1 else pa.concat_tables(ts).sort_by(POSITION_ORDER) for t, ts in parts.items()}
 
 
 def new_schema_reason(table: pa.Table) -> tuple[str, str | None] | None:

@@ -378,7 +378,7 @@ def start_query(spark, config: Config, kafka_conf: dict[str, Any], source_option
     applier.commit_progress(progress)
     checkpoint = Path(config.consumer.checkpoint_dir) / CHECKPOINT_NAME
     shutil.rmtree(checkpoint, ignore_errors=True)  # Spark's scratch: the target's progress is the record
-    df = read_kafka(spark, config, topics, plan, source_options)
+    df = read_kafka(spark, config, topics, plan, source_options, applier.tasks)
     applier.query = (df.writeStream.queryName(QUERY_NAME).foreachBatch(applier)
                      .option("checkpointLocation", str(checkpoint))
                      .trigger(processingTime=f"{config.consumer.trigger_interval} seconds").start())

@@ -11,7 +11,10 @@ The path of a start, top to bottom:
 3. :func:`read_kafka` builds the stream: ``subscribe`` to the topics, the
    ``[kafka.client]`` settings translated to the Java client's
    (:func:`kafka_options`), ``maxOffsetsPerTrigger``, ``failOnDataLoss``,
-   ``kafkaConsumer.pollTimeoutMs``, headers included.
+   ``kafkaConsumer.pollTimeoutMs``, headers included, and ``minPartitions``:
+   a batch whose rows lie in fewer topic-partitions than Spark has cores
+   (one busy shape) has its ranges split into that many reads, so one
+   partition per topic does not mean one core decoding it.
 
 Invariants:
 - The target's progress is the one record of what is applied: a start never
@@ -118,9 +121,11 @@ def incarnation_changes(read_in: Mapping[str, str | None], now: Mapping[str, str
 
 
 def read_kafka(spark: SparkSession, config: Config, topics: list[str], plan: StartPlan,
-               options: Mapping[str, str]) -> DataFrame:
+               options: Mapping[str, str], tasks: int) -> DataFrame:
     """The raw messages of ``topics`` (Spark's Kafka source columns), from
-    ``plan``; ``options``: :func:`schemas.kafka.java_client_options`."""
+    ``plan``; ``options``: :func:`schemas.kafka.java_client_options`;
+    ``tasks``: the read tasks a batch of fewer topic-partitions with rows is
+    split into (Spark's ``minPartitions``)."""
     reader = (spark.readStream.format("kafka").options(**options)
               .option("subscribe", ",".join(topics))
               .option("startingOffsets", json.dumps(plan.starting_offsets) if plan.starting_offsets else "earliest")
@@ -128,6 +133,8 @@ def read_kafka(spark: SparkSession, config: Config, topics: list[str], plan: Sta
               .option("kafkaConsumer.pollTimeoutMs", str(round(config.consumer.poll_timeout * 1000)))
               .option("failOnDataLoss", "true" if config.consumer.on_data_loss == "stop" else "false")
               .option("includeHeaders", "true")
+              # A batch of one partition (a shape's backlog) still reads and decodes on every core.
+              .option("minPartitions", str(tasks))
               # Spark's consumers' group ids start with the group's name: its ACLs cover them.
               .option("groupIdPrefix", config.consumer.group))
     return reader.load().select("topic", "partition", "offset", "key", "value", "headers")

@@ -187,7 +187,7 @@ def embedded_config(base_dir: Path, target: str = "postgresql") -> tuple[dict, l
             conn.execute(demo_sql())
     data = {
         "source": {"dsn": pg.dsn("app"), "slot": "walbridge", "publication": "walbridge"},
-        "kafka": {"bootstrap_servers": broker.bootstrap, "topic_prefix": "wb", "partitions": 4},
+        "kafka": {"bootstrap_servers": broker.bootstrap, "topic_prefix": "wb"},
         "shapes": DEMO_SHAPES,
         "consumer": {"group": "walbridge-spark", "checkpoint_dir": str(base_dir / "checkpoints"),
                      **TARGETS[target](pg, base_dir / "lake")},

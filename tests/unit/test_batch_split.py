@@ -59,15 +59,19 @@ def test_decode_shapes_decodes_each_topic_with_its_own_shape_and_leaves_out_the_
     assert list(decode_shapes(shapes, iter([raw([(C, 0, 1)])]))) == []
 
 
-def test_parts_of_several_tasks_are_concatenated_in_task_order():
-    def blob(offsets):
-        return batch_split.to_ipc([pa.RecordBatch.from_pydict({wire.OFFSET_COLUMN: pa.array(offsets, pa.int64())})])
+def test_parts_of_several_tasks_come_back_in_partition_and_offset_order():
+    def blob(partition, offsets):
+        return batch_split.to_ipc([pa.RecordBatch.from_pydict({
+            wire.PARTITION_COLUMN: pa.array([partition] * len(offsets), pa.int32()),
+            wire.OFFSET_COLUMN: pa.array(offsets, pa.int64())})])
 
-    decoded = pa.Table.from_pydict({wire.TOPIC_COLUMN: [A, B, A], wire.ARROW_COLUMN: [blob([1, 2]), blob([9]),
-                                                                                      blob([3])]},
+    # Spark split partition 0's range between two tasks and returned the later half first.
+    decoded = pa.Table.from_pydict({wire.TOPIC_COLUMN: [A, B, A, A],
+                                    wire.ARROW_COLUMN: [blob(0, [3, 4]), blob(0, [9]), blob(1, [0]), blob(0, [1, 2])]},
                                    schema=batch_split.DECODED_ARROW_SCHEMA)
     tables = tables_by_topic(decoded)
-    assert tables[A].column(wire.OFFSET_COLUMN).to_pylist() == [1, 2, 3]
+    assert list(zip(tables[A].column(wire.PARTITION_COLUMN).to_pylist(),
+                    tables[A].column(wire.OFFSET_COLUMN).to_pylist())) == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 0)]
     assert tables[B].column(wire.OFFSET_COLUMN).to_pylist() == [9]
 
 
