@@ -2,7 +2,7 @@
 as a user of the default config gets it.
 
     flock /tmp/wb-tests.lock .venv/bin/python bench/latency.py [--rate 1000] [--warmup 20] [--duration 60]
-        [--target postgresql|delta|iceberg]
+        [--target postgresql|delta|iceberg] [--partitions N] [--master 'local[4]']
 
 - What ``walbridge up`` runs, on the pgbench shapes: a durable local
   PostgreSQL, an Apache Kafka broker, topics of ``[kafka] partitions``
@@ -355,6 +355,7 @@ def main() -> None:
     ap.add_argument("--target", choices=("postgresql", "delta", "iceberg"), default="postgresql")
     ap.add_argument("--trigger-interval", type=float, default=None, help="override [consumer] trigger_interval")
     ap.add_argument("--max-offsets", type=int, default=None, help="override [consumer] max_offsets_per_trigger")
+    ap.add_argument("--master", default="local[*]", help="Spark master, for experiments")
     ap.add_argument("--partitions", type=int, default=None, help="override [kafka] partitions")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "latency.json")
     args = ap.parse_args()
@@ -394,7 +395,7 @@ def main() -> None:
 
         def consume():
             try:
-                consumer_service(config, "local[*]", stop, appliers)
+                consumer_service(config, args.master, stop, appliers)
             except BaseException as e:  # noqa: BLE001 - reported at the end
                 failed.append(e)
                 stop.set()
