@@ -26,6 +26,9 @@ from tests.pipeline import FEW_ACCOUNTS, caught_up, e2e_config, pgbench, pipelin
 from walbridge.embedded import KafkaCluster
 
 OUTAGE_S = 30
+# A restarted node registers once the quorum has settled: on a loaded disk its
+# re-elections (slow durable writes) took longer than a node's own 90 s once.
+RESTART_S = 180
 
 
 @pytest.fixture
@@ -89,12 +92,12 @@ def test_three_brokers_killed_restarted_and_without_quorum_lose_and_double_nothi
             victim.kill()
             wait_for(lambda: _led_without(admin, topic_prefix, victim.node_id), timeout=120, interval=0.5,
                      what=f"every partition led by a node other than {victim.node_id}")
-            victim.start()
+            victim.start(RESTART_S)
             wait_for(lambda: _fully_replicated(admin, topic_prefix), timeout=180, interval=1,
                      what=f"node {victim.node_id} back in every ISR")
 
         for node in cluster.nodes:  # rolling restart
-            node.restart()
+            node.restart(RESTART_S)
             wait_for(lambda: _fully_replicated(admin, topic_prefix), timeout=180, interval=1,
                      what=f"node {node.node_id} back in every ISR after its restart")
 
@@ -105,7 +108,7 @@ def test_three_brokers_killed_restarted_and_without_quorum_lose_and_double_nothi
         for node in down:
             node.start(wait=False)
         for node in down:
-            node.wait_ready()
+            node.wait_ready(RESTART_S)
         wait_for(lambda: _fully_replicated(admin, topic_prefix), timeout=180, interval=1,
                  what="every ISR whole again after the outage")
 
