@@ -56,7 +56,11 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka.admin import AdminClient
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.pandas.functions import pandas_udf
+from pyspark.sql.types import StructType
+from pyspark.util import PythonEvalType
 
 from schemas import wire
 from schemas.config import Config, ShapeConfig
@@ -65,7 +69,7 @@ from schemas.kafka import describe_topics, topic_ids
 from schemas.retry import Outage, RetryPolicy
 from spark_consumer import metrics
 from spark_consumer.batch import BatchResult, Part, parts_from_rows
-from spark_consumer.batch_split import DECODED_SCHEMA, decode_shapes, new_schema_reason, tables_by_topic
+from spark_consumer.batch_split import DECODED_SCHEMA, RAW_COLUMNS, decode_shapes, new_schema_reason, tables_by_topic
 from spark_consumer.decode import arrow_rows
 from spark_consumer.pipelined import PipelinedApply
 from spark_consumer.shape_record import ShapeTarget
@@ -129,6 +133,7 @@ class BatchApplier(PipelinedApply):
         self.query = None  # the StreamingQuery, once started
         self.ui_url: str | None = None
         self.tasks = 2  # decode tasks per batch at most (the cores Spark has: set at the start)
+        self._decoder: tuple[tuple, dict, Column] | None = None  # (its shapes' identities, its shapes, its UDF)
 
     @property
     def needs_restart(self) -> bool:
@@ -227,8 +232,19 @@ class BatchApplier(PipelinedApply):
         # One Spark task per topic-partition is one Python worker's turn each:
         # a batch's partitions are read and decoded by as many tasks as Spark has cores.
         df = df.coalesce(self.tasks)
+        return tables_by_topic(map_in_arrow(df, self._decode_udf(topics)).toArrow())
+
+    def _decode_udf(self, topics: list[str]) -> Column:
+        """The decode of ``topics`` as one UDF, made again only when the
+        shapes or their writer schemas change (learning schemas replaces
+        a shape's :class:`ShapeSchemas`)."""
         shapes = {t: (self.states[t].source, self.states[t].schemas) for t in topics}
-        return tables_by_topic(df.mapInArrow(functools.partial(decode_shapes, shapes), DECODED_SCHEMA).toArrow())
+        # By identity: the cache holds the objects, so no id is reused while it does.
+        key = tuple((t, id(src), id(schemas)) for t, (src, schemas) in shapes.items())
+        if self._decoder is None or self._decoder[0] != key:
+            self._decoder = (key, shapes, arrow_map_udf(functools.partial(decode_shapes, shapes), DECODED_SCHEMA,
+                                                        RAW_COLUMNS))
+        return self._decoder[2]
 
     def _decode(self, decode: Callable[[list[str], bool], dict[str, pa.Table]], batch_id: int
                 ) -> dict[str, pa.Table]:
@@ -315,6 +331,21 @@ class BatchApplier(PipelinedApply):
         log.info("batch %d: %d rows of %d shapes (%d applied, %d replayed skipped, %d dead-lettered) in %.2fs (%s)",
                  batch_id, n_rows, len(per_topic), result.total("applied"), result.total("skipped_replayed"),
                  result.total("dlq"), time.monotonic() - started, timings)
+
+
+def arrow_map_udf(func: Callable, schema: StructType, columns: tuple[str, ...]) -> Column:
+    """``func`` as the UDF ``DataFrame.mapInArrow`` makes of it, over ``columns``
+    by name, to be applied to many DataFrames (:func:`map_in_arrow`)."""
+    udf = pandas_udf(func, returnType=schema, functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)
+    return udf(*[F.col(c) for c in columns])
+
+
+def map_in_arrow(df: DataFrame, udf: Column) -> DataFrame:
+    """``df.mapInArrow`` with a UDF made once (:func:`arrow_map_udf`). PySpark's
+    own makes the UDF again on every call: the function pickled and shipped
+    to the JVM and each column looked up, a dozen gateway round trips on every
+    micro-batch (bench/RESULTS.md, "The decode UDF made once")."""
+    return DataFrame(df._jdf.mapInArrow(udf._jc, False, None), df.sparkSession)
 
 
 def shape_states(config: Config, stop: threading.Event | None = None) -> dict[str, ShapeState]:

@@ -2,11 +2,13 @@
 (spark_consumer/query.py, pipelined.py, supervisor.py): a query is stopped
 only while its foreachBatch is outside Spark (stopping it inside a Spark call
 overflows the stream thread's stack in Spark's interruption check, issue 16);
-consecutive parts leave no gap; what a failed query costs."""
+consecutive parts leave no gap; the decode UDF is made again only for new
+schemas; what a failed query costs."""
 
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import psycopg
 import pyarrow as pa
@@ -17,7 +19,7 @@ from schemas import wire
 from schemas.config import parse_config
 from schemas.failures import KAFKA, Failure
 from schemas.retry import RetryPolicy
-from spark_consumer import supervisor
+from spark_consumer import query, supervisor
 from spark_consumer.query import BatchApplier
 from spark_consumer.session import local_master
 from spark_consumer.source import StartPlan
@@ -44,9 +46,6 @@ class SlowBatch:
     def coalesce(self, n):
         return self
 
-    def mapInArrow(self, fn, schema):  # noqa: N802 - Spark's name
-        return self
-
     def toArrow(self):  # noqa: N802 - Spark's name
         self.reads += 1
         self.reading.set()
@@ -71,7 +70,9 @@ def test_an_idle_applier_can_be_stopped_and_refuses_further_batches_unread():
         applier.close()
 
 
-def test_a_batch_being_read_holds_the_stop_back_until_it_is_handed_over():
+def test_a_batch_being_read_holds_the_stop_back_until_it_is_handed_over(monkeypatch):
+    monkeypatch.setattr(query, "arrow_map_udf", lambda *args: "decode")
+    monkeypatch.setattr(query, "map_in_arrow", lambda df, udf: df)
     applier = _applier()
     batch = SlowBatch()
     call = threading.Thread(target=applier, args=(batch, 3))
@@ -85,6 +86,24 @@ def test_a_batch_being_read_holds_the_stop_back_until_it_is_handed_over():
     finally:
         batch.release.set()
         call.join(10)
+        applier.close()
+
+
+def test_the_decode_udf_is_made_again_only_when_a_shape_or_its_schemas_change(monkeypatch):
+    made = []
+    monkeypatch.setattr(query, "arrow_map_udf", lambda func, schema, columns: made.append(func.args[0]) or len(made))
+    shape = SimpleNamespace(source=object(), schemas=object())
+    other = SimpleNamespace(source=object(), schemas=object())
+    applier = _applier()
+    applier.states = {TOPIC: shape, "wb.app.other": other}
+    try:
+        assert applier._decode_udf([TOPIC, "wb.app.other"]) == applier._decode_udf([TOPIC, "wb.app.other"]) == 1
+        assert applier._decode_udf([TOPIC]) == 2  # a re-decode of one shape's part
+        assert applier._decode_udf([TOPIC]) == 2
+        shape.schemas = object()  # learned again (a new writer schema)
+        assert applier._decode_udf([TOPIC]) == 3
+        assert made[-1] == {TOPIC: (shape.source, shape.schemas)}
+    finally:
         applier.close()
 
 
