@@ -92,11 +92,11 @@ def apply_shapes(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
                 if types is not None:
                     applied = insert_new_keys(conn, target, plan, staged, types)
                 else:
-                    stage = temp_stage(conn, target)
+                    stage, stage_types = temp_stage(conn, target)
                     if plan.stage_rows:
-                        copy_rows(conn, target, stage, plan.stage_rows)
+                        copy_rows(conn, target, stage, plan.stage_rows, types=stage_types)
                     applied = apply_stage(cur, target, stage, plan.cuts.values(), plan.keep_sets, staged,
-                                          plan.scoped_cuts, keys)
+                                          plan.scoped_cuts, keys, stage_types)
                 fill_results(result.parts, parts[0].topic, staged, applied)
             if plan.backfill_ends:
                 result.backfills_completed += record_backfills(cur, group, parts[0].topic, target,

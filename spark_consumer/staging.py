@@ -48,19 +48,27 @@ def stage_select(target: ShapeTarget) -> sql.Composed:
         cols=sql.SQL(", ").join(cols), sep=sql.SQL(", ") if cols else sql.SQL(""), t=table_ident(target))
 
 
-def temp_stage(conn: psycopg.Connection, target: ShapeTarget) -> sql.Identifier:
+def temp_stage(conn: psycopg.Connection, target: ShapeTarget) -> tuple[sql.Identifier, dict[str, int]]:
     """This session's staging table for the shape (created once per column
     layout, so a retyped or renamed column gets a new one; emptied at every
-    commit and at every use)."""
+    commit and at every use), and its columns' types (name -> type oid), in
+    one round trip."""
     sig = f"{target.schema}.{target.table}:{','.join(f'{c.name} {c.sql_type}' for c in target.columns)}"
     name = f"wb_stage_{zlib.crc32(sig.encode()):08x}"
     ident = sql.Identifier(name)
     with conn.cursor() as cur:
-        cur.execute("SET LOCAL client_min_messages = warning")
-        cur.execute(sql.SQL("CREATE TEMP TABLE IF NOT EXISTS {} ON COMMIT DELETE ROWS AS ").format(ident)
-                    + stage_select(target))
-        cur.execute(sql.SQL("DELETE FROM {}").format(ident))
-    return ident
+        # Without parameters psycopg sends the statements as one query: this
+        # runs once per shape of every batch.
+        cur.execute(sql.SQL(
+            "SET LOCAL client_min_messages = warning; "
+            "CREATE TEMP TABLE IF NOT EXISTS {s} ON COMMIT DELETE ROWS AS {select}; "
+            "DELETE FROM {s}; "
+            "SELECT attname::text, atttypid::int FROM pg_attribute "
+            "WHERE attrelid = {name}::regclass AND attnum > 0 AND NOT attisdropped"
+        ).format(s=ident, select=stage_select(target), name=sql.Literal(ident.as_string(conn))))
+        while cur.nextset():
+            pass  # to the last statement's rows
+        return ident, dict(cur.fetchall())
 
 
 def copy_rows(conn: psycopg.Connection, target: ShapeTarget, stage: sql.Composable, rows: Iterable[tuple],

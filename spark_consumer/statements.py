@@ -98,14 +98,17 @@ def insert_new_keys(conn: psycopg.Connection, target: ShapeTarget, plan: ApplyPl
 
 def apply_stage(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier, cuts: Iterable[Cut],
                 keep_sets: Iterable[tuple[str, ...]], staged: Mapping[int, Counter],
-                scoped_cuts: Iterable[Cut] = (), upserted_keys: list[int] | None = None) -> dict[str, Counter]:
+                scoped_cuts: Iterable[Cut] = (), upserted_keys: list[int] | None = None,
+                stage_types: Mapping[str, int] | None = None) -> dict[str, Counter]:
     """``staged``: per partition, the stage's rows by kind (exact: statements
-    for kinds it lacks are skipped)."""
+    for kinds it lacks are skipped); ``stage_types``: the stage's column
+    types, when known (its key column's is the target's)."""
     if target.keyless:
         out = _apply_keyless(cur, target, stage)
     else:
         out = _apply_keyed(cur, target, stage, keep_sets, sum(c[UPSERT] for c in staged.values()),
-                           sum(c[DELETE] for c in staged.values()), upserted_keys)
+                           sum(c[DELETE] for c in staged.values()), upserted_keys,
+                           (stage_types or {}).get(target.key_columns[0]))
     # Cuts last: the plan holds nothing of a cut's partition below the cut, so
     # what the batch wrote there survives it, and rows a re-snapshot rewrites
     # are updated in place instead of deleted and inserted again.
@@ -119,10 +122,11 @@ def apply_stage(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier,
 
 def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier,
                  keep_sets: Iterable[tuple[str, ...]], n_upserts: int | None = None, n_deletes: int | None = None,
-                 upsert_keys: list[int] | None = None) -> dict[str, Counter]:
+                 upsert_keys: list[int] | None = None, key_type: int | None = None) -> dict[str, Counter]:
     """``n_upserts``/``n_deletes``: how many the stage holds, when known (a
     statement for a kind the stage lacks is skipped); ``upsert_keys``: the
-    upserted keys, when the shape has one integer key column."""
+    upserted keys, when the shape has one integer key column; ``key_type``:
+    its type oid, when known."""
     t, tb = table_ident(target), tombstones_ident(target)
     keys = sql.SQL(", ").join(sql.Identifier(k) for k in target.key_columns)
     s_keys = sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(k)) for k in target.key_columns)
@@ -142,7 +146,7 @@ def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier
     # the target holds none of the upserted keys (e.g. a snapshot into an
     # empty or disjoint table): the join would find nothing.
     upserted = Counter()
-    for keep in keep_sets if upsert_keys is None or _holds_any_key(cur, target, upsert_keys) else ():
+    for keep in keep_sets if upsert_keys is None or _holds_any_key(cur, target, upsert_keys, key_type=key_type) else ():
         kept = set(keep)
         sets = [sql.SQL("{c} = s.{c}").format(c=sql.Identifier(c))
                 for c in (*[n for n, col in zip(names, target.columns) if not col.is_key and n not in kept],
