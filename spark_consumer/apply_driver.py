@@ -88,7 +88,7 @@ def apply_shapes(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
             if plan.stage_rows or plan.cuts or plan.scoped_cuts:
                 staged = staged_kinds(plan)
                 keys = upsert_keys(plan)
-                types = only_new_keys(cur, target, plan, staged, keys)
+                types, holds_keys = only_new_keys(cur, target, plan, staged, keys)
                 if types is not None:
                     applied = insert_new_keys(conn, target, plan, staged, types)
                 else:
@@ -96,7 +96,7 @@ def apply_shapes(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
                     if plan.stage_rows:
                         copy_rows(conn, target, stage, plan.stage_rows, types=stage_types)
                     applied = apply_stage(cur, target, stage, plan.cuts.values(), plan.keep_sets, staged,
-                                          plan.scoped_cuts, keys, stage_types)
+                                          plan.scoped_cuts, keys, stage_types, holds_keys)
                 fill_results(result.parts, parts[0].topic, staged, applied)
             if plan.backfill_ends:
                 result.backfills_completed += record_backfills(cur, group, parts[0].topic, target,

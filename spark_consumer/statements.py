@@ -59,16 +59,17 @@ def upsert_keys(plan: ApplyPlan) -> list[int] | None:
 
 
 def only_new_keys(cur: psycopg.Cursor, target: ShapeTarget, plan: ApplyPlan, staged: Mapping[int, Counter],
-                  upsert_keys: list[int] | None) -> dict[str, int] | None:
+                  upsert_keys: list[int] | None) -> tuple[dict[str, int] | None, bool | None]:
     """Is the plan upserts only (no deletes, cuts or kept TOAST columns) of
     keys neither the target nor its tombstones hold? Then each is an insert
     and nothing else can happen to the target (a snapshot or backfill into an
     empty or disjoint table, appends of new keys). Returns the target
-    table's column types (name → type oid) if so, else None."""
+    table's column types (name → type oid) if so, else None; and whether
+    the table holds any of the keys, when it was asked (else None)."""
     if upsert_keys is None or plan.cuts or plan.scoped_cuts or any(k not in ((), None) for k in plan.keep_sets):
-        return None
+        return None, None
     if any(kind != UPSERT for counts in staged.values() for kind, c in counts.items() if c):
-        return None
+        return None, None
     # One look at the table (this runs once per shape of every batch). COPY
     # FROM refuses a table under row-level security: such a table takes the
     # stage's INSERT, which applies its policies.
@@ -77,11 +78,11 @@ def only_new_keys(cur: psycopg.Cursor, target: ShapeTarget, plan: ApplyPlan, sta
         "JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
         "WHERE c.oid = %s::regclass GROUP BY c.relrowsecurity", (table_ident(target).as_string(cur),)).fetchone()
     if facts is None or facts[0]:
-        return None
+        return None, None
     types = dict(zip(facts[1], facts[2]))
-    if _holds_any_key(cur, target, upsert_keys, tombstones=True, key_type=types.get(target.key_columns[0])):
-        return None
-    return types
+    in_table, in_tombstones = _key_holders(cur, target, upsert_keys, tombstones=True,
+                                           key_type=types.get(target.key_columns[0]))
+    return (None if in_table or in_tombstones else types), in_table
 
 
 def insert_new_keys(conn: psycopg.Connection, target: ShapeTarget, plan: ApplyPlan,
@@ -99,16 +100,18 @@ def insert_new_keys(conn: psycopg.Connection, target: ShapeTarget, plan: ApplyPl
 def apply_stage(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier, cuts: Iterable[Cut],
                 keep_sets: Iterable[tuple[str, ...]], staged: Mapping[int, Counter],
                 scoped_cuts: Iterable[Cut] = (), upserted_keys: list[int] | None = None,
-                stage_types: Mapping[str, int] | None = None) -> dict[str, Counter]:
+                stage_types: Mapping[str, int] | None = None, holds_keys: bool | None = None) -> dict[str, Counter]:
     """``staged``: per partition, the stage's rows by kind (exact: statements
     for kinds it lacks are skipped); ``stage_types``: the stage's column
-    types, when known (its key column's is the target's)."""
+    types, when known (its key column's is the target's); ``holds_keys``:
+    whether the target holds any of ``upserted_keys``, when known (see
+    :func:`only_new_keys`)."""
     if target.keyless:
         out = _apply_keyless(cur, target, stage)
     else:
         out = _apply_keyed(cur, target, stage, keep_sets, sum(c[UPSERT] for c in staged.values()),
                            sum(c[DELETE] for c in staged.values()), upserted_keys,
-                           (stage_types or {}).get(target.key_columns[0]))
+                           (stage_types or {}).get(target.key_columns[0]), holds_keys)
     # Cuts last: the plan holds nothing of a cut's partition below the cut, so
     # what the batch wrote there survives it, and rows a re-snapshot rewrites
     # are updated in place instead of deleted and inserted again.
@@ -122,11 +125,13 @@ def apply_stage(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier,
 
 def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier,
                  keep_sets: Iterable[tuple[str, ...]], n_upserts: int | None = None, n_deletes: int | None = None,
-                 upsert_keys: list[int] | None = None, key_type: int | None = None) -> dict[str, Counter]:
+                 upsert_keys: list[int] | None = None, key_type: int | None = None,
+                 holds_keys: bool | None = None) -> dict[str, Counter]:
     """``n_upserts``/``n_deletes``: how many the stage holds, when known (a
     statement for a kind the stage lacks is skipped); ``upsert_keys``: the
     upserted keys, when the shape has one integer key column; ``key_type``:
-    its type oid, when known."""
+    its type oid, and ``holds_keys``: whether the target holds any of them
+    (asked before the batch's deletes), when known."""
     t, tb = table_ident(target), tombstones_ident(target)
     keys = sql.SQL(", ").join(sql.Identifier(k) for k in target.key_columns)
     s_keys = sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(k)) for k in target.key_columns)
@@ -146,7 +151,9 @@ def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier
     # the target holds none of the upserted keys (e.g. a snapshot into an
     # empty or disjoint table): the join would find nothing.
     upserted = Counter()
-    for keep in keep_sets if upsert_keys is None or _holds_any_key(cur, target, upsert_keys, key_type=key_type) else ():
+    if upsert_keys is not None and (holds_keys is None or n_deletes != 0):
+        holds_keys = _holds_any_key(cur, target, upsert_keys, key_type=key_type)
+    for keep in keep_sets if upsert_keys is None or holds_keys else ():
         kept = set(keep)
         sets = [sql.SQL("{c} = s.{c}").format(c=sql.Identifier(c))
                 for c in (*[n for n, col in zip(names, target.columns) if not col.is_key and n not in kept],
@@ -193,30 +200,41 @@ def _apply_deletes(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifi
     ).format(tb=tb, keys=keys, s_keys=s_keys, s=stage, t=t, eq=_key_eq(target, "t", "s"), tbpos=_pos("tb")))
 
 
-def _holds_any_key(cur: psycopg.Cursor, target: ShapeTarget, keys: list[int], tombstones: bool = False,
-                   key_type: int | None = None) -> bool:
-    """Does the target (or, with ``tombstones``, its tombstones) hold any of
-    ``keys``? True unless its key column is an integer column holding none
-    (``key_type``: its type oid, when the caller knows it). A probe of the
-    keys' range first (one index lookup, enough for appends with rising
-    keys), then the keys themselves (for a snapshot, whose partitions
-    interleave the parallel readers' key ranges)."""
+def _holds_any_key(cur: psycopg.Cursor, target: ShapeTarget, keys: list[int], key_type: int | None = None) -> bool:
+    """Does the target hold any of ``keys``? (:func:`_key_holders`)"""
+    return _key_holders(cur, target, keys, key_type=key_type)[0]
+
+
+def _key_holders(cur: psycopg.Cursor, target: ShapeTarget, keys: list[int], tombstones: bool = False,
+                 key_type: int | None = None) -> tuple[bool, ...]:
+    """Does the target (and, with ``tombstones``, do its tombstones) hold any
+    of ``keys``? One answer per table; True unless its key column is an
+    integer column holding none (``key_type``: its type oid, when the caller
+    knows it). A probe of the keys' range first (one index lookup, enough
+    for appends with rising keys), then the keys themselves in the tables
+    whose range holds any (for a snapshot, whose partitions interleave the
+    parallel readers' key ranges)."""
     [key] = target.key_columns
     if key_type is None:
         typ = cur.execute("SELECT atttypid::int FROM pg_attribute WHERE attrelid = %s::regclass AND attname = %s",
                           (table_ident(target).as_string(cur), key)).fetchone()
         key_type = typ[0] if typ else None
-    if key_type not in (20, 21, 23):
-        return True
     tables = [table_ident(target)] + ([tombstones_ident(target)] if tombstones else [])
+    if key_type not in (20, 21, 23):
+        return (True,) * len(tables)
 
-    def any_of(condition: str, params: tuple) -> bool:
-        return cur.execute(sql.SQL("SELECT {}").format(sql.SQL(" OR ").join(
+    def each_holds(condition: str, params: tuple, among: list[sql.Composable]) -> tuple[bool, ...]:
+        return tuple(cur.execute(sql.SQL("SELECT {}").format(sql.SQL(", ").join(
             sql.SQL("EXISTS (SELECT 1 FROM {} WHERE {} " + condition + ")").format(t, sql.Identifier(key))
-            for t in tables)), params * len(tables)).fetchone()[0]
+            for t in among)), params * len(among)).fetchone())
 
-    return any_of("BETWEEN %s::bigint AND %s::bigint", (min(keys), max(keys))) and any_of(
-        "= ANY(%s::bigint[])", (keys,))
+    in_range = each_holds("BETWEEN %s::bigint AND %s::bigint", (min(keys), max(keys)), tables)
+    probe = [i for i, hit in enumerate(in_range) if hit]
+    held = [False] * len(tables)
+    if probe:
+        for i, hit in zip(probe, each_holds("= ANY(%s::bigint[])", (keys,), [tables[i] for i in probe])):
+            held[i] = hit
+    return tuple(held)
 
 
 def _insert_columns(target: ShapeTarget) -> tuple[sql.Composable, sql.Composable]:
