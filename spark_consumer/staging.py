@@ -72,17 +72,17 @@ def temp_stage(conn: psycopg.Connection, target: ShapeTarget) -> tuple[sql.Ident
 
 
 def copy_rows(conn: psycopg.Connection, target: ShapeTarget, stage: sql.Composable, rows: Iterable[tuple],
-              names: Sequence[str] | None = None, types: Mapping[str, int] | None = None) -> None:
+              names: Sequence[str] | None = None, *, types: Mapping[str, int]) -> None:
     """COPY staged rows into ``stage`` (its columns ``names``, by default the
-    shape's and ``STAGE_EXTRA``; ``types``: its column types, when the caller
-    has them): in binary when :func:`_binary_types` finds every value one
+    shape's and ``STAGE_EXTRA``; ``types``: its columns' types, name -> type
+    oid): in binary when :func:`_binary_types` finds every value one
     whose binary form means what its text form would (about twice as fast on
     both ends), else in PostgreSQL's text format."""
     names = tuple(names) if names is not None else (*target.names, *STAGE_EXTRA)
     cols = sql.SQL(", ").join(sql.Identifier(c) for c in names)
     rows = rows if isinstance(rows, list) else list(rows)
     with conn.cursor() as cur:
-        oids = _binary_types(cur, stage, names, rows, types)
+        oids = _binary_types(names, rows, types)
         if oids is None:
             query = sql.SQL("COPY {} ({}) FROM STDIN").format(stage, cols)
         else:
@@ -121,17 +121,12 @@ _BINARY_CLASSES: dict[int, frozenset[type]] = {
 }
 
 
-def _binary_types(cur: psycopg.Cursor, stage: sql.Composable, names: Sequence[str], rows: Sequence[tuple],
-                  found: Mapping[str, int] | None = None) -> list[int] | None:
-    """The type oids of ``stage``'s columns ``names`` (``found``: all its
-    columns' types, if known) if every value of ``rows`` can go in binary
-    COPY (see ``_BINARY_CLASSES``), else None."""
+def _binary_types(names: Sequence[str], rows: Sequence[tuple], found: Mapping[str, int]) -> list[int] | None:
+    """The type oids of the columns ``names`` (``found``: the table's
+    columns' types) if every value of ``rows`` can go in binary COPY (see
+    ``_BINARY_CLASSES``), else None."""
     if not rows:
         return None
-    if found is None:
-        found = dict(cur.execute(
-            "SELECT attname, atttypid::int FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
-            "AND NOT attisdropped AND attname = ANY(%s)", (stage.as_string(cur), list(names))).fetchall())
     oids = [found.get(n) for n in names]
     if any(o not in _BINARY_CLASSES for o in oids):
         return None

@@ -92,7 +92,7 @@ def insert_new_keys(conn: psycopg.Connection, target: ShapeTarget, plan: ApplyPl
     (``_wb_applied_at``: its default, ``now()``)."""
     n = len(target.columns)
     copy_rows(conn, target, table_ident(target), [t[:n] + t[n + 2:] for t in plan.stage_rows],
-              (*target.names, *STAGED_BOOKKEEPING), types)
+              (*target.names, *STAGED_BOOKKEEPING), types=types)
     return {"deleted": Counter(), "tombstoned": Counter(), "truncated": Counter(), "tombstones_dropped": Counter(),
             "upserted": Counter({p: c[UPSERT] for p, c in staged.items()})}
 
@@ -130,8 +130,8 @@ def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier
     """``n_upserts``/``n_deletes``: how many the stage holds, when known (a
     statement for a kind the stage lacks is skipped); ``upsert_keys``: the
     upserted keys, when the shape has one integer key column; ``key_type``:
-    its type oid, and ``holds_keys``: whether the target holds any of them
-    (asked before the batch's deletes), when known."""
+    its type oid, and ``holds_keys``: whether the target holds any of them,
+    when :func:`only_new_keys` asked (it asks only of batches without deletes)."""
     t, tb = table_ident(target), tombstones_ident(target)
     keys = sql.SQL(", ").join(sql.Identifier(k) for k in target.key_columns)
     s_keys = sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(k)) for k in target.key_columns)
@@ -151,7 +151,7 @@ def _apply_keyed(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifier
     # the target holds none of the upserted keys (e.g. a snapshot into an
     # empty or disjoint table): the join would find nothing.
     upserted = Counter()
-    if upsert_keys is not None and (holds_keys is None or n_deletes != 0):
+    if upsert_keys is not None and holds_keys is None:
         holds_keys = _holds_any_key(cur, target, upsert_keys, key_type=key_type)
     for keep in keep_sets if upsert_keys is None or holds_keys else ():
         kept = set(keep)
