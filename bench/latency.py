@@ -21,13 +21,15 @@ as a user of the default config gets it.
 - ``--target``: the PostgreSQL target (a ``warehouse`` database on the same
   server), or a Delta folder / an Iceberg Hadoop catalog in the run's scratch
   directory, read back with delta-rs / pyiceberg.
-- Visibility: a thread polls the target's ``public.tick`` every
-  ``--poll-ms`` (5 on PostgreSQL, 50 on a lake: each poll reads the table's
-  newest version) for ids it has not seen yet (below the highest seen too:
-  ticks of different partitions can become visible out of order); a row's
-  latency is the wall clock when the poll returned it minus its ``at`` (same
-  host clock). The poll adds up to ``--poll-ms`` (and a lake read) to each
-  figure.
+- Visibility: on PostgreSQL, a trigger the bench adds to the target's
+  ``public.tick`` notifies each row's id and ``at`` at the apply's commit, and
+  a listening connection stamps it on arrival (no polling: a poll every few
+  milliseconds cost the shared cores what a user's pipeline does not pay).
+  On a lake, a thread polls the table's newest version every ``--poll-ms``
+  (50) for ids it has not seen yet (below the highest seen too: ticks of
+  different partitions can become visible out of order), which adds up to
+  ``--poll-ms`` and a lake read to each figure. A row's latency is the wall
+  clock it was stamped visible minus its ``at`` (same host clock).
 - Breakdown per tick: commit → produced to Kafka (the message's CreateTime,
   read by a side consumer) and Kafka → visible. Per micro-batch (every
   batch with rows that started in the window, from the query's ``recentProgress``):
@@ -37,10 +39,10 @@ as a user of the default config gets it.
   On a lake, per shape table and its commits in the window: Delta's MERGE
   ``executionTimeMs`` and files added (the commit's ``operationMetrics``),
   Iceberg's data files added per snapshot.
-- CPU per process over the measured window, in cores: PostgreSQL (every
-  backend), the broker, the producer, the Spark JVM, Spark's Python workers,
-  the driver's Python (this process: the bench's own pollers are in it too),
-  pgbench. Slot lag is ``pg_current_wal_lsn() - confirmed_flush_lsn``,
+- CPU per process over the measured window (read every 5 s, the last read
+  ending it), in cores: PostgreSQL (every backend), the broker, the
+  producer, the Spark JVM, Spark's Python workers, the driver's Python (this
+  process: the bench's own threads are in it too), pgbench. Slot lag is ``pg_current_wal_lsn() - confirmed_flush_lsn``,
   sampled every 0.5 s.
 """
 
@@ -81,6 +83,7 @@ SHAPES = ["public.pgbench_accounts", "public.pgbench_branches", "public.pgbench_
           "public.pgbench_history", "public.tick"]
 TICK_TOPIC = f"{PREFIX}.public.tick"
 TICK = os.sysconf("SC_CLK_TCK")
+CPU_EVERY_S = 5.0
 PROGRESS_KEYS = ("triggerExecution", "latestOffset", "queryPlanning", "getBatch", "addBatch", "walCommit",
                  "commitOffsets")
 
@@ -96,6 +99,17 @@ def summary(values: list[float]) -> dict:
     ms = [v * 1000 for v in values]
     return {"n": len(ms), "p50_ms": _r(pct(ms, 50)), "p99_ms": _r(pct(ms, 99)), "max_ms": _r(max(ms, default=None)),
             "mean_ms": _r(statistics.fmean(ms) if ms else None)}
+
+
+# Sent at the commit that makes a tick visible (a notification is delivered then).
+TICK_TRIGGER = """
+CREATE FUNCTION public.wb_bench_tick() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  PERFORM pg_notify('wb_tick', NEW.id || ' ' || extract(epoch FROM NEW.at));
+  RETURN NULL;
+END $$;
+CREATE TRIGGER wb_bench_tick AFTER INSERT ON public.tick FOR EACH ROW EXECUTE FUNCTION public.wb_bench_tick();
+"""
 
 
 def _r(v: float | None) -> float | None:
@@ -142,6 +156,31 @@ class Visible(threading.Thread):
             time.sleep(self.poll)
 
 
+class Notified(threading.Thread):
+    """Listens for the PostgreSQL target's tick notifications (the trigger
+    :data:`TICK_TRIGGER` adds once the consumer made the table); ``seen``
+    as :class:`Visible`'s. Ticks applied before the trigger exists (in the
+    warm-up) are not seen."""
+
+    def __init__(self, dsn: str, stop: threading.Event):
+        super().__init__(daemon=True)
+        self.dsn, self.stop = dsn, stop
+        self.seen: dict[int, tuple[float, float]] = {}
+
+    def run(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while conn.execute("SELECT to_regclass('public.tick')").fetchone()[0] is None:
+                if self.stop.wait(0.2):
+                    return
+            conn.execute(TICK_TRIGGER)
+            conn.execute("LISTEN wb_tick")
+            while not self.stop.is_set():
+                for n in conn.notifies(timeout=0.5):
+                    now = time.time()
+                    i, at = n.payload.split()
+                    self.seen[int(i)] = (float(at), now)
+
+
 class Target:
     """The bench's target: its ``[consumer]`` settings and how to read it."""
 
@@ -150,7 +189,6 @@ class Target:
         self.dsn = pg.dsn("warehouse")
         self.settings = target_settings(kind, self.dsn, base)
         self.config = None  # the parsed config, for the lake reader
-        self._conn = None
 
     def shape(self, name: str):
         return next(s for s in self.config.shapes if s.shape_name == name)
@@ -169,14 +207,7 @@ class Target:
             return 0
 
     def ticks(self, last: int, gaps: set[int]) -> list[tuple[int, float]]:
-        if self.kind == "postgresql":
-            if self._conn is None:
-                self._conn = psycopg.connect(self.dsn, autocommit=True)
-            try:
-                return self._conn.execute("SELECT id, extract(epoch FROM at)::float8 FROM public.tick"
-                                          " WHERE id > %s OR id = ANY(%s) ORDER BY id", (last, list(gaps))).fetchall()
-            except psycopg.errors.UndefinedTable:
-                return []
+        """A lake's ticks (:class:`Visible`; PostgreSQL notifies, :class:`Notified`)."""
         try:
             table = lake_reader(self.config).read(self.shape("public.tick"), ["id", "at"])
         except MissingTable:
@@ -220,7 +251,8 @@ class Stamps(threading.Thread):
     def run(self) -> None:
         conf = {"bootstrap.servers": self.bootstrap}
         resolver = SchemaResolver(conf, PREFIX)
-        c = Consumer({**conf, "group.id": f"bench-lat-{time.monotonic_ns()}", "fetch.wait.max.ms": 10,
+        # Librdkafka's fetch wait (500 ms) moves no stamp: the stamp is the message's CreateTime.
+        c = Consumer({**conf, "group.id": f"bench-lat-{time.monotonic_ns()}",
                       "auto.offset.reset": "earliest"})
         while not self.stop.is_set() and TICK_TOPIC not in c.list_topics(timeout=5).topics:
             time.sleep(0.2)
@@ -313,7 +345,7 @@ def cpu_by_part(pg_postmaster: int, broker: int, producer: int) -> dict[str, flo
         return out
 
     me = os.getpid()
-    jvm = [p for p in children.get(me, []) if procs[p][1] == "java"]
+    jvm = [p for p in children.get(me, []) if procs[p][1] == "java" and p != broker]  # the broker is a child too
     workers = [p for j in jvm for p in tree(j) if p != j]
     return {
         "postgresql": sum(procs[p][3] for p in tree(pg_postmaster)),
@@ -351,7 +383,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=20)
     ap.add_argument("--duration", type=float, default=60)
     ap.add_argument("--tick-every", type=float, default=0.02)
-    ap.add_argument("--poll-ms", type=float, default=None, help="5 on PostgreSQL, 50 on a lake")
+    ap.add_argument("--poll-ms", type=float, default=50, help="a lake's poll (PostgreSQL notifies)")
     ap.add_argument("--target", choices=("postgresql", "delta", "iceberg"), default="postgresql")
     ap.add_argument("--trigger-interval", type=float, default=None, help="override [consumer] trigger_interval")
     ap.add_argument("--max-offsets", type=int, default=None, help="override [consumer] max_offsets_per_trigger")
@@ -359,8 +391,6 @@ def main() -> None:
     ap.add_argument("--partitions", type=int, default=None, help="override [kafka] partitions")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "latency.json")
     args = ap.parse_args()
-    if args.poll_ms is None:
-        args.poll_ms = 5 if args.target == "postgresql" else 50
     base = Path(tempfile.mkdtemp(prefix="wb-bench-latency-"))
     logging.basicConfig(level=logging.INFO, filename=str(base / "walbridge.log"),
                         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
@@ -416,7 +446,8 @@ def main() -> None:
         print(json.dumps(results), flush=True)
         progress = Progress(measuring_stop)
         progress.start()
-        visible = Visible(target.ticks, args.poll_ms / 1000, measuring_stop)
+        visible = (Notified(target.dsn, measuring_stop) if args.target == "postgresql"
+                   else Visible(target.ticks, args.poll_ms / 1000, measuring_stop))
         stamps = Stamps(broker.bootstrap, measuring_stop)
         ticks = Ticks(pg.dsn("app"), args.tick_every, measuring_stop)
         for t in (visible, stamps):
@@ -433,9 +464,13 @@ def main() -> None:
         with psycopg.connect(pg.dsn("app"), autocommit=True) as conn:
             while bench.poll() is None:
                 if time.time() >= measure_from:
+                    # Every CPU_EVERY_S: reading /proc is this process's work, beside the driver's.
+                    now = time.monotonic()
                     if cpu0 is None:
-                        cpu0, w0 = cpu_by_part(postmaster, broker.pid, producer.pid), time.monotonic()
-                    cpu1, w1 = cpu_by_part(postmaster, broker.pid, producer.pid), time.monotonic()
+                        cpu0, w0 = cpu_by_part(postmaster, broker.pid, producer.pid), now
+                        w1 = now
+                    elif now - w1 >= CPU_EVERY_S:
+                        cpu1, w1 = cpu_by_part(postmaster, broker.pid, producer.pid), now
                     lag = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint"
                                        " FROM pg_replication_slots WHERE slot_name = 'walbridge'").fetchone()[0]
                     lag_max = max(lag_max, lag or 0)

@@ -106,6 +106,13 @@ PG_WHEEL_COPY_DIR = Path("/var/cache/walbridge")
 PG_OS_USER = "postgres"
 #: Longest unix socket path the kernel accepts (sun_path is 108 bytes).
 _MAX_SOCKET_PATH = 107
+#: The embedded broker's JVM: a small heap, short GC pauses, and C1 only. A node
+#: started for a demo or a test runs minutes, and C2's compiler thread was over
+#: half its CPU then (at 1,000 tps on the pgbench shapes, a minute after its
+#: start), on cores it shares with the rest of the pipeline (bench/RESULTS.md,
+#: "The embedded broker on C1").
+BROKER_JAVA_OPTIONS = ("-Xms128m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:TieredStopAtLevel=1",
+                       "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true")
 
 
 class EmbeddedError(RuntimeError):
@@ -699,8 +706,9 @@ class KafkaBroker:
     ``start()`` formats the storage the first time (``kafka.tools.StorageTool
     format``), writes ``server.properties`` (rewritten on every start, so
     ``extra_config`` always applies), starts ``kafka.Kafka`` with a small heap
-    (its output in ``base_dir/kafka.log``, appended across restarts) and, with
-    ``wait``, returns once the node answers metadata as a registered broker.
+    and C1 only (:data:`BROKER_JAVA_OPTIONS`; its output in
+    ``base_dir/kafka.log``, appended across restarts) and, with ``wait``,
+    returns once the node answers metadata as a registered broker.
     The process is ``java`` itself, so :attr:`pid` is what SIGSTOP/SIGKILL
     faults aim at. ``stop()`` signals only that process (SIGTERM: a controlled
     shutdown; SIGKILL after ``timeout``).
@@ -807,8 +815,7 @@ class KafkaBroker:
             self._atexit_registered = True
         with open(self.log_file, "ab") as log:
             self._proc = subprocess.Popen(
-                [java_bin(), "-Xms128m", f"-Xmx{self.heap}", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
-                 "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
+                [java_bin(), f"-Xmx{self.heap}", *BROKER_JAVA_OPTIONS,
                  f"-Dlog4j2.configurationFile={self.base_dir / 'log4j2.properties'}",
                  "-cp", jvm_classpath("kafka"), "kafka.Kafka", str(self.base_dir / "server.properties")],
                 stdin=subprocess.DEVNULL,
