@@ -42,8 +42,8 @@ as a user of the default config gets it.
 - CPU per process over the measured window (read every 5 s, the last read
   ending it), in cores: PostgreSQL (every backend), the broker, the
   producer, the Spark JVM, Spark's Python workers, the driver's Python (this
-  process: the bench's own threads are in it too), pgbench. Slot lag is ``pg_current_wal_lsn() - confirmed_flush_lsn``,
-  sampled every 0.5 s.
+  process: the bench's own threads are in it too), pgbench. Slot lag is
+  ``pg_current_wal_lsn() - confirmed_flush_lsn``, sampled every 0.5 s.
 """
 
 from __future__ import annotations
@@ -86,6 +86,15 @@ TICK = os.sysconf("SC_CLK_TCK")
 CPU_EVERY_S = 5.0
 PROGRESS_KEYS = ("triggerExecution", "latestOffset", "queryPlanning", "getBatch", "addBatch", "walCommit",
                  "commitOffsets")
+# Sent at the commit that makes a tick visible (a notification is delivered then).
+TICK_TRIGGER = """
+CREATE FUNCTION public.wb_bench_tick() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  PERFORM pg_notify('wb_tick', NEW.id || ' ' || extract(epoch FROM NEW.at));
+  RETURN NULL;
+END $$;
+CREATE TRIGGER wb_bench_tick AFTER INSERT ON public.tick FOR EACH ROW EXECUTE FUNCTION public.wb_bench_tick();
+"""
 
 
 def pct(values: list[float], p: float) -> float | None:
@@ -99,17 +108,6 @@ def summary(values: list[float]) -> dict:
     ms = [v * 1000 for v in values]
     return {"n": len(ms), "p50_ms": _r(pct(ms, 50)), "p99_ms": _r(pct(ms, 99)), "max_ms": _r(max(ms, default=None)),
             "mean_ms": _r(statistics.fmean(ms) if ms else None)}
-
-
-# Sent at the commit that makes a tick visible (a notification is delivered then).
-TICK_TRIGGER = """
-CREATE FUNCTION public.wb_bench_tick() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-  PERFORM pg_notify('wb_tick', NEW.id || ' ' || extract(epoch FROM NEW.at));
-  RETURN NULL;
-END $$;
-CREATE TRIGGER wb_bench_tick AFTER INSERT ON public.tick FOR EACH ROW EXECUTE FUNCTION public.wb_bench_tick();
-"""
 
 
 def _r(v: float | None) -> float | None:
