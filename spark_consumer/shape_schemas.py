@@ -23,11 +23,10 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from confluent_kafka.schema_registry.error import SchemaRegistryError
@@ -188,8 +187,10 @@ def writer_schemas_for(src: ShapeSource, schemas: ShapeSchemas) -> WriterSchemas
     """The (cached) writer schemas a decode of ``src`` with ``schemas`` reads
     with; any value schema not known at discovery marks the batch for a new
     discovery (``only_known``)."""
-    key = hashlib.sha256(json.dumps({"src": asdict(src), "schemas": asdict(schemas)}, sort_keys=True,
-                                    default=str).encode()).hexdigest()
+    # Keyed by content, since each task unpickles the shapes anew. The plain
+    # data's repr costs ~1/30 of a sorted JSON of the dataclasses (per shape
+    # of every task); equal content in another dict order only misses.
+    key = hashlib.sha256(repr((src, schemas)).encode()).hexdigest()
     ws = _writer_schemas.get(key)
     if ws is None:
         ws = _writer_schemas[key] = WriterSchemas(schemas.layout(), schema_lookup(src, schemas.writer_schemas),

@@ -4,6 +4,7 @@ target DDL a new schema plans (issue 12)."""
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
 
 import pyarrow as pa
@@ -12,7 +13,7 @@ from psycopg import sql
 
 from schemas import wire
 from spark_consumer.batch_split import decode_batches, raw_messages
-from spark_consumer.shape_schemas import ShapeSchemas, ShapeSource
+from spark_consumer.shape_schemas import ShapeSchemas, ShapeSource, writer_schemas_for
 from spark_consumer.target_ddl import ExistingColumn, WantedColumn, plan_changes, widens
 from tests.unit.test_spark_decode import TOPIC, Shape, _col, pos
 
@@ -242,3 +243,13 @@ def test_on_dropped_column_is_validated():
     assert config("drop").consumer.on_dropped_column == "drop"
     with pytest.raises(ConfigError, match="consumer.on_dropped_column"):
         config("purge")
+
+
+def test_a_worker_reads_with_the_same_writer_schemas_while_the_shape_and_its_schemas_are_the_same():
+    """Each task unpickles the shapes anew: equal content finds the cache, a
+    changed schema set does not."""
+    old, new = Shape(OLD), Shape(NEW)
+    first = writer_schemas_for(SRC, _schemas(old))
+    assert writer_schemas_for(pickle.loads(pickle.dumps(SRC)), pickle.loads(pickle.dumps(_schemas(old)))) is first
+    assert writer_schemas_for(SRC, _schemas(old, new)) is not first
+    assert writer_schemas_for(replace(SRC, topic_prefix="other"), _schemas(old)) is not first
