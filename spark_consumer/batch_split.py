@@ -71,7 +71,8 @@ def decode_batches(src: ShapeSource, schemas: ShapeSchemas, batches: Iterable[An
     (flushed before the last batch is yielded) and given a ``dlq`` row; a
     message written with a value schema not among the known ones ends the
     output with one ``new_schema`` row (what was decoded before it is dropped)."""
-    builder = BatchBuilder(schemas.layout(), writer_schemas_for(src, schemas))
+    writers = writer_schemas_for(src, schemas)  # cached per worker, its layout with it
+    builder = BatchBuilder(writers.layout, writers)
     dead_letters = DeadLetters(src.topic, src.client_conf())
     for batch in batches:
         for topic, partition, offset, key, value, headers in raw_messages(batch):
