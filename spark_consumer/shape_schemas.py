@@ -188,7 +188,7 @@ def writer_schemas_for(src: ShapeSource, schemas: ShapeSchemas) -> WriterSchemas
     with; any value schema not known at discovery marks the batch for a new
     discovery (``only_known``)."""
     # Keyed by content, since each task unpickles the shapes anew. The plain
-    # data's repr costs ~1/30 of a sorted JSON of the dataclasses (per shape
+    # data's repr costs ~1/10 of a sorted JSON of the dataclasses (per shape
     # of every task); equal content in another dict order only misses.
     key = hashlib.sha256(repr((src, schemas)).encode()).hexdigest()
     ws = _writer_schemas.get(key)
