@@ -200,25 +200,22 @@ def _apply_deletes(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifi
     ).format(tb=tb, keys=keys, s_keys=s_keys, s=stage, t=t, eq=_key_eq(target, "t", "s"), tbpos=_pos("tb")))
 
 
-def _holds_any_key(cur: psycopg.Cursor, target: ShapeTarget, keys: list[int], key_type: int | None = None) -> bool:
+def _holds_any_key(cur: psycopg.Cursor, target: ShapeTarget, keys: list[int], *, key_type: int | None) -> bool:
     """Does the target hold any of ``keys``? (:func:`_key_holders`)"""
     return _key_holders(cur, target, keys, key_type=key_type)[0]
 
 
-def _key_holders(cur: psycopg.Cursor, target: ShapeTarget, keys: list[int], tombstones: bool = False,
-                 key_type: int | None = None) -> tuple[bool, ...]:
+def _key_holders(cur: psycopg.Cursor, target: ShapeTarget, keys: list[int], tombstones: bool = False, *,
+                 key_type: int | None) -> tuple[bool, ...]:
     """Does the target (and, with ``tombstones``, do its tombstones) hold any
     of ``keys``? One answer per table; True unless its key column is an
-    integer column holding none (``key_type``: its type oid, when the caller
-    knows it). A probe of the keys' range first (one index lookup, enough
-    for appends with rising keys), then the keys themselves in the tables
-    whose range holds any (for a snapshot, whose partitions interleave the
-    parallel readers' key ranges)."""
+    integer column holding none (``key_type``: its type oid, from the
+    table's or the stage's column types; None counts as not an integer). A
+    probe of the keys' range first (one index lookup, enough for appends
+    with rising keys), then the keys themselves in the tables whose range
+    holds any (for a snapshot, whose partitions interleave the parallel
+    readers' key ranges)."""
     [key] = target.key_columns
-    if key_type is None:
-        typ = cur.execute("SELECT atttypid::int FROM pg_attribute WHERE attrelid = %s::regclass AND attname = %s",
-                          (table_ident(target).as_string(cur), key)).fetchone()
-        key_type = typ[0] if typ else None
     tables = [table_ident(target)] + ([tombstones_ident(target)] if tombstones else [])
     if key_type not in (20, 21, 23):
         return (True,) * len(tables)
