@@ -37,7 +37,7 @@ from schemas import wire
 from spark_consumer.dead_letters import DeadLetters
 from spark_consumer.decode import BatchBuilder, SchemaChangedError, UndecodableMessage
 from spark_consumer.shape_schemas import ShapeSchemas, ShapeSource, writer_schemas_for
-from spark_consumer.worker_imports import keep_zip_directories
+from spark_consumer.worker_imports import settle_worker
 
 # The raw columns the decoder reads, named as Spark's Kafka source names them.
 RAW_COLUMNS = ("topic", "partition", "offset", "key", "value", "headers")
@@ -137,7 +137,7 @@ def decode_shapes(shapes: Mapping[str, tuple[ShapeSource, ShapeSchemas]], batche
                   ) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` over raw rows of many topics (executor side): each
     topic's rows decoded (:func:`decode_by_topic`) as one :data:`DECODED_SCHEMA` row."""
-    keep_zip_directories()  # for this worker's next tasks
+    settle_worker()  # for this worker's next tasks
     decoded = decode_by_topic(shapes, batches)
     if decoded:
         yield pa.RecordBatch.from_arrays([pa.array(list(decoded), pa.string()),

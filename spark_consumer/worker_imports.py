@@ -1,25 +1,52 @@
-"""Executor side: a Python worker's per-task import cost, kept to the first task.
+"""Executor side: a Python worker's fixed costs per task, paid once per
+worker process instead (:func:`settle_worker`, called by every decode task).
 
-Before every task PySpark's worker calls ``importlib.invalidate_caches()``
-(Spark 4.1; SPARK-54744 calls it only when a task adds a path). On Python
-3.10 and 3.11 that makes every ``zipimporter`` re-read its archive's whole
-directory at once (python/cpython#103200, made lazy in 3.12): pyspark.zip,
-py4j's zip and spark-core's jar (5,358 entries), once per package imported
-from them. Measured here: 0.09–0.10 s a task on a quiet machine, paid by
-every decode task of every micro-batch.
+Two costs PySpark's worker pays around every task, measured here:
+- Before every task it calls ``importlib.invalidate_caches()`` (Spark 4.1;
+  SPARK-54744 calls it only when a task adds a path). On Python 3.10 and
+  3.11 that makes every ``zipimporter`` re-read its archive's whole directory
+  at once (python/cpython#103200, made lazy in 3.12): pyspark.zip, py4j's zip
+  and spark-core's jar (5,358 entries), once per package imported from them.
+  0.09-0.10 s a task on a quiet machine.
+- After every task a reused worker runs a full ``gc.collect()``
+  (``pyspark/daemon.py``), which walks every object the process holds:
+  PySpark, pyarrow, fastavro and walbridge's modules, ~110,000 objects,
+  50-56 ms a task on a quiet machine (bench/RESULTS.md, "The Python workers'
+  collection after every task").
 
-Invariant: an archive is re-read when its size or modification time changed
-since this importer last read it, as before; an unchanged one is not. (The
-archives a worker imports from do not change while it lives.)
+Invariants:
+- A zip archive is re-read when its size or modification time changed since
+  this importer last read it, as before; an unchanged one is not. (The
+  archives a worker imports from do not change while it lives.)
+- What the worker holds when its first decode task starts (its modules) is
+  frozen once, after one full collection, so no garbage is frozen with it
+  and the daemon's collection after each task walks only what tasks made
+  since. A frozen object is still freed when its last reference goes; only a
+  reference cycle among them would outlive its use, and modules make none
+  that the worker drops.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import zipimport
 
 _STAMP = "_walbridge_stamp"  # an importer's archive (mtime, size) when it last read it
+_settled = False  # has this process frozen what it held at its first decode task
+
+
+def settle_worker() -> None:
+    """Once per worker process: keep unchanged zip directories
+    (:func:`keep_zip_directories`) and freeze what the process holds, out of
+    the collection PySpark's daemon runs after every task."""
+    global _settled
+    keep_zip_directories()
+    if not _settled:
+        gc.collect()
+        gc.freeze()
+        _settled = True
 
 
 def keep_zip_directories() -> None:

@@ -1,11 +1,15 @@
-"""A Python worker's per-task ``importlib.invalidate_caches()`` re-reads no
-unchanged zip archive, and still sees a changed one
-(spark_consumer.worker_imports)."""
+"""A Python worker's per-task fixed costs, paid once per process
+(spark_consumer.worker_imports): its ``importlib.invalidate_caches()`` re-reads
+no unchanged zip archive (and still sees a changed one), and what it holds is
+frozen once, out of the daemon's collection after every task."""
 
 import importlib
+import subprocess
 import sys
+import textwrap
 import zipfile
 import zipimport
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +43,33 @@ def test_an_unchanged_archive_is_not_re_read_and_a_changed_one_is(tmp_path, monk
     assert importlib.import_module("wbzipped_two").VALUE == 2
     for name in ("wbzipped_one", "wbzipped_two"):
         sys.modules.pop(name, None)
+
+
+def test_a_settled_worker_freezes_what_it_holds_once_and_no_garbage_with_it():
+    # In a process of its own: freezing is process-wide.
+    script = textwrap.dedent("""
+        import gc, weakref
+        from spark_consumer.worker_imports import settle_worker
+
+        class Node:
+            pass
+
+        garbage = Node(); garbage.me = garbage  # a cycle only a collection frees
+        dropped = weakref.ref(garbage)
+        del garbage
+        settle_worker()
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000, frozen  # the modules
+        assert dropped() is None  # collected before the freeze, not frozen
+        after_task = Node(); after_task.me = after_task  # a task's cycle, made after
+        later = weakref.ref(after_task)
+        del after_task
+        settle_worker()  # the next task: nothing frozen again
+        assert gc.get_freeze_count() == frozen, (gc.get_freeze_count(), frozen)
+        gc.collect()  # the daemon's, after the task
+        assert later() is None  # a task's garbage is still collected
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
