@@ -18,10 +18,12 @@ Invariants:
 - A zip archive is re-read when its size or modification time changed since
   this importer last read it, as before; an unchanged one is not. (The
   archives a worker imports from do not change while it lives.)
-- What the worker holds when its first decode task starts (its modules) is
-  frozen once, after one full collection, so no garbage is frozen with it
-  and the daemon's collection after each task walks only what tasks made
-  since. A frozen object is still freed when its last reference goes; only a
+- In a worker the daemon reuses (``SPARK_REUSE_WORKER``, Spark's
+  ``spark.python.worker.reuse``, on by default), what the worker holds when
+  its first decode task starts (its modules) is frozen once, after one full
+  collection, so no garbage is frozen with it and the daemon's collection
+  after each task walks only what tasks made since. A worker that is not
+  reused runs no such collection, so it freezes nothing. A frozen object is still freed when its last reference goes; only a
   reference cycle among them would outlive its use, and modules make none
   that the worker drops.
 """
@@ -34,6 +36,7 @@ import sys
 import zipimport
 
 _STAMP = "_walbridge_stamp"  # an importer's archive (mtime, size) when it last read it
+REUSED = "SPARK_REUSE_WORKER"  # set (non-empty) by Spark for workers its daemon reuses (pyspark/daemon.py)
 _settled = False  # has this process frozen what it held at its first decode task
 
 
@@ -43,7 +46,7 @@ def settle_worker() -> None:
     the collection PySpark's daemon runs after every task."""
     global _settled
     keep_zip_directories()
-    if not _settled:
+    if not _settled and os.environ.get(REUSED):
         gc.collect()
         gc.freeze()
         _settled = True

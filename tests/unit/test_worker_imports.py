@@ -4,6 +4,7 @@ no unchanged zip archive (and still sees a changed one), and what it holds is
 frozen once, out of the daemon's collection after every task."""
 
 import importlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from spark_consumer.worker_imports import keep_zip_directories
+from spark_consumer.worker_imports import REUSED, keep_zip_directories
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12+ re-reads zip archives lazily itself")
@@ -45,9 +46,18 @@ def test_an_unchanged_archive_is_not_re_read_and_a_changed_one_is(tmp_path, monk
         sys.modules.pop(name, None)
 
 
-def test_a_settled_worker_freezes_what_it_holds_once_and_no_garbage_with_it():
-    # In a process of its own: freezing is process-wide.
-    script = textwrap.dedent("""
+def _in_worker_process(script: str, reused: bool) -> subprocess.CompletedProcess:
+    """``script`` in a process of its own (freezing is process-wide), as a
+    worker the daemon reuses or not."""
+    env = {k: v for k, v in os.environ.items() if k != REUSED}
+    if reused:
+        env[REUSED] = "1"
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[2], env=env)
+
+
+def test_a_reused_worker_freezes_what_it_holds_once_and_no_garbage_with_it():
+    done = _in_worker_process("""
         import gc, weakref
         from spark_consumer.worker_imports import settle_worker
 
@@ -69,7 +79,16 @@ def test_a_settled_worker_freezes_what_it_holds_once_and_no_garbage_with_it():
         gc.collect()  # the daemon's, after the task
         assert later() is None  # a task's garbage is still collected
         print("ok")
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
+    """, reused=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_worker_that_is_not_reused_freezes_nothing():
+    # Its daemon runs no collection after the task, so a freeze would buy nothing.
+    done = _in_worker_process("""
+        import gc
+        from spark_consumer.worker_imports import settle_worker
+        settle_worker()
+        print(gc.get_freeze_count())
+    """, reused=False)
+    assert done.returncode == 0 and done.stdout.strip() == "0", done.stderr
