@@ -23,7 +23,8 @@ Invariants:
   its first decode task starts (its modules) is frozen once, after one full
   collection, so no garbage is frozen with it and the daemon's collection
   after each task walks only what tasks made since. A worker that is not
-  reused runs no such collection, so it freezes nothing. A frozen object is still freed when its last reference goes; only a
+  reused runs no such collection, so it freezes nothing.
+- A frozen object is still freed when its last reference goes; only a
   reference cycle among them would outlive its use, and modules make none
   that the worker drops.
 """
