@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -151,6 +152,33 @@ def relation_facts(conn: psycopg.Connection, oid: int) -> CatalogFacts | None:
     columns = tuple(ColumnFacts(*r) for r in conn.execute(_FACTS_SQL, (oid,)))
     key_row = conn.execute(_KEY_SQL, (oid,)).fetchone()
     return CatalogFacts(schema, name, columns, tuple(key_row[0]) if key_row else (), identity)
+
+
+# Whether transaction ``xid`` (32 bits, as the stream gives it) is visible to
+# a snapshot taken now: its 64-bit id from the epoch of the snapshot's xmax,
+# one epoch back when the xid is above xmax's low half (it wrapped since).
+_VISIBLE_SQL = """
+SELECT pg_visible_in_snapshot(((((x >> 32) - (%(xid)s > (x & 4294967295))::int) << 32) | %(xid)s)::text::xid8, s)
+FROM (SELECT s, pg_snapshot_xmax(s)::text::bigint AS x FROM pg_current_snapshot() AS s) AS now
+"""
+
+
+VISIBLE_TIMEOUT = 10.0  # seconds; a commit leaves the proc array within microseconds on a quiet server
+
+
+def await_visible(conn: psycopg.Connection, xid: int, timeout: float = VISIBLE_TIMEOUT) -> bool:
+    """Wait until transaction ``xid``, decoded from the stream, is visible to
+    ``conn``'s next statements (False: not within ``timeout`` seconds).
+    PostgreSQL flushes a commit record, which lets the walsender decode the
+    transaction, a moment before other sessions' snapshots see it; a catalog
+    read for its Relation message in that moment finds the schema from before
+    its DDL."""
+    deadline = time.monotonic() + timeout
+    while not conn.execute(_VISIBLE_SQL, {"xid": xid}).fetchone()[0]:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def existing(conn: psycopg.Connection, oids: list[int]) -> set[int]:

@@ -463,6 +463,11 @@ class Pipeline:
         elif isinstance(msg, Commit):
             self._commit(msg)
         elif isinstance(msg, Relation):
+            # What the catalog says of it must include the transaction's own DDL.
+            if self._tx is not None and not catalog.await_visible(self.catalog_conn, self._tx.xid):
+                log.warning("transaction %s is decoded but not yet visible to other sessions after %.0f s; "
+                            "reading the catalog for %s.%s anyway (a column it lacks is re-read)", self._tx.xid,
+                            catalog.VISIBLE_TIMEOUT, msg.schema, msg.name)
             if msg.oid in self.schema.shape_tables:
                 self.schema.relation(msg, self._hold_position())
             plan = self.relations[msg.oid] = self._plan_relation(msg)

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from producer import metrics
+from producer import catalog, metrics
 from producer.pgoutput import lsn_to_int
 from schemas import wire
 from schemas.reader import read_schemas_topic
@@ -249,6 +249,21 @@ def test_ddl_before_a_tables_first_change_is_compared_with_the_snapshot(source_d
     rows = latest_rows(read_topic(bootstrap, q_default, topic_prefix), lambda r: r.value["after"]["id"])
     assert sorted((r["id"], r.get("d")) for r in rows.values()) == [(i, 7) for i in range(1, 52)]
     assert "column dropped" not in caplog.text
+
+
+def test_a_decoded_transaction_is_awaited_until_the_catalog_sees_it(source_db):
+    """The stream decodes a transaction once its commit record is flushed, a
+    moment before other sessions see it; the catalog is read for its Relation
+    message only once they do (the race that made a column added with a
+    constant default look changed again since)."""
+    with psycopg.connect(source_db) as writer, psycopg.connect(source_db, autocommit=True) as reader:
+        writer.execute("CREATE TABLE visible_probe (id int PRIMARY KEY)")
+        xid = writer.execute("SELECT pg_current_xact_id()::text::bigint & 4294967295").fetchone()[0]
+        assert not catalog.await_visible(reader, xid, timeout=0.2)
+        writer.commit()
+        assert catalog.await_visible(reader, xid, timeout=0.2)
+        older = reader.execute("SELECT xmin::text::bigint FROM pg_class WHERE relname = 'pg_class'").fetchone()[0]
+        assert catalog.await_visible(reader, older, timeout=0.2)
 
 
 def test_ddl_while_the_producer_was_stopped_is_compared_with_what_it_published(source_db, kafka_broker,
