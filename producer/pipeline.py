@@ -108,7 +108,7 @@ from producer.topics import prepare_topics
 from schemas import wire
 from schemas.config import Config
 from schemas.failures import KAFKA, SOURCE, Failure, attributed
-from schemas.kafka import METADATA_TIMEOUT, Writer, client_config, cluster_metadata, topic_id
+from schemas.kafka import METADATA_TIMEOUT, Writer, client_config, cluster_metadata, topic_ids
 from schemas.publisher import SchemaPublisher, SchemaRegistrationError
 from schemas.retry import Outage, RetryPolicy
 from schemas.shape_filter import compile_filter
@@ -330,7 +330,11 @@ class Pipeline:
         self.schema.resume_from({topics[t]: found for t, found in latest.items()})
 
     def _topic_ids(self) -> dict[str, str | None]:
-        return {t: topic_id(self.admin, t) for t in self.partitions}
+        ids = topic_ids(self.admin, self.partitions)
+        for found in ids.values():
+            if isinstance(found, Exception):
+                raise found
+        return ids
 
     def _take_snapshot(self, lsn: int, snapshot_name: str) -> None:
         """The initial snapshot at the new slot's consistent point, recorded in

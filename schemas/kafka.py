@@ -48,7 +48,7 @@ from confluent_kafka import (
     TopicCollection,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from schemas import wire
 from schemas.wire import commit_topic_id
@@ -320,17 +320,31 @@ def describe_topics(admin: AdminClient, topics: Iterable[str], timeout: float = 
     return out
 
 
-def topic_id(admin: AdminClient, topic: str, timeout: float = 30.0) -> str | None:
-    """The topic's id, or None where the broker has none. Raises LookupError
-    if the topic is missing."""
-    return _described(topic, admin.describe_topics(TopicCollection([topic]))[topic], timeout).topic_id
-
-
 def topic_ids(admin: AdminClient, topics: Iterable[str], timeout: float = 30.0) -> dict[str, str | None | Exception]:
-    """:func:`topic_id` of many topics in one request: topic -> its id, None,
-    or the exception :func:`topic_id` would raise for it (LookupError: missing)."""
+    """Many topics' ids (KIP-516) in one request: topic -> its id, None where
+    the broker keeps none, or the exception met for it (LookupError: missing;
+    KafkaException)."""
     described = describe_topics(admin, topics, timeout)
     return {t: d.topic_id if isinstance(d, Described) else d for t, d in described.items()}
+
+
+def latest_offsets(admin: AdminClient, writers: Iterable[Writer], timeout: float = 30.0) -> dict[Writer, int]:
+    """Each partition's end (the offset its next message gets), all asked in
+    one request per partition leader. Raises KafkaException (``_TIMED_OUT``
+    when the broker does not answer within ``timeout`` seconds; else the
+    first partition's error, e.g. a missing topic)."""
+    asked = [TopicPartition(t, p) for t, p in sorted(set(writers))]
+    if not asked:
+        return {}
+    futures = admin.list_offsets({tp: OffsetSpec.latest() for tp in asked}, request_timeout=timeout)
+    out = {}
+    for tp, future in futures.items():
+        try:
+            out[(tp.topic, tp.partition)] = future.result(timeout=timeout).offset
+        except TimeoutError:  # the future's own wait
+            raise timed_out(f"listing the end offsets of {len(asked)} partitions: no answer within "
+                            f"{timeout:.0f}s") from None
+    return out
 
 
 def _described(topic: str, future, timeout: float) -> Described:
@@ -383,8 +397,7 @@ class GroupOffsets:
             tps = consumer.committed([TopicPartition(t, p) for t, p in writers], timeout=timeout)
             commits = {(tp.topic, tp.partition): (tp.offset, commit_topic_id(tp.metadata)) for tp in tps}
             ids = self._topic_ids({t for (t, _), (_, tid) in commits.items() if tid}, timeout)
-            ends = {w: consumer.get_watermark_offsets(TopicPartition(*w), timeout=timeout)[1]
-                    for w, (o, _) in commits.items() if o > 0}
+            ends = latest_offsets(self._admin_client(), [w for w, (o, _) in commits.items() if o > 0], timeout)
             result[group], untrusted = trusted_offsets(group, commits, ids, ends)
             for line in untrusted:
                 if line not in self._reported:  # once, not at every ack poll
@@ -397,15 +410,19 @@ class GroupOffsets:
         where no commit carries one: commits made by other tools)."""
         if not topics:
             return {}
+        ids = {}
+        for topic, found in topic_ids(self._admin_client(), topics, timeout).items():
+            if isinstance(found, LookupError):
+                found = None  # missing: no commit on it is progress
+            elif isinstance(found, Exception):
+                raise found
+            ids[topic] = found
+        return ids
+
+    def _admin_client(self) -> AdminClient:
         if self._admin is None:
             self._admin = AdminClient(self._conf)
-        ids = {}
-        for topic in topics:
-            try:
-                ids[topic] = topic_id(self._admin, topic, timeout)
-            except LookupError:
-                ids[topic] = None  # missing: no commit on it is progress
-        return ids
+        return self._admin
 
     def close(self) -> None:
         consumers, self._consumers = list(self._consumers.values()), {}
