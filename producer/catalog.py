@@ -154,6 +154,30 @@ def relation_facts(conn: psycopg.Connection, oid: int) -> CatalogFacts | None:
     return CatalogFacts(schema, name, columns, tuple(key_row[0]) if key_row else (), identity)
 
 
+class CatalogReads:
+    """The catalog as one step of the stream reads it (a Relation message,
+    the plan of a table read whole): each relation's facts and each table's
+    info asked once, however many parts of the step need them. Made anew
+    for each step, so nothing read here outlives the step it was read for."""
+
+    def __init__(self, conn: psycopg.Connection, known: Sequence[TableInfo] = ()):
+        self._conn = conn
+        self._facts: dict[int, CatalogFacts | None] = {}
+        self._tables: dict[tuple[str, str], TableInfo | None] = {(t.schema, t.name): t for t in known}
+
+    def facts(self, oid: int) -> CatalogFacts | None:
+        """:func:`relation_facts`."""
+        if oid not in self._facts:
+            self._facts[oid] = relation_facts(self._conn, oid)
+        return self._facts[oid]
+
+    def table(self, schema: str, name: str) -> TableInfo | None:
+        """:func:`table_info`."""
+        if (schema, name) not in self._tables:
+            self._tables[(schema, name)] = table_info(self._conn, schema, name)
+        return self._tables[(schema, name)]
+
+
 # Whether transaction ``xid`` (32 bits, as the stream gives it) is visible to
 # a snapshot taken now: its 64-bit id from the epoch of the snapshot's xmax,
 # one epoch back when the xid is above xmax's low half (it wrapped since).

@@ -472,9 +472,10 @@ class Pipeline:
                 log.warning("transaction %s is decoded but not yet visible to other sessions after %.0f s; "
                             "reading the catalog for %s.%s anyway (a column it lacks is re-read)", self._tx.xid,
                             catalog.VISIBLE_TIMEOUT, msg.schema, msg.name)
+            reads = catalog.CatalogReads(self.catalog_conn)
             if msg.oid in self.schema.shape_tables:
-                self.schema.relation(msg, self._hold_position())
-            plan = self.relations[msg.oid] = self._plan_relation(msg)
+                self.schema.relation(msg, self._hold_position(), reads)
+            plan = self.relations[msg.oid] = self._plan_relation(msg, reads)
             encoder = relation_encoder(plan, self.partitions, self._tombstones)
             if encoder is not None:
                 self._encoders[msg.oid] = encoder
@@ -500,11 +501,11 @@ class Pipeline:
         elif isinstance(msg, TypeMsg):
             pass  # types are read from the catalog when a Relation needs them
 
-    def _plan_relation(self, rel: Relation) -> RelationPlan:
+    def _plan_relation(self, rel: Relation, reads: catalog.CatalogReads) -> RelationPlan:
         # By oid first: a shape table's changes from before a RENAME TABLE
         # still carry the old name when the config names the new one.
         qualified = self.schema.shape_tables.get(rel.oid, f"{rel.schema}.{rel.name}")
-        table = catalog.table_info(self.catalog_conn, rel.schema, rel.name)
+        table = reads.table(rel.schema, rel.name)
         key = relation_key(rel, table)
         stopped = self.schema.stopped
         specs = [s for s in self.shape_specs.get(qualified, []) if s.name not in stopped]
@@ -513,9 +514,10 @@ class Pipeline:
         codecs = [column_codec(self.types(c.type_oid, c.typmod), self.catalog_conn) for c in rel.columns]
         # The shape table's attnums, which a routed plan's writer schemas carry too.
         above = {spec.table for spec in specs if spec.table}
-        attnums = {t.qualified: self.schema.attnums(t.oid) for t in self.tables.values() if (t.schema, t.name) in above}
+        attnums = {t.qualified: self.schema.attnums(t.oid, reads) for t in self.tables.values()
+                   if (t.schema, t.name) in above}
         if rel.oid in self.schema.shape_tables:
-            attnums[f"{rel.schema}.{rel.name}"] = self.schema.attnums(rel.oid)
+            attnums[f"{rel.schema}.{rel.name}"] = self.schema.attnums(rel.oid, reads)
         plan = RelationPlan(rel, codecs, key, specs, self.config.kafka.topic_prefix, self.db_name,
                             self.config.kafka.value_layout, self.schema.aliases(rel.oid), attnums)
         plan.fetch_current = self._fetch_current
@@ -528,7 +530,7 @@ class Pipeline:
                 # That shape stops; the others are planned again without it.
                 self.schema.stop(route.name, f"shape {route.name}: {e.headline} (fix: {e.fix})",
                                  self._hold_position())
-                return self._plan_relation(rel)
+                return self._plan_relation(rel, reads)
         return plan
 
     def _routed_specs(self, table: TableInfo, key: tuple[str, ...]) -> tuple[list[ShapeSpec], tuple[str, ...]]:
@@ -580,7 +582,7 @@ class Pipeline:
 
     def _plan_table(self, table: TableInfo) -> RelationPlan:
         """The plan of a table read whole (snapshot, backfill), as if its Relation message had arrived."""
-        return self._plan_relation(table_relation(table))
+        return self._plan_relation(table_relation(table), catalog.CatalogReads(self.catalog_conn, [table]))
 
     def _plan_tables(self, tables: Iterable[TableInfo]) -> list[RelationPlan]:
         """:meth:`_plan_table` of each, their schemas published together."""

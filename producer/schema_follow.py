@@ -110,15 +110,16 @@ class SchemaFollower:
     def aliases(self, oid: int) -> dict[str, tuple[str, ...]] | None:
         return self._aliases.get(oid)
 
-    def relation(self, rel: Relation, hold_lsn: int) -> None:
+    def relation(self, rel: Relation, hold_lsn: int, reads: catalog.CatalogReads) -> None:
         """A Relation message of a shape table (``rel.oid`` in ``shape_tables``);
         ``hold_lsn``: where a shape it stops holds WAL from (the transaction
-        being read, or between transactions what is confirmed)."""
+        being read, or between transactions what is confirmed); ``reads``:
+        the catalog as this message's step reads it."""
         qualified = self.shape_tables[rel.oid]
-        facts = catalog.relation_facts(self._conn, rel.oid)
+        facts = reads.facts(rel.oid)
         if facts is None:
             return  # dropped since: its changes up to the drop still go out; ``poll`` stops its shapes
-        table = catalog.table_info(self._conn, facts.schema, facts.name)
+        table = reads.table(facts.schema, facts.name)
         columns = self._columns(rel)
         old = self._relations.get(rel.oid)
         seed = self._seeds.pop(rel.oid, None) if old is None else None
@@ -178,11 +179,11 @@ class SchemaFollower:
             if seed is not None:
                 self._seeds[oid] = (seed, shapes)
 
-    def attnums(self, oid: int) -> dict[str, int]:
+    def attnums(self, oid: int, reads: catalog.CatalogReads) -> dict[str, int]:
         """Each column's attnum (name → attnum) as the stream last planned the
         relation, else (a column the stream has not seen: a read of the whole
         table) as the catalog has it now: what its writer schemas carry."""
-        facts = catalog.relation_facts(self._conn, oid)
+        facts = reads.facts(oid)
         shape = self._relations.get(oid)
         planned = {c.name: c.attnum for c in (shape.columns if shape else ())}
         merged = {**{c.name: c.attnum for c in (facts.columns if facts else ())}, **planned}
