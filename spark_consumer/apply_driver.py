@@ -7,13 +7,16 @@ The path of one batch, top to bottom:
    (:func:`spark_consumer.progress.lock_progress`); refuse a gap, and skip
    the rows progress already covers
    (:func:`spark_consumer.apply_plan.split_replayed`).
-2. Per shape, plan the rest (:func:`spark_consumer.apply_plan.plan_batch`);
-   COPY the plan into the session's stage (:mod:`spark_consumer.staging`) and
-   run the set-based statements (:func:`spark_consumer.statements.apply_stage`),
-   or, when the plan only brings keys the target has never seen, COPY it
-   straight into the table (:func:`spark_consumer.statements.insert_new_keys`);
-   record the backfill ends it applied.
-3. Move each part's progress to its end
+2. Per shape, plan the rest (:func:`spark_consumer.apply_plan.plan_batch`).
+3. Ask every shape's target at once which plans only bring keys it has never
+   seen (:func:`spark_consumer.statements.only_new_keys`: a few round trips
+   for the batch, whatever its number of shapes).
+4. Per shape, COPY such a plan straight into the table
+   (:func:`spark_consumer.statements.insert_new_keys`), any other into the
+   session's stage (:mod:`spark_consumer.staging`) and run the set-based
+   statements (:func:`spark_consumer.statements.apply_stage`); record the
+   backfill ends it applied.
+5. Move each part's progress to its end
    (:func:`spark_consumer.batch.progress_update`,
    :func:`spark_consumer.progress.write_progress`); commit.
 
@@ -29,6 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Iterable, Sequence
 
 import psycopg
@@ -75,20 +79,26 @@ def apply_shapes(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
     with conn.transaction(), conn.cursor() as cur:
         cur.execute("SELECT set_config('TimeZone', 'UTC', true)")
         progress, existed = lock_progress(conn, group, all_parts)
-        updates = []
+        planned = []
         for target, parts in batches:
             if not parts:
                 continue
             todo_rows, floors = unapplied_rows(parts, progress, existed, result, on_gap=on_gap,
                                                on_offset_reset=on_offset_reset)
-            fields = parts[0].fields
-            plan = plan_batch(target, todo_rows, floors=floors, gc_controls=gc, fields=fields, keyless_pairs=False)
+            plan = plan_batch(target, todo_rows, floors=floors, gc_controls=gc, fields=parts[0].fields,
+                              keyless_pairs=False)
             merge_plan_stats(result, plan)
             result.controls.extend(plan.controls)
+            planned.append((target, parts, plan, staged_kinds(plan), upsert_keys(plan)))
+        # Every shape's target is asked at once, before any is written: a table
+        # written by more than one entry takes the stage's statements instead.
+        writers = Counter((target.schema, target.table) for target, *_ in planned)
+        new_keys = only_new_keys(conn, [
+            (target, plan, staged, keys if writers[target.schema, target.table] == 1 else None)
+            for target, _, plan, staged, keys in planned])
+        updates = []
+        for (target, parts, plan, staged, keys), (types, holds_keys) in zip(planned, new_keys):
             if plan.stage_rows or plan.cuts or plan.scoped_cuts:
-                staged = staged_kinds(plan)
-                keys = upsert_keys(plan)
-                types, holds_keys = only_new_keys(cur, target, plan, staged, keys)
                 if types is not None:
                     applied = insert_new_keys(conn, target, plan, staged, types)
                 else:

@@ -28,7 +28,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import psycopg
 from psycopg import sql
@@ -58,31 +58,60 @@ def upsert_keys(plan: ApplyPlan) -> list[int] | None:
     return keys
 
 
-def only_new_keys(cur: psycopg.Cursor, target: ShapeTarget, plan: ApplyPlan, staged: Mapping[int, Counter],
-                  upsert_keys: list[int] | None) -> tuple[dict[str, int] | None, bool | None]:
-    """Is the plan upserts only (no deletes, cuts or kept TOAST columns) of
-    keys neither the target nor its tombstones hold? Then each is an insert
-    and nothing else can happen to the target (a snapshot or backfill into an
-    empty or disjoint table, appends of new keys). Returns the target
-    table's column types (name → type oid) if so, else None; and whether
-    the table holds any of the keys, when it was asked (else None)."""
+# A target table's row-level security flag and column types (name, type oid).
+_TABLE_FACTS = ("SELECT c.relrowsecurity, array_agg(a.attname::text), array_agg(a.atttypid::int) FROM pg_class c "
+                "JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
+                "WHERE c.oid = %s::regclass GROUP BY c.relrowsecurity")
+
+
+def only_new_keys(conn: psycopg.Connection,
+                  asks: Sequence[tuple[ShapeTarget, ApplyPlan, Mapping[int, Counter], list[int] | None]]
+                  ) -> list[tuple[dict[str, int] | None, bool | None]]:
+    """For each shape of a batch (its target, plan, staged kinds and
+    :func:`upsert_keys`; one entry per target table): is the plan upserts
+    only (no deletes, cuts or kept TOAST columns) of keys neither the target
+    nor its tombstones hold? Then each is an insert and nothing else can
+    happen to the target (a snapshot or backfill into an empty or disjoint
+    table, appends of new keys). Answers, in order: the target table's
+    column types (name → type oid) if so, else None; and whether the table
+    holds any of the keys, when it was asked (else None). Every shape's
+    questions are sent together (:func:`_first_rows`): a batch of many
+    shapes waits for two or three answers, not two a shape."""
+    out: list[tuple[dict[str, int] | None, bool | None]] = [(None, None)] * len(asks)
+    asked = [i for i, (_, plan, staged, keys) in enumerate(asks) if _upserts_only(plan, staged, keys)]
+    facts = _first_rows(conn, [(_TABLE_FACTS, (table_ident(asks[i][0]).as_string(conn),)) for i in asked])
+    # COPY FROM refuses a table under row-level security: such a table takes
+    # the stage's INSERT, which applies its policies.
+    probed = [(i, dict(zip(row[1], row[2]))) for i, row in zip(asked, facts) if row is not None and not row[0]]
+    held = _key_holders(conn, [(asks[i][0], asks[i][3], types.get(asks[i][0].key_columns[0])) for i, types in probed],
+                        tombstones=True)
+    for (i, types), (in_table, in_tombstones) in zip(probed, held):
+        out[i] = (None if in_table or in_tombstones else types), in_table
+    return out
+
+
+def _upserts_only(plan: ApplyPlan, staged: Mapping[int, Counter], upsert_keys: list[int] | None) -> bool:
+    """Pure: could :func:`only_new_keys` say yes (before asking the target)?"""
     if upsert_keys is None or plan.cuts or plan.scoped_cuts or any(k not in ((), None) for k in plan.keep_sets):
-        return None, None
-    if any(kind != UPSERT for counts in staged.values() for kind, c in counts.items() if c):
-        return None, None
-    # One look at the table (this runs once per shape of every batch). COPY
-    # FROM refuses a table under row-level security: such a table takes the
-    # stage's INSERT, which applies its policies.
-    facts = cur.execute(
-        "SELECT c.relrowsecurity, array_agg(a.attname::text), array_agg(a.atttypid::int) FROM pg_class c "
-        "JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
-        "WHERE c.oid = %s::regclass GROUP BY c.relrowsecurity", (table_ident(target).as_string(cur),)).fetchone()
-    if facts is None or facts[0]:
-        return None, None
-    types = dict(zip(facts[1], facts[2]))
-    in_table, in_tombstones = _key_holders(cur, target, upsert_keys, tombstones=True,
-                                           key_type=types.get(target.key_columns[0]))
-    return (None if in_table or in_tombstones else types), in_table
+        return False
+    return not any(kind != UPSERT for counts in staged.values() for kind, c in counts.items() if c)
+
+
+def _first_rows(conn: psycopg.Connection, queries: Sequence[tuple[Any, tuple]]) -> list[tuple | None]:
+    """The first row of each query, all sent before any answer is awaited
+    (psycopg's pipeline mode: one round trip for all, not one each)."""
+    if not queries:
+        return []
+    cursors = []
+    with conn.pipeline():
+        for query, params in queries:
+            cur = conn.cursor()
+            cur.execute(query, params)
+            cursors.append(cur)
+    rows = [cur.fetchone() for cur in cursors]
+    for cur in cursors:
+        cur.close()
+    return rows
 
 
 def insert_new_keys(conn: psycopg.Connection, target: ShapeTarget, plan: ApplyPlan,
@@ -202,36 +231,41 @@ def _apply_deletes(cur: psycopg.Cursor, target: ShapeTarget, stage: sql.Identifi
 
 def _holds_any_key(cur: psycopg.Cursor, target: ShapeTarget, keys: list[int], *, key_type: int | None) -> bool:
     """Does the target hold any of ``keys``? (:func:`_key_holders`)"""
-    return _key_holders(cur, target, keys, key_type=key_type)[0]
+    return _key_holders(cur.connection, [(target, keys, key_type)])[0][0]
 
 
-def _key_holders(cur: psycopg.Cursor, target: ShapeTarget, keys: list[int], tombstones: bool = False, *,
-                 key_type: int | None) -> tuple[bool, ...]:
-    """Does the target (and, with ``tombstones``, do its tombstones) hold any
-    of ``keys``? One answer per table; True unless its key column is an
-    integer column holding none (``key_type``: its type oid, from the
-    table's or the stage's column types; None counts as not an integer). A
-    probe of the keys' range first (one index lookup, enough for appends
-    with rising keys), then the keys themselves in the tables whose range
-    holds any (for a snapshot, whose partitions interleave the parallel
-    readers' key ranges)."""
-    [key] = target.key_columns
-    tables = [table_ident(target)] + ([tombstones_ident(target)] if tombstones else [])
-    if key_type not in (20, 21, 23):
-        return (True,) * len(tables)
+def _key_holders(conn: psycopg.Connection, asks: Sequence[tuple[ShapeTarget, list[int], int | None]],
+                 tombstones: bool = False) -> list[tuple[bool, ...]]:
+    """For each (target, keys, key_type): does the target (and, with
+    ``tombstones``, do its tombstones) hold any of ``keys``? One answer per
+    table; True unless its key column is an integer column holding none
+    (``key_type``: its type oid, from the table's or the stage's column
+    types; None counts as not an integer). A probe of the keys' range first
+    (one index lookup, enough for appends with rising keys), then the keys
+    themselves in the tables whose range holds any (for a snapshot, whose
+    partitions interleave the parallel readers' key ranges). Each step's
+    probes of every table go together (:func:`_first_rows`)."""
+    held: list[list[bool]] = []
+    # (the ask, the table's place in its answer, the table, its key column)
+    tables: list[tuple[int, int, sql.Composable, sql.Identifier]] = []
+    for i, (target, _, key_type) in enumerate(asks):
+        own = [table_ident(target)] + ([tombstones_ident(target)] if tombstones else [])
+        integer = key_type in (20, 21, 23)
+        held.append([not integer] * len(own))
+        if integer:
+            [key] = target.key_columns
+            tables += [(i, j, t, sql.Identifier(key)) for j, t in enumerate(own)]
 
-    def each_holds(condition: str, params: tuple, among: list[sql.Composable]) -> tuple[bool, ...]:
-        return tuple(cur.execute(sql.SQL("SELECT {}").format(sql.SQL(", ").join(
-            sql.SQL("EXISTS (SELECT 1 FROM {} WHERE {} " + condition + ")").format(t, sql.Identifier(key))
-            for t in among)), params * len(among)).fetchone())
+    def each_holds(condition: str, params: Callable[[list[int]], tuple], among: list[tuple]) -> list[bool]:
+        return [row[0] for row in _first_rows(conn, [
+            (sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE {} " + condition + ")").format(t, key), params(asks[i][1]))
+            for i, _, t, key in among])]
 
-    in_range = each_holds("BETWEEN %s::bigint AND %s::bigint", (min(keys), max(keys)), tables)
-    probe = [i for i, hit in enumerate(in_range) if hit]
-    held = [False] * len(tables)
-    if probe:
-        for i, hit in zip(probe, each_holds("= ANY(%s::bigint[])", (keys,), [tables[i] for i in probe])):
-            held[i] = hit
-    return tuple(held)
+    in_range = each_holds("BETWEEN %s::bigint AND %s::bigint", lambda keys: (min(keys), max(keys)), tables)
+    probe = [t for t, hit in zip(tables, in_range) if hit]
+    for (i, j, _, _), hit in zip(probe, each_holds("= ANY(%s::bigint[])", lambda keys: (keys,), probe)):
+        held[i][j] = hit
+    return [tuple(h) for h in held]
 
 
 def _insert_columns(target: ShapeTarget) -> tuple[sql.Composable, sql.Composable]:

@@ -395,9 +395,13 @@ def test_new_keys_go_straight_in_and_updates_run_only_when_keys_may_exist(conn, 
     direct, between = [], []
     real_insert, real_holders = apply_driver.insert_new_keys, statements._key_holders
     monkeypatch.setattr(apply_driver, "insert_new_keys", lambda *a: direct.append(1) or real_insert(*a))
-    monkeypatch.setattr(statements, "_key_holders",
-                        lambda *a, **k: between.append((real_holders(*a, **k), k.get("tombstones", False))) or
-                        between[-1][0])
+
+    def holders(conn, asks, **k):  # one entry per table asked about
+        held = real_holders(conn, asks, **k)
+        between.extend((h, k.get("tombstones", False)) for h in held)
+        return held
+
+    monkeypatch.setattr(statements, "_key_holders", holders)
 
     def apply(*rows):
         direct.clear(), between.clear()
@@ -645,6 +649,40 @@ def test_several_shapes_commit_or_fail_together(conn, items):
     assert res.total("upserted") == 1 and res.total("appended") == 1
     assert set(res.offsets) == {(TOPIC, 0), ("wb.eventlog", 0)}
 
+
+
+def test_a_batch_asks_every_shapes_target_at_once(conn, items, monkeypatch):
+    """Whether each shape's plan brings only new keys is asked of every
+    target together (two pipelined rounds for the batch, not two a shape); a
+    table two entries write takes the stage's statements, which see what
+    the first entry wrote."""
+    from spark_consumer import statements
+
+    others = [items_target(f"app.items{i}") for i in (2, 3)]
+    for t in others:
+        ensure_table(conn, t)
+    rounds = []  # the queries of each round trip
+    real_first_rows = statements._first_rows
+
+    def first_rows(c, queries):
+        if queries:
+            rounds.append(len(queries))
+        return real_first_rows(c, queries)
+
+    monkeypatch.setattr(statements, "_first_rows", first_rows)
+    batch = [(t, [part([change("c", 100 + i, id=i, off=0, topic=f"wb.{t.shape}")], topic=f"wb.{t.shape}")])
+             for i, t in enumerate([items, *others], start=1)]
+    res = apply_shapes(conn, GROUP, batch)
+    assert res.total("upserted") == 3
+    assert rounds == [3, 6]  # each table's facts; the range probes of each table and its tombstones
+    assert [conn.execute(f"SELECT id FROM app.{t} ORDER BY id").fetchall() for t in ("items", "items2", "items3")] \
+        == [[(1,)], [(2,)], [(3,)]]
+    # Two entries writing one table: the second sees the first's row and wins only where it is newer.
+    rounds.clear()
+    res = apply_shapes(conn, GROUP, [(items, [part([change("c", 300, id=7, off=1, body="first")])]),
+                                     (items, [part([change("c", 200, id=7, off=0, body="older")], topic="wb.other")])])
+    assert (res.total("upserted"), res.total("stale")) == (1, 1)
+    assert table_rows(conn, 'SELECT id, "body text" FROM app.items ORDER BY id') == [(1, None), (7, "first")]
 
 # ------------------------------------------------------------------ backfills
 def backfill_end(lsn, *, p, off, n=2, scope=None, bid="bf1", topic=TOPIC, shape="app.items"):
