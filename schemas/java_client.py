@@ -32,14 +32,16 @@ class JavaClientError(ValueError):
 # waits this long at the broker; the broker answers a connection's requests in
 # order, so the offset lookups Spark's source makes next for that partition
 # wait behind it (bench/RESULTS.md: 500 ms by default, 0.4 s per idle
-# partition's task; 20 ms, 200 shapes' inserts 4.2-4.7 s; 1 ms, 2.6-2.9 s).
-# Spark only reads offsets it has seen exist, so the wait buys nothing.
+# partition's task; 20 ms, 200 shapes' inserts 4.2-4.7 s; 1 ms, 2.6-2.9 s;
+# none, a 200-partition read ~0.3 s against 0.43 s at 1 ms). Spark only reads
+# offsets it has seen exist (each read is a fetch and then Spark 4.1's two
+# offset lookups), so the wait buys nothing.
 # enable.metrics.push, auto.include.jmx.reporter: Spark's source keeps a Java
 # consumer per topic-partition, and each registers its few hundred metrics
 # with JMX and with the client telemetry reporter when made; on 200 shapes'
 # 800 partitions that was ~4 s of a fresh consumer's first batch
 # (bench/RESULTS.md). Spark's own metrics and the consumer's are unaffected.
-JAVA_DEFAULTS = {"kafka.fetch.max.wait.ms": "1", "kafka.enable.metrics.push": "false",
+JAVA_DEFAULTS = {"kafka.fetch.max.wait.ms": "0", "kafka.enable.metrics.push": "false",
                  "kafka.auto.include.jmx.reporter": "false"}
 
 # librdkafka settings whose Java client setting has the same name and meaning.
