@@ -12,8 +12,10 @@ of :func:`schemas.java_client.java_client_options`, its batch coalesced into
 as many tasks as the master has slots) on ``--master`` (default
 ``local[2]``, ``walbridge up`` on this machine). Each round writes one
 100-byte record to every topic ``--pause`` s after the previous round was
-read (the shapes bench's inserts are 2 s apart); a batch counts its records. Reported: each round's read (the Spark jobs of the
-batches its records fell in), and the median of the rounds after the first five (the JIT's warm-up).
+read (the shapes bench's inserts are 2 s apart); a batch counts its
+records. Reported: each round's read (the Spark jobs of the batches its
+records fell in), and the median of the rounds after the first five (the
+JIT's warm-up).
 
 ``--option key=value`` (repeatable) sets a source option after the
 consumer's, e.g. ``--option kafka.fetch.max.wait.ms=1``, to compare a

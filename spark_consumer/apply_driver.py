@@ -32,7 +32,6 @@ Invariants:
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Iterable, Sequence
 
 import psycopg
@@ -90,12 +89,7 @@ def apply_shapes(conn: psycopg.Connection, group: str, batches: Sequence[tuple[S
             merge_plan_stats(result, plan)
             result.controls.extend(plan.controls)
             planned.append((target, parts, plan, staged_kinds(plan), upsert_keys(plan)))
-        # Every shape's target is asked at once, before any is written: a table
-        # written by more than one entry takes the stage's statements instead.
-        writers = Counter((target.schema, target.table) for target, *_ in planned)
-        new_keys = only_new_keys(conn, [
-            (target, plan, staged, keys if writers[target.schema, target.table] == 1 else None)
-            for target, _, plan, staged, keys in planned])
+        new_keys = only_new_keys(conn, [(target, plan, staged, keys) for target, _, plan, staged, keys in planned])
         updates = []
         for (target, parts, plan, staged, keys), (types, holds_keys) in zip(planned, new_keys):
             if plan.stage_rows or plan.cuts or plan.scoped_cuts:

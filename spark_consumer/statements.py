@@ -68,17 +68,21 @@ def only_new_keys(conn: psycopg.Connection,
                   asks: Sequence[tuple[ShapeTarget, ApplyPlan, Mapping[int, Counter], list[int] | None]]
                   ) -> list[tuple[dict[str, int] | None, bool | None]]:
     """For each shape of a batch (its target, plan, staged kinds and
-    :func:`upsert_keys`; one entry per target table): is the plan upserts
-    only (no deletes, cuts or kept TOAST columns) of keys neither the target
-    nor its tombstones hold? Then each is an insert and nothing else can
-    happen to the target (a snapshot or backfill into an empty or disjoint
-    table, appends of new keys). Answers, in order: the target table's
-    column types (name → type oid) if so, else None; and whether the table
-    holds any of the keys, when it was asked (else None). Every shape's
-    questions are sent together (:func:`_first_rows`): a batch of many
-    shapes waits for two or three answers, not two a shape."""
+    :func:`upsert_keys`): is the plan upserts only (no deletes, cuts or kept
+    TOAST columns) of keys neither the target nor its tombstones hold? Then
+    each is an insert and nothing else can happen to the target (a snapshot
+    or backfill into an empty or disjoint table, appends of new keys).
+    Answers, in order: the target table's column types (name → type oid) if
+    so, else None; and whether the table holds any of the keys, when it was
+    asked (else None). Every shape's questions are sent together
+    (:func:`_first_rows`), before any is written: a batch of many shapes
+    waits for two or three answers, not two a shape, and a table more than
+    one entry writes is not asked (what the first writes would make the
+    answer stale; its entries take the stage's statements)."""
     out: list[tuple[dict[str, int] | None, bool | None]] = [(None, None)] * len(asks)
-    asked = [i for i, (_, plan, staged, keys) in enumerate(asks) if _upserts_only(plan, staged, keys)]
+    writers = Counter((target.schema, target.table) for target, *_ in asks)
+    asked = [i for i, (target, plan, staged, keys) in enumerate(asks)
+             if writers[target.schema, target.table] == 1 and _upserts_only(plan, staged, keys)]
     facts = _first_rows(conn, [(_TABLE_FACTS, (table_ident(asks[i][0]).as_string(conn),)) for i in asked])
     # COPY FROM refuses a table under row-level security: such a table takes
     # the stage's INSERT, which applies its policies.
@@ -102,16 +106,9 @@ def _first_rows(conn: psycopg.Connection, queries: Sequence[tuple[Any, tuple]]) 
     (psycopg's pipeline mode: one round trip for all, not one each)."""
     if not queries:
         return []
-    cursors = []
     with conn.pipeline():
-        for query, params in queries:
-            cur = conn.cursor()
-            cur.execute(query, params)
-            cursors.append(cur)
-    rows = [cur.fetchone() for cur in cursors]
-    for cur in cursors:
-        cur.close()
-    return rows
+        cursors = [conn.execute(query, params) for query, params in queries]
+    return [cur.fetchone() for cur in cursors]
 
 
 def insert_new_keys(conn: psycopg.Connection, target: ShapeTarget, plan: ApplyPlan,
