@@ -163,10 +163,11 @@ def pipeline_state(cfg) -> str:
         f"confirmed {slot[0]}, current {slot[2]} ({slot[3]} behind), active pid {slot[1]}" if slot else "none"))
     progress = {}
     try:
-        with psycopg.connect(cfg["consumer"]["target_dsn"]) as conn:
-            for topic, partition, next_offset in conn.execute(
-                    "SELECT topic, partition, next_offset FROM _walbridge.progress"):
-                progress[(topic, partition)] = next_offset
+        if "target_dsn" in cfg["consumer"]:  # a lake target's progress is in its tables' commits
+            with psycopg.connect(cfg["consumer"]["target_dsn"]) as conn:
+                for topic, partition, next_offset in conn.execute(
+                        "SELECT topic, partition, next_offset FROM _walbridge.progress"):
+                    progress[(topic, partition)] = next_offset
     except psycopg.Error as e:
         lines.append(f"target progress: unreadable ({e})")
     bootstrap, prefix = cfg["kafka"]["bootstrap_servers"], cfg["kafka"]["topic_prefix"]
@@ -204,7 +205,7 @@ def differences(cfg) -> list:
                    f"{d.differing_buckets}, missing {d.missing[:5]}, extra {d.extra[:5]}, changed {d.changed[:5]}"
                    f" ({len(d.missing)}/{len(d.extra)}/{len(d.changed)})")
         key = next(iter(d.missing or d.extra or d.changed), None)
-        if key is None or not d.keyed:
+        if key is None or not d.keyed or "target_dsn" not in cfg["consumer"]:
             continue
         where = f'WHERE ROW({", ".join(d.bucket_columns)})::text = %s'
         schema, table = d.source_table.split(".", 1)

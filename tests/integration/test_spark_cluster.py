@@ -49,6 +49,7 @@ from tests.pipeline import (
     e2e_config,
     newest_commit,
     pgbench,
+    pipeline_state,
     prepare_source,
     verify_ok,
     writing_uncommitted,
@@ -206,7 +207,8 @@ def _executor_pythons(spark: SparkStandalone) -> dict[int, set[str]]:
 
 def _wait_converged(c: Cluster, timeout: float = 300) -> None:
     ok = wait_for(lambda: c.converged() or not c.alive(), timeout=timeout, interval=3,
-                  what="target == source on every shape, slot at the last commit")
+                  what="target == source on every shape, slot at the last commit",
+                  explain=lambda: f"{pipeline_state(c.cfg)}\n{c.tail()}")
     assert ok is True and c.alive(), c.tail()
     ok, diffs = verify_ok(c.cfg)
     assert ok, diffs
