@@ -14,8 +14,15 @@ Invariants:
   empty: no statement reads it, and each column is width the JVM copies).
   A *lean* stage, for a keyed batch whose one statement is the table's MERGE
   (no tombstones), also lacks the kind when every row is an upsert and the
-  snapshot id when no row has one; :func:`table_merge` reads only what the
-  stage has (a streamed row ranks as streamed, its snapshot id NULL).
+  snapshot id and offset when no row has a snapshot id; :func:`table_merge`
+  reads only what the stage has (a streamed row ranks as streamed, its
+  snapshot id NULL).
+- A keyed table's offset is set on snapshot rows only. A keyed MERGE joins
+  on the key and ranks by position; the offset tells apart only a
+  snapshot's rows, which share one position (should the shape lose its key
+  and follow the keyless rules). On a streamed row it would be the one
+  value per row that no encoding shrinks, written again by every
+  copy-on-write rewrite of its file.
 - Every MERGE a batch runs joins on equalities (key, or position and offset)
   so that Spark plans a hash join, never a nested loop over the table.
 """
@@ -108,6 +115,18 @@ def gc_condition(cuts: Cuts | None, collected: Sequence[int], a: str) -> str | N
     return " OR ".join(terms) or None
 
 
+def bookkeeping_value(name: str, snapshots: bool) -> str:
+    """What a keyed table's bookkeeping column ``name`` gets from the stage
+    (``snapshots``: the stage has the snapshot id and offset): the offset on
+    snapshot rows only (module docstring)."""
+    if name == wire.SNAPSHOT_ID_COLUMN and not snapshots:
+        return "CAST(NULL AS STRING)"
+    if name == wire.OFFSET_COLUMN:
+        snapshot = f"s.{quote(wire.SNAPSHOT_ID_COLUMN)}"
+        return f"CASE WHEN {snapshot} IS NOT NULL THEN s.{quote(name)} END" if snapshots else "CAST(NULL AS BIGINT)"
+    return f"s.{quote(name)}"
+
+
 def table_merge(target: ShapeTarget, table: str, tombstones: str | None, stage: str, keep: Sequence[str],
                 cuts: Cuts | None = None, collected: Sequence[int] = (),
                 stage_columns: Sequence[str] | None = None) -> str:
@@ -123,9 +142,7 @@ def table_merge(target: ShapeTarget, table: str, tombstones: str | None, stage: 
     gc = gc_condition(cuts, collected, "t")
     t_rank, s_rank = rank("t"), rank("s", changes_only=not snapshots)
     cols = [quote(c) for c in target.names] + [quote(f.name) for f in BOOKKEEPING]
-    values = [f"s.{quote(c)}" for c in target.names] + [
-        f"s.{quote(f.name)}" if snapshots or f.name != wire.SNAPSHOT_ID_COLUMN else "CAST(NULL AS STRING)"
-        for f in BOOKKEEPING]
+    values = [f"s.{quote(c)}" for c in target.names] + [bookkeeping_value(f.name, snapshots) for f in BOOKKEEPING]
     sets = []
     for c, value in zip(target.names, values):
         if c in target.key_columns:
@@ -273,8 +290,8 @@ def stage_table(target: ShapeTarget, plan: ApplyPlan, lean: bool = False) -> pa.
     then :data:`STAGE_HEAD` and :data:`BOOKKEEPING`, the keep column only
     when :func:`kept_columns` has some). ``lean`` (a keyed batch whose one
     statement is :func:`table_merge`, no tombstones): also without the kind
-    when every row is an upsert and without the snapshot id when no row has
-    one (a streamed batch). A special value that the column's Spark type
+    when every row is an upsert and without the snapshot id and offset when
+    no row has a snapshot id (a streamed batch). A special value that the column's Spark type
     cannot hold raises :class:`ShapeCannotFollow`."""
     fields = shape_fields(target) + list(STAGE_HEAD + BOOKKEEPING)
     rows = plan.stage_rows
@@ -287,7 +304,7 @@ def stage_table(target: ShapeTarget, plan: ApplyPlan, lean: bool = False) -> pa.
         if columns[at[wire.KIND_COLUMN]].count(UPSERT) == len(rows):
             drop.add(wire.KIND_COLUMN)
         if columns[at[wire.SNAPSHOT_ID_COLUMN]].count(None) == len(rows):
-            drop.add(wire.SNAPSHOT_ID_COLUMN)
+            drop.update((wire.SNAPSHOT_ID_COLUMN, wire.OFFSET_COLUMN))
     if drop:
         fields, columns = zip(*((f, v) for f, v in zip(fields, columns) if f.name not in drop))
     arrays = []

@@ -335,6 +335,9 @@ def test_a_backfill_of_some_buckets_is_applied_as_changes_and_collects_nothing(l
         return sorted((r["id"], r["label"]) for r in lakes.read("items").to_pylist())
 
     assert rows() == [(1, "re-read"), (2, "newer"), (3, "v3")]  # 3, not re-read, is kept
+    # A keyed table keeps the offset of a snapshot row only (what tells a snapshot's rows apart).
+    assert {r["id"]: r["_wb_offset"] is not None for r in lakes.read("items").to_pylist()} == {
+        1: True, 2: False, 3: False}
     feed.apply(target, shape, [("r", 700, {"id": i, "label": "whole", "qty": i, "gone": None,
                                            "_wb_snapshot_id": "bf2"}) for i in (1, 2)]
                + [backfill_end("bf2", 700, None)])
@@ -380,6 +383,9 @@ def test_a_keyed_shape_follows_renames_a_drop_a_widening_an_added_column_and_a_l
     assert sorted((r["ident"], r["title"]) for r in lakes.read("items").to_pylist()) == [(1, "uno")]
     tombstones = lakes.read("items", "tombstones")
     assert tombstones.num_rows == 1 and wire.TOOK_COLUMNS[0] in tombstones.column_names
+    # A removal takes the row a keyed batch streamed (no offset: its position tells it apart).
+    apply(again, v3, [("d", 50, {"ident": 1, "title": "uno", "qty": 2**40, "note": "big"})])
+    assert lakes.read("items").num_rows == 0
 
 
 def test_an_unchanged_toast_column_keeps_the_tables_value(lakes):

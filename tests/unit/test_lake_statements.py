@@ -107,17 +107,21 @@ def test_a_lean_stage_drops_what_a_streamed_upsert_only_batch_does_not_need_and_
     target = keyed_target()
     streamed = plan_batch(target, [row("c", 10, off=0, id=1, body="a"), row("u", 11, off=1, id=2, body="b")])
     lean = stage_table(target, streamed, lean=True)
-    assert lean.column_names == list(target.names) + [f.name for f in BOOKKEEPING if f.name != wire.SNAPSHOT_ID_COLUMN]
+    assert lean.column_names == list(target.names) + [
+        f.name for f in BOOKKEEPING if f.name not in (wire.SNAPSHOT_ID_COLUMN, wire.OFFSET_COLUMN)]
     assert stage_table(target, streamed).column_names[4] == wire.KIND_COLUMN  # not lean: all of it
     merge = table_merge(target, "t_ref", None, "stage", [], stage_columns=lean.column_names)
     assert wire.KIND_COLUMN not in merge and f"s.{wire.SNAPSHOT_ID_COLUMN}" not in merge
     assert "THEN DELETE" not in merge and "'s', true) THEN UPDATE" in merge
     assert merge.count("CAST(NULL AS STRING)") == 2  # the snapshot id updated and inserted as NULL
+    assert merge.count("CAST(NULL AS BIGINT)") == 2 and f"s.{wire.OFFSET_COLUMN}" not in merge  # so the offset
     # A delete keeps the kind, a snapshot row its id: each column goes only where no row needs it.
     mixed = plan_batch(target, [row("d", 12, off=2, id=3), row("r", 9, off=3, id=4, snap="s1")])
     assert stage_table(target, mixed, lean=True).column_names == stage_table(target, mixed).column_names
     full = table_merge(target, "t_ref", None, "stage", [], stage_columns=stage_table(target, mixed).column_names)
     assert full == table_merge(target, "t_ref", None, "stage", [])
+    # A keyed table keeps the offset of a snapshot row only (what tells a snapshot's rows apart).
+    assert full.count("CASE WHEN s.`_wb_snapshot_id` IS NOT NULL THEN s.`_wb_offset` END") == 2
     with pytest.raises(ValueError, match="whole stage"):
         table_merge(target, "t_ref", "tomb_ref", "stage", [], stage_columns=lean.column_names)
 
