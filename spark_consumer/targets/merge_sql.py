@@ -291,8 +291,8 @@ def stage_table(target: ShapeTarget, plan: ApplyPlan, lean: bool = False) -> pa.
     when :func:`kept_columns` has some). ``lean`` (a keyed batch whose one
     statement is :func:`table_merge`, no tombstones): also without the kind
     when every row is an upsert and without the snapshot id and offset when
-    no row has a snapshot id (a streamed batch). A special value that the column's Spark type
-    cannot hold raises :class:`ShapeCannotFollow`."""
+    no row has a snapshot id (a streamed batch). A special value that the
+    column's Spark type cannot hold raises :class:`ShapeCannotFollow`."""
     fields = shape_fields(target) + list(STAGE_HEAD + BOOKKEEPING)
     rows = plan.stage_rows
     # Column by column (one C loop each): zip(*rows) makes a tuple per column
