@@ -205,10 +205,23 @@ def _executor_pythons(spark: SparkStandalone) -> dict[int, set[str]]:
             and not any("CoarseGrainedExecutorBackend" in a for a in cmdline(pid))}
 
 
+def _spark_state(c: Cluster) -> str:
+    """The application's active stages and its executors, from Spark's REST
+    API: whether a batch is still running, and where."""
+    try:
+        stages = [f"stage {s['stageId']}.{s['attemptId']} {s['name'][:60]!r}: {s['numCompleteTasks']}/{s['numTasks']} "
+                  f"tasks done, {s['numActiveTasks']} active" for s in c.spark.app_rest("/stages?status=active")]
+        executors = [f"executor {e['id']} {'active' if e['isActive'] else 'gone'}, {e['activeTasks']} tasks running, "
+                     f"{e['completedTasks']} done, {e['failedTasks']} failed" for e in c.spark.app_rest("/allexecutors")]
+    except Exception as e:  # noqa: BLE001 - an explanation, not a check
+        return f"Spark's REST API did not answer: {e!r}"
+    return "\n".join([f"{len(stages)} active stages: " + ("; ".join(stages[:10]) or "none"), *executors])
+
+
 def _wait_converged(c: Cluster, timeout: float = 300) -> None:
     ok = wait_for(lambda: c.converged() or not c.alive(), timeout=timeout, interval=3,
                   what="target == source on every shape, slot at the last commit",
-                  explain=lambda: f"{pipeline_state(c.cfg)}\n{c.tail()}")
+                  explain=lambda: f"{pipeline_state(c.cfg)}\n{_spark_state(c)}\n{c.tail()}")
     assert ok is True and c.alive(), c.tail()
     ok, diffs = verify_ok(c.cfg)
     assert ok, diffs
