@@ -18,12 +18,15 @@ host's file system, as a cluster shares an object store.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -218,10 +221,48 @@ def _spark_state(c: Cluster) -> str:
     return "\n".join([f"{len(stages)} active stages: " + ("; ".join(stages[:10]) or "none"), *executors])
 
 
+STUCK_THREADS = re.compile(r"stream execution|dag-scheduler|Executor task launch|py4j|walbridge")
+
+
+def _thread_dumps(c: Cluster) -> str:
+    """Where every part of the application waits, for a test that timed out:
+    the driver's Python threads (SIGUSR1: faulthandler writes them into the
+    consumer's log), the threads of the driver's and executors' JVMs that run
+    the query, its scheduler, a task or a Python call (``jcmd
+    Thread.print``), and this process's threads (the producer's among them)."""
+    session = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.getsid(int(entry.name)) == c.proc.pid:
+                session.append(int(entry.name))
+        except OSError:
+            continue
+    # The driver JVM's arguments name the Python script too; a JVM has no SIGUSR1 handler and would die of it.
+    java = {p for p in session if Path((cmdline(p) or [""])[0]).name == "java"}
+    drivers = [p for p in session if p not in java and any(a.endswith("spark_submit.py") for a in cmdline(p))]
+    jvms = {p: "driver" for p in java if any(a.endswith("SparkSubmit") for a in cmdline(p))}
+    jvms.update((p, "executor") for p in c.spark.executor_pids())
+    logged = c.log.stat().st_size
+    for pid in drivers:
+        os.kill(pid, signal.SIGUSR1)
+    out = []
+    for pid, role in jvms.items():
+        dump = subprocess.run(["jcmd", str(pid), "Thread.print"], capture_output=True, text=True, timeout=60).stdout
+        threads = [t for t in dump.split("\n\n") if t.startswith('"') and STUCK_THREADS.search(t)]
+        out.append(f"--- the {role}'s JVM ({pid}): {len(threads)} threads\n" + "\n\n".join(threads)[:12000])
+    with c.log.open("rb") as log:  # faulthandler wrote while jcmd ran
+        log.seek(logged)
+        out.insert(0, "--- the driver's Python threads\n" + log.read(12000).decode(errors="replace"))
+    frames = sys._current_frames()
+    out += [f"--- this process: {t.name}\n" + "".join(traceback.format_stack(frames[t.ident]))[-3000:]
+            for t in threading.enumerate() if t is not threading.current_thread() and t.ident in frames]
+    return "\n".join(out)
+
+
 def _wait_converged(c: Cluster, timeout: float = 300) -> None:
     ok = wait_for(lambda: c.converged() or not c.alive(), timeout=timeout, interval=3,
                   what="target == source on every shape, slot at the last commit",
-                  explain=lambda: f"{pipeline_state(c.cfg)}\n{_spark_state(c)}\n{c.tail()}")
+                  explain=lambda: f"{pipeline_state(c.cfg)}\n{_spark_state(c)}\n{c.tail()}\n{_thread_dumps(c)}")
     assert ok is True and c.alive(), c.tail()
     ok, diffs = verify_ok(c.cfg)
     assert ok, diffs
