@@ -236,14 +236,27 @@ class ConsumerProcess(ProducerProcess):
         super().dump_stacks()
         if not self.proc or self.proc.poll() is not None:
             return
-        for entry in os.listdir("/proc"):
-            try:
+        for pid, argv in group_processes(self.proc.pid).items():
+            if argv[0].endswith("java"):
+                try:
+                    os.kill(pid, signal.SIGQUIT)
+                except OSError:
+                    continue
+
+
+def group_processes(pgid: int) -> dict[int, list[str]]:
+    """The live processes of process group ``pgid`` (a process started in a
+    session of its own, and all it started), each with its arguments."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.getpgid(int(entry)) == pgid:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    program = f.read().split(b"\0", 1)[0]
-                if program.endswith(b"java") and os.getpgid(int(entry)) == self.proc.pid:
-                    os.kill(int(entry), signal.SIGQUIT)
-            except (OSError, ValueError):
-                continue
+                    argv = f.read().decode(errors="replace").split("\0")
+                found[int(entry)] = argv
+        except OSError:
+            continue
+    return found
 
 
 @dataclass

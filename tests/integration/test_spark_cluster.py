@@ -43,7 +43,7 @@ from tests.cluster import (
     readme_commands,
     user_env,
 )
-from tests.helpers import ProducerThread, wait_for, write_toml
+from tests.helpers import ProducerThread, group_processes, wait_for, write_toml
 from tests.pipeline import (
     FEW_ACCOUNTS,
     applying,
@@ -230,17 +230,11 @@ def _thread_dumps(c: Cluster) -> str:
     consumer's log), the threads of the driver's and executors' JVMs that run
     the query, its scheduler, a task or a Python call (``jcmd
     Thread.print``), and this process's threads (the producer's among them)."""
-    session = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and os.getsid(int(entry.name)) == c.proc.pid:
-                session.append(int(entry.name))
-        except OSError:
-            continue
+    group = group_processes(c.proc.pid)
     # The driver JVM's arguments name the Python script too; a JVM has no SIGUSR1 handler and would die of it.
-    java = {p for p in session if Path((cmdline(p) or [""])[0]).name == "java"}
-    drivers = [p for p in session if p not in java and any(a.endswith("spark_submit.py") for a in cmdline(p))]
-    jvms = {p: "driver" for p in java if any(a.endswith("SparkSubmit") for a in cmdline(p))}
+    java = {p for p, argv in group.items() if Path(argv[0]).name == "java"}
+    drivers = [p for p, argv in group.items() if p not in java and any(a.endswith("spark_submit.py") for a in argv)]
+    jvms = {p: "driver" for p in java if any(a.endswith("SparkSubmit") for a in group[p])}
     jvms.update((p, "executor") for p in c.spark.executor_pids())
     logged = c.log.stat().st_size
     for pid in drivers:
