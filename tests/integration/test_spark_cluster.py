@@ -230,27 +230,30 @@ def _thread_dumps(c: Cluster) -> str:
     consumer's log), the threads of the driver's and executors' JVMs that run
     the query, its scheduler, a task or a Python call (``jcmd
     Thread.print``), and this process's threads (the producer's among them)."""
-    group = group_processes(c.proc.pid)
-    # The driver JVM's arguments name the Python script too; a JVM has no SIGUSR1 handler and would die of it.
-    java = {p for p, argv in group.items() if Path(argv[0]).name == "java"}
-    drivers = [p for p, argv in group.items() if p not in java and any(a.endswith("spark_submit.py") for a in argv)]
-    jvms = {p: "driver" for p in java if any(a.endswith("SparkSubmit") for a in group[p])}
-    jvms.update((p, "executor") for p in c.spark.executor_pids())
-    logged = c.log.stat().st_size
-    for pid in drivers:
-        os.kill(pid, signal.SIGUSR1)
-    out = []
-    for pid, role in jvms.items():
-        dump = subprocess.run(["jcmd", str(pid), "Thread.print"], capture_output=True, text=True, timeout=60).stdout
-        threads = [t for t in dump.split("\n\n") if t.startswith('"') and STUCK_THREADS.search(t)]
-        out.append(f"--- the {role}'s JVM ({pid}): {len(threads)} threads\n" + "\n\n".join(threads)[:12000])
-    with c.log.open("rb") as log:  # faulthandler wrote while jcmd ran
-        log.seek(logged)
-        out.insert(0, "--- the driver's Python threads\n" + log.read(12000).decode(errors="replace"))
-    frames = sys._current_frames()
-    out += [f"--- this process: {t.name}\n" + "".join(traceback.format_stack(frames[t.ident]))[-3000:]
-            for t in threading.enumerate() if t is not threading.current_thread() and t.ident in frames]
-    return "\n".join(out)
+    try:
+        group = group_processes(c.proc.pid)
+        # The driver JVM's arguments name the Python script too; a JVM has no SIGUSR1 handler and would die of it.
+        java = {p for p, argv in group.items() if Path(argv[0]).name == "java"}
+        drivers = [p for p, argv in group.items() if p not in java and any(a.endswith("spark_submit.py") for a in argv)]
+        jvms = {p: "driver" for p in java if any(a.endswith("SparkSubmit") for a in group[p])}
+        jvms.update((p, "executor") for p in c.spark.executor_pids())
+        logged = c.log.stat().st_size
+        for pid in drivers:
+            os.kill(pid, signal.SIGUSR1)
+        out = []
+        for pid, role in jvms.items():
+            dump = subprocess.run(["jcmd", str(pid), "Thread.print"], capture_output=True, text=True, timeout=60).stdout
+            threads = [t for t in dump.split("\n\n") if t.startswith('"') and STUCK_THREADS.search(t)]
+            out.append(f"--- the {role}'s JVM ({pid}): {len(threads)} threads\n" + "\n\n".join(threads)[:12000])
+        with c.log.open("rb") as log:  # faulthandler wrote while jcmd ran
+            log.seek(logged)
+            out.insert(0, "--- the driver's Python threads\n" + log.read(12000).decode(errors="replace"))
+        frames = sys._current_frames()
+        out += [f"--- this process: {t.name}\n" + "".join(traceback.format_stack(frames[t.ident]))[-3000:]
+                for t in threading.enumerate() if t is not threading.current_thread() and t.ident in frames]
+        return "\n".join(out)
+    except Exception as e:  # noqa: BLE001 - an explanation, not a check: it must not hide the rest of it
+        return f"no thread dumps: {e!r}"
 
 
 def _wait_converged(c: Cluster, timeout: float = 300) -> None:
