@@ -52,6 +52,7 @@ import psycopg
 
 from producer.pgoutput import lsn_to_int
 from schemas.config import parse_config
+from tests.cluster import cmdline
 from tests.helpers import ConsumerProcess, ProducerProcess, make_config, read_topic, wait_for, write_toml
 from tests.pipeline import SHAPES
 from walbridge.embedded import KafkaBroker, PostgresCluster, find_pg_bin
@@ -130,14 +131,6 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def python_workers(driver_pid: int) -> list[int]:
     """Spark's Python workers: the processes ``pyspark.daemon`` forked (the
     daemon is the Python child of the driver's JVM, itself a child of the
@@ -148,7 +141,7 @@ def python_workers(driver_pid: int) -> list[int]:
     while todo:
         pid, parent = todo.pop()
         for child in _children(pid):
-            cmd = _cmdline(child)
+            cmd = " ".join(cmdline(child))
             if parent == "daemon" and "python" in cmd:
                 found.append(child)
             if "java" in cmd.split(" ", 1)[0]:

@@ -135,6 +135,19 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
+def group_processes(pgid: int) -> dict[int, list[str]]:
+    """The live processes of process group ``pgid`` (a process started in a
+    session of its own, and all it started), each with its arguments."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.getpgid(int(entry)) == pgid and (argv := cmdline(int(entry))):
+                found[int(entry)] = argv
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
 def mapped_files(pid: int) -> set[str]:
     """The files a process has mapped (its loaded shared libraries among them)."""
     try:

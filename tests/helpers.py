@@ -21,6 +21,7 @@ from schemas.config import Config, IcebergConfig, parse_config
 from schemas.reader import SchemaResolver
 from spark_consumer.supervisor import run
 from spark_consumer.targets import delta, iceberg
+from tests.cluster import group_processes
 from walbridge.runtime import producer_service
 
 LOG_TAIL_LINES = 120  # of a process's log printed when its test fails
@@ -242,21 +243,6 @@ class ConsumerProcess(ProducerProcess):
                     os.kill(pid, signal.SIGQUIT)
                 except OSError:
                     continue
-
-
-def group_processes(pgid: int) -> dict[int, list[str]]:
-    """The live processes of process group ``pgid`` (a process started in a
-    session of its own, and all it started), each with its arguments."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and os.getpgid(int(entry)) == pgid:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    argv = f.read().decode(errors="replace").split("\0")
-                found[int(entry)] = argv
-        except OSError:
-            continue
-    return found
 
 
 @dataclass

@@ -38,12 +38,13 @@ from tests.cluster import (
     NetworkNamespace,
     SparkStandalone,
     cmdline,
+    group_processes,
     mapped_files,
     namespaces_unavailable,
     readme_commands,
     user_env,
 )
-from tests.helpers import ProducerThread, group_processes, wait_for, write_toml
+from tests.helpers import ProducerThread, wait_for, write_toml
 from tests.pipeline import (
     FEW_ACCOUNTS,
     applying,
